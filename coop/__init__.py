@@ -1,0 +1,23 @@
+"""coop: prompt learning on CLIP (CoOp), exact and fast.
+
+import coop
+clip = coop.load_clip("ViT-B-16", pretrained="openai")
+learner = coop.PromptLearner(clip, ["cat", "dog"], n_ctx=4, position="end")
+classifier = coop.PromptClassifier(clip, learner)
+logits = classifier(images)                      # (B, n_cls)
+"""
+
+from coop.model import CLIP, cosine_logits, load_clip
+from coop.prompt import PromptClassifier, PromptLearner
+from coop.text_encoder import TextConfig, TextTransformer
+
+__all__ = [
+    "CLIP",
+    "PromptClassifier",
+    "PromptLearner",
+    "TextConfig",
+    "TextTransformer",
+    "cosine_logits",
+    "load_clip",
+]
+__version__ = "0.1.0"

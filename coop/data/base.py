@@ -1,0 +1,337 @@
+"""Shared dataset machinery: records, split files, few-shot sampling and JSON caches.
+
+Every reader in `coop.data.datasets` returns a `Source` (the full splits plus where its
+paths are relative to); `fewshot_dataset` turns it into the `FewShotDataset` that training
+code sees. Split-file reading, few-shot sampling and caching live here and nowhere else.
+
+Caches are JSON with paths relative to the image directory, in CoOp's split-file item format
+`[relative_path, label, classname]`, so a DATA folder can be moved or mounted elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import tempfile
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+VAL_SHOTS_MAX = 4  # CoOp validates on min(K, 4) images per class
+
+
+class DataError(ValueError):
+    """A dataset folder, split file or image is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One labelled image: absolute `path`, integer `label`, and its `classname`."""
+
+    path: str
+    label: int
+    classname: str
+
+
+@dataclass
+class FewShotDataset:
+    """A dataset ready for training: `classnames[label]` names each label.
+
+    `shots == 0` means the full training set; otherwise `train` holds `shots` images per class
+    and `val` min(shots, 4) per class, sampled with `seed`. `test` is never subsampled.
+    """
+
+    name: str
+    classnames: list[str]
+    train: list[Datum]
+    val: list[Datum]
+    test: list[Datum]
+    image_dir: str = ""
+    shots: int = 0
+    seed: int = 1
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classnames)
+
+
+@dataclass
+class Source:
+    """What a reader returns: full splits, the folder paths are relative to, and cache places.
+
+    `dataset_dir` is where `split_fewshot/` goes (CoOp's convention); None means the dataset
+    folder is not ours to write (e.g. a pip package), so only the user cache dir is used.
+    """
+
+    name: str
+    image_dir: str
+    classnames: list[str]
+    train: list[Datum]
+    val: list[Datum]
+    test: list[Datum]
+    dataset_dir: str | None = None
+
+
+def cache_root() -> Path:
+    """The user cache folder: `$COOP_CACHE_DIR`, default `~/.cache/coop` (read at call time)."""
+    return Path(os.environ.get("COOP_CACHE_DIR") or "~/.cache/coop").expanduser()
+
+
+def require_dir(path: str | os.PathLike, what: str) -> str:
+    """Return `path` as an absolute string, or raise DataError if it is not a directory.
+
+    Args:
+        path: folder to check.
+        what: what the folder should be, for the message (e.g. "dtd image directory").
+    """
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not os.path.isdir(path):
+        raise DataError(f"{what} not found: {path}")
+    return path
+
+
+def require_file(path: str | os.PathLike, what: str) -> str:
+    """Return `path` as an absolute string, or raise DataError if it is not a file.
+
+    Args:
+        path: file to check.
+        what: what the file should be, for the message.
+    """
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not os.path.isfile(path):
+        raise DataError(f"{what} not found: {path}")
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write `obj` as JSON to `path` via a temporary file and `os.replace`.
+
+    Readers running in parallel (several seeds on one node) never see a half-written file.
+
+    Args:
+        path: destination; its parent folder is created.
+        obj: JSON-serialisable object.
+
+    Raises:
+        OSError: the folder cannot be created or written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_json(path: str | os.PathLike):
+    """Load a JSON file, raising DataError (naming the file) if it is not valid JSON."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"malformed JSON file {path}: {e}") from e
+
+
+def parse_items(items, image_dir: str, where: str) -> list[Datum]:
+    """Turn split-file items `[rel_path, label, classname]` into Datums with absolute paths.
+
+    Args:
+        items: the JSON list.
+        image_dir: folder the relative paths are joined to.
+        where: file (and split) the items came from, for error messages.
+    """
+    if not isinstance(items, list):
+        raise DataError(f"malformed split file {where}: expected a list of [path, label, classname]")
+    out = []
+    for item in items:
+        ok = (
+            isinstance(item, list | tuple)
+            and len(item) == 3
+            and isinstance(item[0], str)
+            and isinstance(item[1], int)
+            and not isinstance(item[1], bool)
+            and isinstance(item[2], str)
+        )
+        if not ok:
+            raise DataError(
+                f"malformed split file {where}: bad item {item!r}, expected [path, label, classname]"
+            )
+        out.append(Datum(os.path.join(image_dir, item[0]), item[1], item[2]))
+    return out
+
+
+def read_split_file(path: str | os.PathLike, image_dir: str, keys=("train", "val", "test")) -> dict:
+    """Read a CoOp split JSON (`{"train": [[rel_path, label, classname], ...], ...}`).
+
+    Args:
+        path: the JSON file.
+        image_dir: folder the relative paths are joined to.
+        keys: splits that must be present.
+
+    Returns:
+        dict split name -> list[Datum] (absolute paths), for each key in `keys`.
+    """
+    obj = load_json(path)
+    if not isinstance(obj, dict) or any(k not in obj for k in keys):
+        raise DataError(f"malformed split file {path}: expected a JSON object with keys {list(keys)}")
+    return {k: parse_items(obj[k], image_dir, f"{path} [{k}]") for k in keys}
+
+
+def to_items(data: list[Datum], image_dir: str) -> list[list]:
+    """Datums as split-file items `[path relative to image_dir, label, classname]`."""
+    return [[os.path.relpath(d.path, image_dir), d.label, d.classname] for d in data]
+
+
+def classnames_from_items(splits: dict[str, list[Datum]], where: str) -> list[str]:
+    """Recover `classnames[label]` from split items, checking labels are 0..n-1 and consistent.
+
+    Args:
+        splits: split name -> items, as returned by `read_split_file`.
+        where: the split file, for error messages.
+    """
+    lab2name: dict[int, str] = {}
+    for data in splits.values():
+        for d in data:
+            known = lab2name.setdefault(d.label, d.classname)
+            if known != d.classname:
+                raise DataError(
+                    f"malformed split file {where}: label {d.label} is both {known!r} and {d.classname!r}"
+                )
+    n = max(lab2name, default=-1) + 1
+    missing = [i for i in range(n) if i not in lab2name]
+    if not lab2name or missing or min(lab2name) < 0:
+        raise DataError(f"malformed split file {where}: labels must cover 0..n-1 (missing {missing[:5]})")
+    return [lab2name[i] for i in range(n)]
+
+
+def sample_per_class(
+    data: list[Datum], k: int, rng: random.Random, classnames: list[str], split: str
+) -> list[Datum]:
+    """Draw `k` items per class with `rng`; a class with fewer than `k` keeps all (with a warning).
+
+    Items are sorted by path within each class before sampling and classes are visited in
+    label order, so the draw depends only on the seed, not on file-system listing order.
+
+    Args:
+        data: items to sample from.
+        k: items per class.
+        rng: a seeded `random.Random`, shared across calls so train and val draws differ.
+        classnames: all class names; classes absent from `data` are warned about too.
+        split: split name for warnings.
+    """
+    by_label: dict[int, list[Datum]] = defaultdict(list)
+    for d in data:
+        by_label[d.label].append(d)
+    out = []
+    for label, name in enumerate(classnames):
+        group = sorted(by_label.get(label, []), key=lambda d: d.path)
+        if len(group) < k:
+            warnings.warn(
+                f"class {name!r} (label {label}) has only {len(group)} {split} images, fewer than {k}; using all",
+                stacklevel=4,  # the caller of build_dataset
+            )
+            out.extend(group)
+        else:
+            out.extend(rng.sample(group, k))
+    return out
+
+
+def _load_fewshot_cache(path: Path, src: Source) -> dict | None:
+    """Read a cached few-shot split; None if absent or stale (items not in the full splits)."""
+    if not path.is_file():
+        return None
+    cached = read_split_file(path, src.image_dir, keys=("train", "val"))
+    for split, full in (("train", src.train), ("val", src.val)):
+        known = {(d.path, d.label, d.classname) for d in full}
+        if any((d.path, d.label, d.classname) not in known for d in cached[split]):
+            logger.warning(
+                "few-shot cache %s does not match the %s split of %s; resampling", path, split, src.name
+            )
+            return None
+    return cached
+
+
+def fewshot_dataset(src: Source, shots: int = 0, seed: int = 1) -> FewShotDataset:
+    """Subsample `src` to `shots` images per class (train) and min(shots, 4) (val), cached.
+
+    The subset is cached at `<dataset_dir>/split_fewshot/shot_{K}-seed_{S}.json` and read back
+    from there; if that folder cannot be written (or the source has no `dataset_dir`) the cache
+    goes to `$COOP_CACHE_DIR/<name>/split_fewshot/` instead.
+
+    Args:
+        src: full splits from a reader.
+        shots: images per class; 0 keeps everything.
+        seed: seed of the local `random.Random` used for sampling.
+    """
+    if shots < 0:
+        raise ValueError(f"shots must be >= 0, got {shots}")
+    if shots == 0:
+        return FewShotDataset(src.name, src.classnames, src.train, src.val, src.test, src.image_dir, 0, seed)
+
+    fname = f"shot_{shots}-seed_{seed}.json"
+    fallback = cache_root() / src.name / "split_fewshot" / fname
+    primary = Path(src.dataset_dir) / "split_fewshot" / fname if src.dataset_dir else None
+    for path in (primary, fallback):
+        cached = _load_fewshot_cache(path, src) if path is not None else None
+        if cached is not None:
+            logger.info("few-shot split of %s read from %s", src.name, path)
+            train, val = cached["train"], cached["val"]
+            break
+    else:
+        rng = random.Random(seed)
+        train = sample_per_class(src.train, shots, rng, src.classnames, "train")
+        val = (
+            sample_per_class(src.val, min(shots, VAL_SHOTS_MAX), rng, src.classnames, "val")
+            if src.val
+            else []
+        )
+        obj = {
+            "train": to_items(train, src.image_dir),
+            "val": to_items(val, src.image_dir),
+            "dataset": src.name,
+            "shots": shots,
+            "seed": seed,
+        }
+        save_cache(primary, fallback, obj, "few-shot split")
+    return FewShotDataset(src.name, src.classnames, train, val, src.test, src.image_dir, shots, seed)
+
+
+def save_cache(primary: Path | None, fallback: Path, obj, what: str) -> Path | None:
+    """Write `obj` to `primary`, or to `fallback` (with a warning) if `primary` is not writable.
+
+    A cache that cannot be written anywhere is only logged: everything it holds can be recomputed.
+
+    Args:
+        primary: preferred location (inside the dataset folder), or None to use `fallback`.
+        fallback: location in the user cache dir.
+        obj: JSON-serialisable content.
+        what: description for log messages.
+
+    Returns:
+        The path written, or None.
+    """
+    if primary is not None:
+        try:
+            write_json_atomic(primary, obj)
+            logger.info("%s cached at %s", what, primary)
+            return primary
+        except OSError as e:
+            logger.warning("cannot write %s cache %s (%s); using %s instead", what, primary, e, fallback)
+    try:
+        write_json_atomic(fallback, obj)
+        logger.info("%s cached at %s", what, fallback)
+        return fallback
+    except OSError as e:
+        logger.warning("cannot write %s cache %s (%s); not caching", what, fallback, e)
+        return None

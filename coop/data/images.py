@@ -1,0 +1,118 @@
+"""Image loading and CLIP/CoOp transforms.
+
+    train_tf, test_tf = build_transforms(224, CLIP_MEAN, CLIP_STD)
+    loader = DataLoader(ImageDataset(ds.train, train_tf, skip_corrupt=True), batch_size=32,
+                        collate_fn=collate_skip_none)
+
+Each item is `(image, label, index)`; the index lets callers key feature caches by position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+from PIL import Image
+from torch.utils.data import Dataset, default_collate
+from torchvision import transforms as T
+
+from coop.data.base import DataError, Datum
+
+logger = logging.getLogger(__name__)
+
+CLIP_MEAN: tuple[float, float, float] = tuple(OPENAI_DATASET_MEAN)
+CLIP_STD: tuple[float, float, float] = tuple(OPENAI_DATASET_STD)
+
+
+def build_transforms(
+    image_size: int | Sequence[int],
+    mean: Sequence[float] = CLIP_MEAN,
+    std: Sequence[float] = CLIP_STD,
+) -> tuple[Callable, Callable]:
+    """CoOp's transforms: (train, test).
+
+    Train: RandomResizedCrop(scale 0.08-1, bicubic) + horizontal flip + ToTensor + Normalize.
+    Test: Resize of the shorter side (bicubic) + CenterCrop + ToTensor + Normalize.
+
+    Args:
+        image_size: side of the square crop, or (h, w); the test resize uses max(h, w), as
+            Dassl does, so a non-square crop never cuts into padding.
+        mean: per-channel normalisation mean (CLIP's by default).
+        std: per-channel normalisation std.
+    """
+    if isinstance(image_size, int):
+        size, short_side = image_size, image_size
+    else:
+        h, w = (int(s) for s in image_size)
+        size, short_side = (h if h == w else (h, w)), max(h, w)
+    bicubic = T.InterpolationMode.BICUBIC
+    normalize = T.Normalize(mean=list(mean), std=list(std))
+    train = T.Compose(
+        [
+            T.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=bicubic),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            normalize,
+        ]
+    )
+    test = T.Compose(
+        [T.Resize(short_side, interpolation=bicubic), T.CenterCrop(size), T.ToTensor(), normalize]
+    )
+    return train, test
+
+
+def load_image(path: str) -> Image.Image:
+    """Open `path` as an RGB PIL image, decoding it fully; raises DataError naming the file."""
+    try:
+        with Image.open(path) as img:
+            img.load()  # decode now: a truncated JPEG fails here, not later inside a transform
+            return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise DataError(f"cannot read image {path}: {reason}") from e
+
+
+class ImageDataset(Dataset):
+    """A torch Dataset over `Datum`s returning `(transform(image), label, index)`.
+
+    Args:
+        items: the images (e.g. `build_dataset(...).train`).
+        transform: applied to the RGB PIL image; None returns the PIL image.
+        skip_corrupt: if True, an unreadable image logs a warning and yields None (drop it with
+            `collate_skip_none`); if False it raises DataError.
+    """
+
+    def __init__(self, items: Sequence[Datum], transform: Callable | None = None, skip_corrupt: bool = False):
+        self.items = list(items)
+        self.transform = transform
+        self.skip_corrupt = skip_corrupt
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        item = self.items[i]
+        try:
+            img = load_image(item.path)
+        except DataError as e:
+            if not self.skip_corrupt:
+                raise
+            logger.warning("skipping %s", e)
+            return None
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, item.label, i
+
+
+def collate_skip_none(batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """DataLoader `collate_fn` that drops None items; None if the whole batch was dropped.
+
+    Args:
+        batch: items from `ImageDataset.__getitem__`.
+    """
+    batch = [b for b in batch if b is not None]
+    if not batch:
+        return None
+    return default_collate(batch)

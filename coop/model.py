@@ -1,0 +1,237 @@
+"""CLIP for prompt learning: OpenCLIP's frozen image tower plus our own text Transformer.
+
+    clip = coop.load_clip("ViT-B-16", pretrained="openai")      # or pretrained=None / a file
+    clip = coop.CLIP.from_openclip(open_clip_model)              # wrap an already-built model
+
+`from_openclip` copies the text-tower weights into `coop.text_encoder.TextTransformer` (same
+state-dict keys, checked one by one) and keeps `model.visual` as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import open_clip
+import torch
+import torch.nn.functional as F
+from huggingface_hub import try_to_load_from_cache
+from open_clip.tokenizer import SimpleTokenizer
+from open_clip.transformer import QuickGELU as OpenClipQuickGELU
+from open_clip.transformer import ResidualAttentionBlock
+from torch import nn
+
+from coop.text_encoder import TextConfig, TextTransformer
+
+log = logging.getLogger(__name__)
+
+TEXT_KEYS = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.", "text_projection")
+HUB_HOST = "huggingface.co"
+
+
+class CLIP(nn.Module):
+    """A frozen CLIP model whose text side runs through `TextTransformer`."""
+
+    def __init__(self, visual: nn.Module, text: TextTransformer, logit_scale: torch.Tensor, tokenizer):
+        super().__init__()
+        self.visual = visual
+        self.text = text
+        self.logit_scale = nn.Parameter(logit_scale.detach().clone().reshape(()), requires_grad=False)
+        self.tokenizer = tokenizer
+        self.requires_grad_(False)
+        self.eval()
+
+    @property
+    def width(self) -> int:
+        return self.text.cfg.width
+
+    @property
+    def embed_dim(self) -> int:
+        return self.text.cfg.embed_dim
+
+    @property
+    def context_length(self) -> int:
+        return self.text.cfg.context_length
+
+    @property
+    def image_size(self) -> int:
+        size = self.visual.image_size
+        return size if isinstance(size, int) else size[0]
+
+    @property
+    def preprocess_cfg(self) -> dict:
+        """Image size, mean and std the image tower expects (OpenCLIP's preprocess config)."""
+        return dict(getattr(self.visual, "preprocess_cfg", {}) or {})
+
+    @classmethod
+    def from_openclip(cls, model: nn.Module, tokenizer=None) -> CLIP:
+        """Wrap an OpenCLIP `CLIP` model (any weights). The given model is not modified."""
+        cfg = text_config_from_openclip(model)
+        text = TextTransformer(cfg)
+        src = {k: v for k, v in model.state_dict().items() if k.startswith(TEXT_KEYS)}
+        dst = text.state_dict()
+        if set(src) != set(dst):
+            missing, extra = sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
+            raise ValueError(
+                f"text-tower keys differ from OpenCLIP's: missing {missing[:3]}, extra {extra[:3]}"
+            )
+        for key, value in src.items():
+            if value.shape != dst[key].shape:
+                raise ValueError(f"shape mismatch for {key}: {tuple(value.shape)} vs {tuple(dst[key].shape)}")
+        text.load_state_dict({k: v.float() for k, v in src.items()})
+        text.to(next(model.parameters()).device)
+        if tokenizer is None:
+            tokenizer = SimpleTokenizer(context_length=cfg.context_length)
+        return cls(model.visual, text, model.logit_scale, tokenizer)
+
+    def tokenize(self, texts: str | list[str]) -> torch.Tensor:
+        """Texts -> token ids (N, 77); longer texts are truncated and end with [EOS]."""
+        return self.tokenizer([texts] if isinstance(texts, str) else list(texts))
+
+    def encode_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (N, 77) -> unnormalised text features (N, E), through our Transformer."""
+        return self.text(ids.to(self.logit_scale.device))
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (N, 3, H, W) -> unnormalised image features (N, E)."""
+        return self.visual(images)
+
+    def train(self, mode: bool = True) -> CLIP:
+        # CLIP is frozen: BatchNorm (RN50) and dropout stay in inference mode.
+        return super().train(False)
+
+
+def text_config_from_openclip(model: nn.Module) -> TextConfig:
+    """Read the text-tower sizes off an OpenCLIP model; reject towers we do not implement."""
+    name = type(model).__name__
+    if not isinstance(model, open_clip.CLIP) or not hasattr(model, "transformer"):
+        raise ValueError(
+            f"{name} has no standard causal CLIP text tower (HF text towers, CoCa and custom-text models "
+            "are not supported); use an OpenCLIP CLIP model such as RN50, ViT-B-32, ViT-B-16 or ViT-L-14"
+        )
+    blocks = model.transformer.resblocks
+    problems = []
+    if getattr(model, "attn_mask", None) is None:
+        problems.append("no causal mask")
+    if getattr(model, "text_pool_type", "argmax") != "argmax":
+        problems.append(f"pooling '{model.text_pool_type}' instead of [EOS]/argmax")
+    if model.text_projection is None:
+        problems.append("no text projection")
+    for block in blocks:
+        if type(block) is not ResidualAttentionBlock:
+            problems.append(f"custom block {type(block).__name__}")
+            break
+        if not (isinstance(block.ls_1, nn.Identity) and isinstance(block.ls_2, nn.Identity)):
+            problems.append("layer scale")
+            break
+    if problems:
+        raise ValueError(
+            f"{name}'s text tower is not a standard causal CLIP text Transformer: {', '.join(problems)}"
+        )
+    act = blocks[0].mlp.gelu
+    quick = isinstance(act, OpenClipQuickGELU)
+    if not quick and not isinstance(act, nn.GELU):
+        raise ValueError(f"unsupported text MLP activation {type(act).__name__}")
+    proj = model.text_projection
+    width = model.token_embedding.weight.shape[1]
+    return TextConfig(
+        vocab_size=model.token_embedding.weight.shape[0],
+        context_length=model.positional_embedding.shape[0],
+        width=width,
+        heads=blocks[0].attn.num_heads,
+        layers=len(blocks),
+        mlp_width=blocks[0].mlp.c_fc.out_features,
+        embed_dim=proj.out_features if isinstance(proj, nn.Linear) else proj.shape[1],
+        quick_gelu=quick,
+        gelu_approximate="none" if quick else act.approximate,
+        ln_eps=model.ln_final.eps,
+        proj_bias=(proj.bias is not None) if isinstance(proj, nn.Linear) else None,
+    )
+
+
+def resolve_model_name(name: str) -> str:
+    """An OpenCLIP model name, or a path to a model-config JSON (registered under its file stem)."""
+    if name.endswith(".json"):
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"model config file not found: {path}")
+        open_clip.add_model_config(path)
+        return path.stem
+    if name not in open_clip.list_models():
+        raise ValueError(
+            f"unknown open_clip model '{name}' (see open_clip.list_models(), or pass a config .json)"
+        )
+    return name
+
+
+def load_clip(name: str, pretrained: str | None = None, device: str | torch.device = "cpu") -> CLIP:
+    """Build a CLIP by OpenCLIP model name (or config JSON path) and wrap it.
+
+    Args:
+        name: OpenCLIP model name such as "ViT-B-16", or a path to an OpenCLIP model-config JSON.
+        pretrained: None / "none" for random weights, an OpenCLIP tag (e.g. "openai"), or a local
+            checkpoint file. Tags whose weights were trained with QuickGELU (all OpenAI ones) get it.
+        device: where the model lives.
+    """
+    model_name = resolve_model_name(name)
+    kwargs = {}
+    if pretrained in (None, "", "none", "None"):
+        pretrained = None
+    elif os.path.isfile(pretrained):
+        log.info("loading weights from file %s", pretrained)
+    else:
+        tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
+        if not tag_cfg:
+            tags = open_clip.list_pretrained_tags_by_model(model_name)
+            raise ValueError(
+                f"pretrained '{pretrained}' is neither a file nor an open_clip tag of {model_name} (tags: {tags})"
+            )
+        if tag_cfg.get("quick_gelu", False):
+            kwargs["force_quick_gelu"] = True
+        kwargs["force_preprocess_cfg"] = {k: tag_cfg[k] for k in ("mean", "std") if k in tag_cfg}
+        pretrained = _cached_or_download(model_name, pretrained, tag_cfg)
+    model = open_clip.create_model(model_name, pretrained=pretrained, device=device, **kwargs)
+    tokenizer = open_clip.get_tokenizer(model_name)
+    return CLIP.from_openclip(model, tokenizer=tokenizer).to(device)
+
+
+def _cached_or_download(model_name: str, tag: str, tag_cfg: dict) -> str:
+    """Path of the tag's checkpoint: from the local cache, else downloaded; clear error offline."""
+    hub = tag_cfg.get("hf_hub", "")
+    if hub:
+        repo, filename = os.path.split(hub.rstrip("/")) if not hub.endswith("/") else (hub.rstrip("/"), "")
+        names = [filename] if filename else ["open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
+        for fname in names:
+            path = try_to_load_from_cache(repo, fname)
+            if isinstance(path, str) and os.path.isfile(path):
+                return path
+    if not _hub_reachable():
+        raise RuntimeError(
+            f"open_clip weights '{tag}' for {model_name} are not in the local cache and the hub cannot be "
+            f"reached (offline?). Download them once where there is internet, or pass a local checkpoint "
+            f"file: model.pretrained=/path/to/open_clip_pytorch_model.bin (use a '-quickgelu' model name "
+            f"for OpenAI weights)"
+        )
+    path = open_clip.pretrained.download_pretrained(tag_cfg)
+    if not path:
+        raise RuntimeError(f"could not download open_clip weights '{tag}' for {model_name}")
+    return path
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection((HUB_HOST, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def cosine_logits(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor):
+    """logit_scale.exp() * normalize(img) @ normalize(txt).T  -> (B, n_cls)."""
+    img = F.normalize(image_features, dim=-1)
+    txt = F.normalize(text_features, dim=-1)
+    return logit_scale.exp() * img @ txt.t().to(img.dtype)

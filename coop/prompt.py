@@ -1,0 +1,204 @@
+"""Learnable prompts (CoOp) and the cosine-similarity classifier built on them.
+
+Prompt layouts for a class whose name has C BPE tokens and M context vectors (DESIGN.md §2):
+
+    end:    [SOS][v1 .. vM][CLASS][.][EOS]
+    middle: [SOS][v1 .. v(M//2)][CLASS][v(M//2+1) .. vM][.][EOS]
+    front:  [SOS][CLASS][v1 .. vM][.][EOS]
+
+Every layout is the token sequence of "X X .. X {classname}." with its first 1+M+C tokens
+permuted, so the frozen embeddings of all non-context tokens are computed once (a buffer) and the
+context vectors are scattered into their slots on each forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from coop.model import CLIP, cosine_logits
+
+POSITIONS = {"end": "end", "middle": "middle", "mid": "middle", "front": "front"}
+
+
+class _DefaultInt(int):
+    """Marks `n_ctx` as not given, so that `ctx_init` may set it without a conflict."""
+
+
+N_CTX_DEFAULT = _DefaultInt(4)
+
+
+def context_slots(position: str, n_ctx: int, name_lens: list[int]) -> torch.Tensor:
+    """Indices of the M context slots in each class's prompt: (n_cls, M)."""
+    half = n_ctx // 2
+    slots = []
+    for c in name_lens:
+        if position == "end":
+            idx = list(range(1, 1 + n_ctx))
+        elif position == "middle":
+            idx = list(range(1, 1 + half)) + list(range(1 + half + c, 1 + n_ctx + c))
+        else:  # front
+            idx = list(range(1 + c, 1 + c + n_ctx))
+        slots.append(idx)
+    return torch.tensor(slots, dtype=torch.long)
+
+
+class PromptLearner(nn.Module):
+    """Context vectors `ctx` (and deep context `deep_ctx`) plus the frozen class-name tokens.
+
+    Args:
+        clip: a `coop.CLIP`.
+        classnames: class names; `_` is read as a space.
+        n_ctx: number of context vectors M (default 4). With `ctx_init` it is the phrase's BPE
+            token count; an explicit, different value is an error.
+        ctx_init: optional phrase ("a photo of a") whose token embeddings initialise `ctx`.
+        position: where the class token sits: "end", "middle" (or "mid") or "front".
+        csc: class-specific context (one set of M vectors per class) instead of shared.
+        depth: J >= 1. J = 1 is plain CoOp; J > 1 adds `deep_ctx` that replaces the hidden states
+            at the context slots before text blocks 1..J-1.
+    """
+
+    def __init__(
+        self,
+        clip: CLIP,
+        classnames: list[str],
+        n_ctx: int = N_CTX_DEFAULT,
+        ctx_init: str | None = None,
+        position: str = "end",
+        csc: bool = False,
+        depth: int = 1,
+    ):
+        super().__init__()
+        if position not in POSITIONS:
+            raise ValueError(f"unknown class-token position '{position}' (choose end, middle or front)")
+        layers = clip.text.cfg.layers
+        if not 1 <= int(depth) <= layers:
+            raise ValueError(f"prompt depth must be in 1..{layers} (the text encoder's layers), got {depth}")
+        if not classnames:
+            raise ValueError("no class names given")
+        self.position = POSITIONS[position]
+        self.csc = bool(csc)
+        self.depth = int(depth)
+        self.classnames = [name.replace("_", " ") for name in classnames]
+        tokenizer = clip.tokenizer
+        width = clip.width
+        embedding = clip.text.token_embedding
+
+        if ctx_init:
+            ctx_init = ctx_init.replace("_", " ")
+            init_ids = tokenizer.encode(ctx_init)
+            if not isinstance(n_ctx, _DefaultInt) and n_ctx != len(init_ids):
+                raise ValueError(
+                    f"n_ctx={n_ctx} conflicts with ctx_init '{ctx_init}', which has {len(init_ids)} tokens"
+                )
+            n_ctx = len(init_ids)
+            prefix_text = ctx_init
+        else:
+            n_ctx = int(n_ctx)
+            if n_ctx < 1:
+                raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+            prefix_text = " ".join(["X"] * n_ctx)
+        self.n_ctx = n_ctx
+        self.ctx_init = ctx_init or None
+
+        name_lens = [len(tokenizer.encode(name)) for name in self.classnames]
+        limit = clip.context_length
+        for name, c in zip(self.classnames, name_lens, strict=True):
+            if 1 + n_ctx + c + 2 > limit:  # [SOS] ctx class [.] [EOS]
+                raise ValueError(
+                    f"prompt for class '{name}' needs {1 + n_ctx + c + 2} tokens, more than {limit} "
+                    f"(n_ctx={n_ctx}, class name {c} tokens)"
+                )
+        ids = tokenizer([f"{prefix_text} {name}." for name in self.classnames])  # (n_cls, 77)
+        eos = ids.argmax(dim=-1)
+        length = int(eos.max()) + 1
+        ids = ids[:, :length]
+        slots = context_slots(self.position, n_ctx, name_lens)  # (n_cls, M)
+        # Rearrange "[SOS] X..X [CLASS] rest" into the chosen layout (the ctx ids are placeholders).
+        order = torch.arange(length).repeat(len(self.classnames), 1)  # (n_cls, L)
+        for row, c in enumerate(name_lens):
+            ctx_src = list(range(1, 1 + n_ctx))
+            cls_src = list(range(1 + n_ctx, 1 + n_ctx + c))
+            if self.position == "end":
+                new = ctx_src + cls_src
+            elif self.position == "middle":
+                half = n_ctx // 2
+                new = ctx_src[:half] + cls_src + ctx_src[half:]
+            else:
+                new = cls_src + ctx_src
+            order[row, 1 : 1 + n_ctx + c] = torch.tensor(new)
+        ids = ids.gather(1, order)
+        device = embedding.weight.device
+        with torch.no_grad():
+            token_embeds = embedding(ids.to(device))  # (n_cls, L, W)
+        self.register_buffer("token_embeds", token_embeds, persistent=False)
+        self.register_buffer("token_ids", ids.to(device), persistent=False)
+        self.register_buffer("eos", eos.to(device), persistent=False)
+        self.register_buffer("slots", slots.to(device), persistent=False)
+
+        n_cls = len(self.classnames)
+        shape = (n_cls, n_ctx, width) if self.csc else (n_ctx, width)
+        if ctx_init:
+            with torch.no_grad():
+                init = embedding(torch.tensor(init_ids, device=device)).float()  # (M, W)
+            ctx = init.expand(shape).clone()
+        else:
+            ctx = torch.empty(shape, device=device).normal_(std=0.02)
+        self.ctx = nn.Parameter(ctx)
+        if self.depth > 1:
+            deep = torch.empty((self.depth - 1, *shape), device=device).normal_(std=0.02)
+            self.deep_ctx = nn.Parameter(deep)
+        else:
+            self.deep_ctx = None
+
+    @property
+    def n_cls(self) -> int:
+        return len(self.classnames)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompt embeddings (n_cls, L, W) and deep prompts (J-1, n_cls or 1, M, W) or None."""
+        n_cls, _, width = self.token_embeds.shape
+        ctx = self.ctx if self.csc else self.ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
+        index = self.slots.unsqueeze(-1).expand(-1, -1, width)  # (n_cls, M, W)
+        prompts = self.token_embeds.scatter(1, index, ctx.to(self.token_embeds.dtype))  # (n_cls, L, W)
+        deep = None
+        if self.deep_ctx is not None:
+            deep = self.deep_ctx if self.csc else self.deep_ctx.unsqueeze(1)  # (J-1, n_cls|1, M, W)
+        return prompts, deep
+
+    def prompt_tensors(self) -> dict[str, torch.Tensor]:
+        """The learnable tensors by name (what a checkpoint stores)."""
+        return {name: p for name, p in self.named_parameters()}
+
+
+class PromptClassifier(nn.Module):
+    """Cosine-similarity classifier over prompt text features; only the prompts train."""
+
+    def __init__(self, clip: CLIP, prompt_learner: PromptLearner):
+        super().__init__()
+        self.clip = clip
+        self.prompt_learner = prompt_learner
+        self.clip.requires_grad_(False)
+        self.clip.eval()
+
+    def text_features(self) -> torch.Tensor:
+        """Unnormalised class text features (n_cls, E)."""
+        prompts, deep = self.prompt_learner()
+        pl = self.prompt_learner
+        return self.clip.text.encode_embeddings(prompts, pl.eos, deep, pl.slots if deep is not None else None)
+
+    def logits(self, image_features: torch.Tensor, text_features: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, n_cls) from precomputed image features (and, optionally, text features)."""
+        if text_features is None:
+            text_features = self.text_features()
+        return cosine_logits(image_features, text_features, self.clip.logit_scale)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            image_features = self.clip.encode_image(images)
+        return self.logits(image_features)
+
+    def train(self, mode: bool = True) -> PromptClassifier:
+        super().train(mode)
+        self.clip.eval()
+        return self

@@ -1,0 +1,77 @@
+"""The reference CoOp text computation: full 77 tokens through OpenCLIP's own text modules.
+
+This is what the original CoOp code computes (prompt pieces glued with `torch.cat`, every class
+padded to the context length, CLIP's Transformer run on all of it). It is slow on purpose and
+serves as ground truth for the tests and as the baseline of `tools/bench_text.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from open_clip.tokenizer import SimpleTokenizer
+from torch import nn
+
+from coop.prompt import PromptLearner
+
+
+def coop_layout(learner: PromptLearner, embeds: torch.Tensor, ctx: torch.Tensor, name_lens: list[int]):
+    """Assemble CoOp's prompts with `torch.cat`, exactly as CoOp's PromptLearner does.
+
+    Args:
+        embeds: token embeddings of "X .. X {name}." at full length, (n_cls, 77, W).
+        ctx: (n_cls, M, W) context vectors (already expanded when shared).
+        name_lens: BPE length of each class name.
+    Returns:
+        (n_cls, 77, W) prompts.
+    """
+    m = learner.n_ctx
+    prefix = embeds[:, :1]  # (n_cls, 1, W)  [SOS]
+    suffix = embeds[:, 1 + m :]  # (n_cls, *, W)  [CLASS][.][EOS][pad]
+    if learner.position == "end":
+        return torch.cat([prefix, ctx, suffix], dim=1)
+    rows = []
+    half = m // 2
+    for i, c in enumerate(name_lens):
+        cls, rest = suffix[i : i + 1, :c], suffix[i : i + 1, c:]
+        if learner.position == "middle":
+            parts = [prefix[i : i + 1], ctx[i : i + 1, :half], cls, ctx[i : i + 1, half:], rest]
+        else:  # front
+            parts = [prefix[i : i + 1], cls, ctx[i : i + 1], rest]
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def coop_text_features(openclip_model: nn.Module, learner: PromptLearner) -> torch.Tensor:
+    """Text features (n_cls, E) of `learner`'s prompts, computed the CoOp way on the OpenCLIP model.
+
+    Deep prompts replace the hidden states at the context slots before blocks 1..J-1; the slots are
+    found by pushing position markers through the same `torch.cat` layout.
+    """
+    oc = openclip_model
+    tokenizer_prefix = learner.ctx_init or " ".join(["X"] * learner.n_ctx)
+    names = learner.classnames
+    tokenizer = SimpleTokenizer(context_length=oc.context_length)
+    ids = tokenizer([f"{tokenizer_prefix} {n}." for n in names]).to(learner.ctx.device)  # (n_cls, 77)
+    name_lens = [len(tokenizer.encode(n)) for n in names]
+    n_cls = len(names)
+    width = oc.token_embedding.weight.shape[1]
+    embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
+    ctx = learner.ctx if learner.csc else learner.ctx.unsqueeze(0).expand(n_cls, -1, -1)
+    x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
+    x = x + oc.positional_embedding
+
+    # Which positions hold context vectors: push a marker through the same layout.
+    marker = torch.zeros(n_cls, ids.shape[1], 1, device=x.device)
+    is_ctx = coop_layout(learner, marker, torch.ones(n_cls, learner.n_ctx, 1, device=x.device), name_lens)
+    slots = is_ctx.squeeze(-1).bool()  # (n_cls, 77)
+
+    for i, block in enumerate(oc.transformer.resblocks):
+        if learner.deep_ctx is not None and 1 <= i < learner.depth:
+            deep = learner.deep_ctx[i - 1]
+            deep = deep if learner.csc else deep.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
+            x = x.masked_scatter(slots.unsqueeze(-1).expand(-1, -1, width), deep.reshape(-1, width))
+        x = block(x, attn_mask=oc.attn_mask)
+    x = oc.ln_final(x)
+    pooled = x[torch.arange(n_cls), ids.argmax(dim=-1)]  # (n_cls, W)
+    proj = oc.text_projection
+    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj

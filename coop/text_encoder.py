@@ -1,0 +1,187 @@
+"""CLIP's causal text Transformer, re-implemented so that prompts can enter anywhere.
+
+The module mirrors OpenCLIP's standard text tower parameter for parameter (the state-dict keys
+are identical), but it is our own forward code:
+
+    x = token_embedding(ids) + positional_embedding          # (N, L, W)
+    for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))     (causal mask)
+    feats = ln_final(x)[arange(N), eos] @ text_projection     # (N, E)
+
+Two things make it faster than the reference CoOp computation, both exact:
+  * positions after the last [EOS] never influence the [EOS] row under a causal mask, so
+    sequences are cut to `eos + 1` tokens instead of 77;
+  * sequences are grouped by length ("buckets"), so short class names do not pay for long ones.
+
+Deep prompts (DESIGN.md §3): before block i (1 <= i < J) the hidden states at the context slots
+are replaced by fresh learnable tokens; no positional embedding is added to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int = 49408
+    context_length: int = 77
+    width: int = 512
+    heads: int = 8
+    layers: int = 12
+    mlp_width: int = 2048
+    embed_dim: int = 512
+    quick_gelu: bool = False
+    gelu_approximate: str = "none"
+    ln_eps: float = 1e-5
+    proj_bias: bool | None = None  # None: projection is a (W, E) matrix; bool: an nn.Linear
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x), the activation the OpenAI checkpoints were trained with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with OpenCLIP's packed q|k|v projection layout."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"text width {width} is not divisible by {heads} heads")
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))  # rows: q | k | v
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, length, width = x.shape
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (N, L, 3W)
+        qkv = qkv.view(n, length, 3, self.heads, width // self.heads)  # (N, L, 3, H, Dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, H, L, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (N, H, L, Dh)
+        y = y.transpose(1, 2).reshape(n, length, width)  # (N, L, W)
+        return self.out_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.width, cfg.mlp_width)
+        self.gelu = QuickGELU() if cfg.quick_gelu else nn.GELU(approximate=cfg.gelu_approximate)
+        self.c_proj = nn.Linear(cfg.mlp_width, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
+        self.attn = CausalSelfAttention(cfg.width, cfg.heads)
+        self.ln_2 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Resblocks(nn.Module):
+    """Holds the blocks under OpenCLIP's key names (`transformer.resblocks.{i}`)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.resblocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+
+
+class TextTransformer(nn.Module):
+    """CLIP's text encoder; `state_dict()` keys equal OpenCLIP's text-tower keys."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length, cfg.width))
+        self.transformer = Resblocks(cfg)
+        self.ln_final = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
+        if cfg.proj_bias is None:
+            self.text_projection = nn.Parameter(torch.empty(cfg.width, cfg.embed_dim))
+        else:
+            self.text_projection = nn.Linear(cfg.width, cfg.embed_dim, bias=cfg.proj_bias)
+        self.grad_checkpointing = False
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.resblocks
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Encode token ids (N, 77) into unnormalised text features (N, E)."""
+        eos = ids.argmax(dim=-1)  # [EOS] has the largest id
+        length = int(eos.max()) + 1
+        x = self.token_embedding(ids[:, :length])  # (N, L, W)
+        return self.encode_embeddings(x, eos)
+
+    def encode_embeddings(
+        self,
+        x: torch.Tensor,
+        eos: torch.Tensor,
+        deep_prompts: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run token embeddings (without positions) through the Transformer, bucketed by length.
+
+        Args:
+            x: token embeddings, (N, L, W) with L > max(eos); rows past a row's [EOS] are ignored.
+            eos: (N,) index of each row's [EOS] token.
+            deep_prompts: optional (J-1, N or 1, M, W) tokens that replace the hidden states at
+                `slots` before blocks 1..J-1.
+            slots: (N, M) positions of the context slots; required with `deep_prompts`.
+        Returns:
+            (N, E) projected [EOS] features, in row order.
+        """
+        lengths = eos + 1
+        unique = torch.unique(lengths)
+        if len(unique) == 1:
+            return self._encode_bucket(x[:, : int(unique)], eos, deep_prompts, slots)
+        out = None
+        for length in unique.tolist():
+            rows = (lengths == length).nonzero().squeeze(1)
+            deep = None
+            if deep_prompts is not None:
+                deep = deep_prompts if deep_prompts.shape[1] == 1 else deep_prompts[:, rows]
+            feats = self._encode_bucket(
+                x[rows, :length], eos[rows], deep, None if slots is None else slots[rows]
+            )
+            if out is None:
+                out = feats.new_empty(x.shape[0], feats.shape[1])
+            out = out.index_copy(0, rows, feats)
+        return out
+
+    def _encode_bucket(self, x, eos, deep_prompts, slots) -> torch.Tensor:
+        n, length, width = x.shape
+        x = x + self.positional_embedding[:length]  # (N, L, W)
+        n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
+        if n_deep:
+            index = slots.unsqueeze(-1).expand(-1, -1, width)  # (N, M, W)
+        for i, block in enumerate(self.blocks):
+            if 1 <= i <= n_deep:
+                deep = deep_prompts[i - 1].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
+                x = x.scatter(1, index, deep)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self.ln_final(x)
+        pooled = x[torch.arange(n, device=x.device), eos]  # (N, W)
+        if isinstance(self.text_projection, nn.Linear):
+            return self.text_projection(pooled)
+        return pooled @ self.text_projection  # (N, E)

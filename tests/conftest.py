@@ -1,0 +1,53 @@
+"""Shared fixtures: random-weight OpenCLIP models with every text-tower term randomised."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import open_clip
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "configs" / "models" / "coop-tiny.json"
+
+logging.getLogger().setLevel(logging.ERROR)  # open_clip warns about random init on every build
+
+
+def randomise_text_tower(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give LayerNorm weights and all biases non-trivial values so that no term hides."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("visual."):
+                continue
+            if "ln" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def build_openclip(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = open_clip.create_model(name, pretrained=None)
+    return randomise_text_tower(model, seed).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_name() -> str:
+    open_clip.add_model_config(TINY_CONFIG)
+    return TINY_CONFIG.stem
+
+
+@pytest.fixture(scope="session")
+def tiny_openclip(tiny_name):
+    return build_openclip(tiny_name)
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tiny_openclip):
+    import coop
+
+    return coop.CLIP.from_openclip(tiny_openclip)

@@ -1,0 +1,174 @@
+"""PromptLearner layouts, deep prompts and the classifier against the reference CoOp computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import coop
+from coop.reference import coop_text_features
+
+CLASSES = [
+    "dog",
+    "golden_retriever",
+    "St. Bernard",
+    "crane (bird)",
+    "airliner",
+    "a very long compound class name",
+]
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def randomise_prompts(learner, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return learner
+
+
+@pytest.mark.parametrize("position", ["end", "middle", "front"])
+@pytest.mark.parametrize("csc", [False, True])
+@pytest.mark.parametrize("n_ctx", [3, 4])
+def test_layouts_match_full_77_token_coop(tiny_openclip, tiny_clip, position, csc, n_ctx):
+    learner = randomise_prompts(
+        coop.PromptLearner(tiny_clip, CLASSES, n_ctx=n_ctx, position=position, csc=csc)
+    )
+    with torch.no_grad():
+        ours = coop.PromptClassifier(tiny_clip, learner).text_features()
+        ref = coop_text_features(tiny_openclip, learner)
+    assert ours.shape == (len(CLASSES), tiny_clip.embed_dim)
+    assert rel(ours, ref) < 1e-5
+
+
+@pytest.mark.parametrize("position", ["end", "middle", "front"])
+@pytest.mark.parametrize("csc", [False, True])
+def test_deep_prompts_match_reference(tiny_openclip, tiny_clip, position, csc):
+    learner = randomise_prompts(
+        coop.PromptLearner(tiny_clip, CLASSES, n_ctx=3, position=position, csc=csc, depth=3), seed=1
+    )
+    with torch.no_grad():
+        ours = coop.PromptClassifier(tiny_clip, learner).text_features()
+        ref = coop_text_features(tiny_openclip, learner)
+        shallow = coop_text_features(tiny_openclip, _shallow_copy(tiny_clip, learner))
+    assert rel(ours, ref) < 1e-5
+    assert rel(ours, shallow) > 1e-3  # the deep tokens really act
+
+
+def _shallow_copy(clip, learner):
+    shallow = coop.PromptLearner(
+        clip, CLASSES, n_ctx=learner.n_ctx, position=learner.position, csc=learner.csc
+    )
+    with torch.no_grad():
+        shallow.ctx.copy_(learner.ctx)
+    return shallow
+
+
+def test_layout_token_order(tiny_clip):
+    """The class tokens and context slots sit where DESIGN.md §2 says, and [EOS] stays put."""
+    x = 49407  # any id would do; we compare against the "X" placeholder id
+    name_ids = tiny_clip.tokenizer.encode("golden retriever")
+    placeholder = tiny_clip.tokenizer.encode("X")[0]
+    for position, expect in {
+        "end": [placeholder] * 4 + name_ids,
+        "middle": [placeholder] * 2 + name_ids + [placeholder] * 2,
+        "front": name_ids + [placeholder] * 4,
+    }.items():
+        learner = coop.PromptLearner(tiny_clip, ["golden_retriever"], position=position)
+        ids = learner.token_ids[0].tolist()
+        assert ids[1 : 1 + len(expect)] == expect
+        assert ids[len(expect) + 2] == x and int(learner.eos[0]) == len(expect) + 2
+        assert [ids[i] for i in learner.slots[0].tolist()] == [placeholder] * 4
+    mid = coop.PromptLearner(tiny_clip, ["golden_retriever"], n_ctx=3, position="mid")
+    assert mid.position == "middle" and mid.slots[0].tolist() == [
+        1,
+        1 + 1 + len(name_ids),
+        2 + 1 + len(name_ids),
+    ]
+
+
+def test_ctx_init_reproduces_zero_shot(tiny_openclip, tiny_clip):
+    learner = coop.PromptLearner(tiny_clip, CLASSES, ctx_init="a photo of a", position="end")
+    assert learner.n_ctx == 4 and learner.ctx.shape == (4, tiny_clip.width)
+    texts = [f"a photo of a {c.replace('_', ' ')}." for c in CLASSES]
+    with torch.no_grad():
+        feats = coop.PromptClassifier(tiny_clip, learner).text_features()
+        zero_shot = tiny_openclip.encode_text(tiny_clip.tokenize(texts))
+    assert rel(feats, zero_shot) < 1e-5
+    csc = coop.PromptLearner(tiny_clip, CLASSES, ctx_init="a photo of a", csc=True)
+    assert csc.ctx.shape == (len(CLASSES), 4, tiny_clip.width)
+    assert torch.equal(csc.ctx[0], csc.ctx[-1]) and torch.equal(csc.ctx[0], learner.ctx)
+    assert coop.PromptLearner(tiny_clip, CLASSES, ctx_init="a photo of").n_ctx == 3
+    with pytest.raises(ValueError, match="conflicts with ctx_init"):
+        coop.PromptLearner(tiny_clip, CLASSES, n_ctx=5, ctx_init="a photo of a")
+
+
+def test_parameter_shapes(tiny_clip):
+    w, n = tiny_clip.width, len(CLASSES)
+    shared = coop.PromptLearner(tiny_clip, CLASSES, n_ctx=5)
+    assert shared.ctx.shape == (5, w) and shared.deep_ctx is None
+    deep = coop.PromptLearner(tiny_clip, CLASSES, n_ctx=2, csc=True, depth=3)
+    assert deep.ctx.shape == (n, 2, w) and deep.deep_ctx.shape == (2, n, 2, w)
+    assert coop.PromptLearner(tiny_clip, CLASSES, depth=2).deep_ctx.shape == (1, 4, w)
+    assert abs(float(shared.ctx.detach().std()) - 0.02) < 0.01
+
+
+def test_depth_one_equals_shallow(tiny_clip):
+    a = coop.PromptLearner(tiny_clip, CLASSES, depth=1)
+    torch.manual_seed(0)
+    b = randomise_prompts(coop.PromptLearner(tiny_clip, CLASSES, depth=3))
+    with torch.no_grad():
+        b.ctx.copy_(a.ctx)
+        b.deep_ctx.zero_()
+        fa = coop.PromptClassifier(tiny_clip, a).text_features()
+        b.depth, b.deep_ctx = 1, None  # a depth-3 learner reduced to depth 1 is plain CoOp again
+        fb = coop.PromptClassifier(tiny_clip, b).text_features()
+    assert torch.allclose(fa, fb, atol=1e-6)
+
+
+@pytest.mark.parametrize("csc", [False, True])
+def test_gradients_reach_ctx_and_every_deep_layer_only(tiny_clip, csc):
+    learner = coop.PromptLearner(tiny_clip, CLASSES, csc=csc, depth=3, position="middle")
+    classifier = coop.PromptClassifier(tiny_clip, learner)
+    trainable = {n for n, p in classifier.named_parameters() if p.requires_grad}
+    assert trainable == {"prompt_learner.ctx", "prompt_learner.deep_ctx"}
+    images = torch.randn(4, 3, 32, 32)
+    loss = torch.nn.functional.cross_entropy(classifier(images), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert learner.ctx.grad is not None and learner.ctx.grad.abs().sum() > 0
+    for layer in range(2):
+        assert learner.deep_ctx.grad[layer].abs().sum() > 0
+    if csc:  # every class's own context gets a gradient
+        assert (learner.ctx.grad.abs().sum(dim=(1, 2)) > 0).all()
+    assert all(p.grad is None for p in tiny_clip.parameters())
+
+
+def test_classifier_logits_formula(tiny_clip):
+    learner = coop.PromptLearner(tiny_clip, CLASSES)
+    classifier = coop.PromptClassifier(tiny_clip, learner)
+    classifier.train()
+    assert classifier.training and not tiny_clip.training
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        logits = classifier(images)
+        img = torch.nn.functional.normalize(tiny_clip.encode_image(images), dim=-1)
+        txt = torch.nn.functional.normalize(classifier.text_features(), dim=-1)
+        expected = tiny_clip.logit_scale.exp() * img @ txt.T
+    assert logits.shape == (3, len(CLASSES))
+    assert torch.allclose(logits, expected, atol=1e-5)
+
+
+def test_invalid_arguments(tiny_clip):
+    with pytest.raises(ValueError, match="depth must be in 1..3"):
+        coop.PromptLearner(tiny_clip, CLASSES, depth=0)
+    with pytest.raises(ValueError, match="depth must be in 1..3"):
+        coop.PromptLearner(tiny_clip, CLASSES, depth=4)
+    with pytest.raises(ValueError, match="position 'left'"):
+        coop.PromptLearner(tiny_clip, CLASSES, position="left")
+    with pytest.raises(ValueError, match="class 'word word"):
+        coop.PromptLearner(tiny_clip, ["dog", "word " * 75])
+    with pytest.raises(ValueError, match="n_ctx must be >= 1"):
+        coop.PromptLearner(tiny_clip, CLASSES, n_ctx=0)

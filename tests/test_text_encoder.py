@@ -1,0 +1,130 @@
+"""Parity of our text Transformer with open_clip's encode_text, and load_clip's contracts."""
+
+from __future__ import annotations
+
+import open_clip
+import pytest
+import torch
+from conftest import TINY_CONFIG, build_openclip
+
+import coop
+from coop import model as coop_model
+
+TEXTS = [
+    "a photo of a dog.",
+    "x",
+    "",
+    "an extremely long description " * 20,  # > 77 tokens: truncated, ends with [EOS]
+    "St. Bernard, a large (very large) working dog!",
+]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("name", ["ViT-B-32", "ViT-B-16-quickgelu", "RN50", "ViT-L-14"])
+def test_encode_text_matches_open_clip(name):
+    oc = build_openclip(name)
+    clip = coop.CLIP.from_openclip(oc)
+    assert clip.text.cfg.quick_gelu == name.endswith("quickgelu")
+    ids = clip.tokenize(TEXTS)
+    assert ids.shape == (len(TEXTS), 77) and ids.dtype == torch.long
+    assert int(ids[3].argmax()) == 76  # the long text fills the context
+    with torch.no_grad():
+        ours = clip.encode_text(ids)
+        ref = oc.encode_text(ids)
+    assert ours.shape == (len(TEXTS), oc.text_projection.shape[1])
+    assert relative_error(ours, ref) < 1e-5
+
+
+def test_state_dict_keys_equal_open_clip(tiny_openclip, tiny_clip):
+    ref = {k for k in tiny_openclip.state_dict() if k.startswith(coop_model.TEXT_KEYS)}
+    assert set(tiny_clip.text.state_dict()) == ref
+    # weights are copied: changing ours leaves open_clip's model untouched
+    with torch.no_grad():
+        tiny_clip.text.ln_final.weight.add_(1.0)
+    assert not torch.equal(tiny_clip.text.ln_final.weight, tiny_openclip.ln_final.weight)
+    with torch.no_grad():
+        tiny_clip.text.ln_final.weight.sub_(1.0)
+
+
+def test_clip_is_frozen_and_image_path(tiny_openclip, tiny_clip):
+    assert not any(p.requires_grad for p in tiny_clip.parameters())
+    tiny_clip.train()
+    assert not tiny_clip.training
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(tiny_clip.encode_image(images), tiny_openclip.encode_image(images))
+    assert torch.equal(tiny_clip.logit_scale, tiny_openclip.logit_scale.detach())
+
+
+def _tiny_cfg(**text_overrides):
+    import json
+
+    cfg = json.loads(TINY_CONFIG.read_text())
+    cfg["text_cfg"].update(text_overrides)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"no_causal_mask": True}, "causal"),
+        ({"pool_type": "last"}, "pooling"),
+        ({"ls_init_value": 0.1}, "layer scale"),
+    ],
+)
+def test_non_standard_text_towers_are_rejected(overrides, message):
+    model = open_clip.CLIP(**_tiny_cfg(**overrides))
+    with pytest.raises(ValueError, match=message):
+        coop.CLIP.from_openclip(model)
+
+
+def test_custom_text_model_is_rejected():
+    model = open_clip.CustomTextCLIP(**_tiny_cfg())
+    with pytest.raises(ValueError, match="standard causal CLIP text tower"):
+        coop.CLIP.from_openclip(model)
+
+
+def test_load_clip_config_json_and_local_file(tmp_path):
+    torch.manual_seed(0)
+    clip = coop.load_clip(str(TINY_CONFIG))
+    ckpt = tmp_path / "weights.pt"
+    oc = build_openclip(TINY_CONFIG.stem, seed=3)
+    torch.save(oc.state_dict(), ckpt)
+    loaded = coop.load_clip(str(TINY_CONFIG), pretrained=str(ckpt))
+    assert torch.equal(loaded.text.ln_final.weight, oc.ln_final.weight)
+    assert not torch.equal(clip.text.ln_final.weight, loaded.text.ln_final.weight)
+    ids = loaded.tokenize(["a photo of a cat."])
+    with torch.no_grad():
+        assert relative_error(loaded.encode_text(ids), oc.encode_text(ids)) < 1e-5
+
+
+def test_load_clip_bad_names():
+    with pytest.raises(ValueError, match="unknown open_clip model 'ViT-Q-99'"):
+        coop.load_clip("ViT-Q-99")
+    with pytest.raises(ValueError, match="missing.json"):
+        coop.load_clip("missing.json")
+    with pytest.raises(ValueError, match="neither a file nor an open_clip tag"):
+        coop.load_clip("RN50", pretrained="no-such-tag")
+
+
+def test_offline_tag_gives_one_clear_error(monkeypatch):
+    monkeypatch.setattr(coop_model, "try_to_load_from_cache", lambda *a, **k: None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="not in the local cache.*local checkpoint file"):
+        coop.load_clip("RN50", pretrained="openai")
+
+
+def test_openai_tag_gets_quickgelu(monkeypatch, tmp_path):
+    """OpenAI weights were trained with QuickGELU; a plain 'RN50' name must still get it."""
+    oc = build_openclip("RN50-quickgelu")
+    ckpt = tmp_path / "rn50_openai.pt"
+    torch.save(oc.state_dict(), ckpt)
+    monkeypatch.setattr(coop_model, "_cached_or_download", lambda *a: str(ckpt))
+    clip = coop.load_clip("RN50", pretrained="openai")
+    assert clip.text.cfg.quick_gelu
+    ids = clip.tokenize(TEXTS)
+    with torch.no_grad():
+        assert relative_error(clip.encode_text(ids), oc.encode_text(ids)) < 1e-5
