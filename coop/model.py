@@ -173,6 +173,7 @@ def load_clip(name: str, pretrained: str | None = None, device: str | torch.devi
         name: OpenCLIP model name such as "ViT-B-16", or a path to an OpenCLIP model-config JSON.
         pretrained: None / "none" for random weights, an OpenCLIP tag (e.g. "openai"), or a local
             checkpoint file. Tags whose weights were trained with QuickGELU (all OpenAI ones) get it.
+            Random weights are drawn with seed 0, so every process builds the same model.
         device: where the model lives.
     """
     model_name = resolve_model_name(name)
@@ -192,7 +193,9 @@ def load_clip(name: str, pretrained: str | None = None, device: str | torch.devi
             kwargs["force_quick_gelu"] = True
         kwargs["force_preprocess_cfg"] = {k: tag_cfg[k] for k in ("mean", "std") if k in tag_cfg}
         pretrained = _cached_or_download(model_name, pretrained, tag_cfg)
-    model = open_clip.create_model(model_name, pretrained=pretrained, device=device, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # random weights (pretrained=None) are the same in every process
+        model = open_clip.create_model(model_name, pretrained=pretrained, device=device, **kwargs)
     tokenizer = open_clip.get_tokenizer(model_name)
     return CLIP.from_openclip(model, tokenizer=tokenizer).to(device)
 

@@ -1,0 +1,147 @@
+"""Run configuration: CoOp's recipe as defaults, YAML files and `key=value` overrides (OmegaConf).
+
+    cfg = load_config("configs/coop/vit_b16.yaml", ["data.shots=4", "prompt.position=middle"])
+
+Unknown keys are errors that name the key. `train.epochs: null` applies CoOp's epoch-by-shots
+rule (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULTS = {
+    "model": {"name": "ViT-B-16", "pretrained": "openai"},
+    "prompt": {"n_ctx": None, "ctx_init": None, "position": "end", "csc": False, "depth": 1},
+    "data": {
+        "name": "textile",
+        "root": None,
+        "shots": 16,
+        "seed": 1,
+        "skip_corrupt": False,
+        "num_workers": 2,
+    },
+    "train": {
+        "epochs": None,
+        "batch_size": 32,
+        "lr": 0.002,
+        "momentum": 0.9,
+        "weight_decay": 5e-4,
+        "warmup_epochs": 1,
+        "warmup_lr": 1e-5,
+        "precision": "amp",
+        "aug_views": 0,
+        "eval_batch_size": 100,
+        "cache_features": True,
+    },
+    "output_dir": None,
+    "device": "auto",
+}
+
+CHOICES = {
+    "prompt.position": ("end", "middle", "mid", "front"),
+    "train.precision": ("fp32", "amp"),
+}
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key or file."""
+
+
+def epochs_for_shots(shots: int, dataset: str) -> int:
+    """CoOp's schedule: 50 epochs for 1 shot, 100 for 2-4, 200 for 8-16 (and all data); ImageNet 50."""
+    if dataset == "imagenet":
+        return 50
+    if shots == 1:
+        return 50
+    if 2 <= shots <= 4:
+        return 100
+    return 200
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Defaults <- YAML file <- `key=value` overrides; validated and resolved.
+
+    Args:
+        path: optional YAML file whose keys are a subset of `DEFAULTS`.
+        overrides: dotted `key=value` strings, e.g. "data.shots=4".
+    """
+    cfg = OmegaConf.create(DEFAULTS)
+    OmegaConf.set_struct(cfg, True)
+    layers = []
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            layers.append((str(p), OmegaConf.load(p)))
+        except Exception as e:  # yaml errors carry multi-line context
+            raise ConfigError(f"cannot parse config file {p}: {str(e).splitlines()[0]}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+    if overrides:
+        try:
+            layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    for where, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or _key_from_message(str(e))
+            raise ConfigError(f"unknown or invalid config key '{key}' in {where}") from None
+    validate(cfg)
+    return cfg
+
+
+def _key_from_message(message: str) -> str:
+    m = re.search(r"full_key: (\S+)", message) or re.search(r"Key '([^']+)'", message)
+    return m.group(1) if m else message.splitlines()[0]
+
+
+def validate(cfg: DictConfig) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for key in ("data.shots", "train.batch_size", "train.aug_views", "prompt.depth"):
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
+    if cfg.train.batch_size < 1:
+        raise ConfigError("train.batch_size must be >= 1")
+    if cfg.train.epochs is not None and (not isinstance(cfg.train.epochs, int) or cfg.train.epochs < 1):
+        raise ConfigError(f"train.epochs must be a positive integer or null, got {cfg.train.epochs!r}")
+
+
+def resolved_epochs(cfg: DictConfig) -> int:
+    if cfg.train.epochs is not None:
+        return int(cfg.train.epochs)
+    return epochs_for_shots(int(cfg.data.shots), cfg.data.name)
+
+
+def model_tag(name: str) -> str:
+    """A folder-safe model name: "ViT-B/16" -> "ViT-B-16", "cfg/tiny.json" -> "tiny"."""
+    if name.endswith(".json"):
+        name = Path(name).stem
+    return name.replace("/", "-")
+
+
+def run_name(cfg: DictConfig) -> str:
+    """CoOp-style run folder: <dataset>/<model>/shots<K>/nctx<M>_csc<C>_pos<P>_depth<J>/seed<S>."""
+    p = cfg.prompt
+    n_ctx = p.n_ctx if p.n_ctx is not None else ("init" if p.ctx_init else 4)
+    pos = "middle" if p.position == "mid" else p.position
+    return (
+        f"{cfg.data.name}/{model_tag(cfg.model.name)}/shots{cfg.data.shots}/"
+        f"nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}/seed{cfg.data.seed}"
+    )
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
