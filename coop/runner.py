@@ -1,0 +1,222 @@
+"""A training run as a folder: resume, checkpoint every epoch, write metrics when done.
+
+    from coop.config import load_config
+    from coop.runner import train_run
+    metrics = train_run(load_config(None, ["model.pretrained=none", "data.shots=4"]))
+
+Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv`, `checkpoint.pt`
+(prompt tensors + optimizer/scheduler/epoch/RNG state, written atomically after every epoch) and,
+when finished, `metrics.json`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import trange
+
+from coop.checkpoint import atomic_write, load_checkpoint, save_checkpoint, write_json
+from coop.config import model_tag, resolved_epochs, to_yaml
+from coop.engine import (
+    NonFiniteLossError,
+    default_output_dir,
+    evaluate,
+    lr_factor,
+    setup,
+    test_features,
+    train_one_epoch,
+    training_features,
+)
+
+log = logging.getLogger(__name__)
+
+# Keys that may differ between the run that wrote a folder and the command that resumes it.
+RESUME_FREE_KEYS = {"device", "output_dir", "data.num_workers", "data.root", "train.eval_batch_size"}
+HISTORY_FIELDS = ["epoch", "loss", "train_acc", "lr", "time_s"]
+
+
+class RunError(ValueError):
+    """The run folder cannot be used (e.g. it holds a run with another config)."""
+
+
+def attach_log_file(folder: Path) -> logging.Handler:
+    handler = logging.FileHandler(folder / "log.txt")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        key = f"{prefix}{k}"
+        out.update(_flat(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def check_same_config(old: dict, new: dict, folder: Path) -> None:
+    a, b = _flat(old), _flat(new)
+    diff = [k for k in sorted(set(a) | set(b)) if k not in RESUME_FREE_KEYS and a.get(k) != b.get(k)]
+    if diff:
+        k = diff[0]
+        raise RunError(
+            f"{folder} holds a run with a different config ({k}: {a.get(k)!r} there, {b.get(k)!r} now); "
+            "use another output_dir"
+        )
+
+
+def write_history(folder: Path, history: list[dict]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=HISTORY_FIELDS)
+    writer.writeheader()
+    writer.writerows(history)
+    atomic_write(folder / "history.csv", lambda tmp: Path(tmp).write_text(buf.getvalue()))
+
+
+def train_run(cfg: DictConfig) -> dict:
+    """Train (or resume, or skip if finished) the run described by `cfg`; returns its metrics."""
+    if cfg.output_dir is None:
+        cfg.output_dir = default_output_dir(cfg)
+    folder = Path(cfg.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    handler = attach_log_file(folder)
+    try:
+        return _train_run(cfg, folder)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def _train_run(cfg: DictConfig, folder: Path) -> dict:
+    config = OmegaConf.to_container(cfg, resolve=True)
+    ckpt_path, metrics_path = folder / "checkpoint.pt", folder / "metrics.json"
+    ckpt = load_checkpoint(ckpt_path) if ckpt_path.is_file() else None
+    if ckpt is not None:
+        check_same_config(ckpt["config"], config, folder)
+        if ckpt.get("finished") and metrics_path.is_file():
+            log.info("%s is finished; not training again", folder)
+            return json.loads(metrics_path.read_text())
+    atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
+
+    s = setup(cfg)
+    epochs = resolved_epochs(cfg)
+    learner = s.classifier.prompt_learner
+    precision = cfg.train.precision if s.device.type == "cuda" else "fp32"
+    if cfg.train.precision == "amp" and s.device.type != "cuda":
+        log.info("train.precision=amp applies on GPU only; running fp32 on %s", s.device)
+    base_lr = float(cfg.train.lr)
+    optimizer = torch.optim.SGD(
+        learner.parameters(),
+        lr=base_lr,
+        momentum=float(cfg.train.momentum),
+        weight_decay=float(cfg.train.weight_decay),
+    )
+    warmup = int(cfg.train.warmup_epochs)
+    ratio = float(cfg.train.warmup_lr) / base_lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: lr_factor(e, epochs, warmup, ratio))
+    start, history = 0, []
+    if ckpt is not None:
+        with torch.no_grad():
+            for name, tensor in ckpt["prompt"].items():
+                getattr(learner, name).copy_(tensor)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        start, history = int(ckpt["epoch"]), list(ckpt["history"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        random.setstate(ckpt["rng"]["python"])
+        log.info("resuming %s from epoch %d/%d", folder, start, epochs)
+    n_params = sum(p.numel() for p in learner.parameters())
+    log.info(
+        "%s | %s (%s) | %d classes, %d shots, seed %d | %d epochs | %d prompt parameters | %s %s",
+        cfg.data.name,
+        cfg.model.name,
+        cfg.model.pretrained,
+        learner.n_cls,
+        cfg.data.shots,
+        cfg.data.seed,
+        epochs,
+        n_params,
+        s.device,
+        precision,
+    )
+
+    train_feats = training_features(s)
+    state = {"config": config, "classnames": list(s.dataset.classnames), "n_ctx": learner.n_ctx}
+
+    def checkpoint(epoch: int, finished: bool) -> None:
+        save_checkpoint(
+            ckpt_path,
+            {
+                **state,
+                "prompt": {k: v.detach().cpu() for k, v in learner.prompt_tensors().items()},
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "epoch": epoch,
+                "finished": finished,
+                "history": history,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            },
+        )
+
+    for epoch in trange(start, epochs, initial=start, total=epochs, desc="epochs", dynamic_ncols=True):
+        t0 = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]
+        try:
+            stats = train_one_epoch(s, optimizer, epoch, train_feats, precision)
+        except NonFiniteLossError as e:
+            raise NonFiniteLossError(
+                f"{e}; the last good checkpoint is {ckpt_path} (epoch {epoch})"
+            ) from None
+        scheduler.step()
+        history.append(
+            {
+                "epoch": epoch + 1,
+                **{k: round(v, 6) for k, v in stats.items()},
+                "lr": lr,
+                "time_s": round(time.perf_counter() - t0, 3),
+            }
+        )
+        checkpoint(epoch + 1, finished=False)
+        write_history(folder, history)
+        log.info(
+            "epoch %d/%d loss %.4f train acc %.2f%% lr %.2e",
+            epoch + 1,
+            epochs,
+            stats["loss"],
+            stats["train_acc"],
+            lr,
+        )
+
+    feats, labels = test_features(s)
+    metrics = evaluate(s.classifier, feats[0], labels, s.device, precision)
+    metrics.update(
+        epochs=epochs,
+        shots=int(cfg.data.shots),
+        seed=int(cfg.data.seed),
+        dataset=cfg.data.name,
+        model=model_tag(cfg.model.name),
+        pretrained=cfg.model.pretrained,
+        n_ctx=learner.n_ctx,
+        position=learner.position,
+        csc=learner.csc,
+        depth=learner.depth,
+        final_train_loss=history[-1]["loss"] if history else None,
+    )
+    write_json(metrics_path, metrics)
+    checkpoint(epochs, finished=True)
+    log.info(
+        "test accuracy %.2f%% (macro F1 %.2f) on %d images -> %s",
+        metrics["accuracy"],
+        metrics["macro_f1"],
+        metrics["n_test"],
+        metrics_path,
+    )
+    return metrics

@@ -1,0 +1,35 @@
+"""Shared command-line plumbing for the tools: logging setup and one-line errors."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("PIL", "matplotlib", "urllib3", "huggingface_hub", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_cli(main: Callable[[], int | None]) -> None:
+    """Run `main`; bad input becomes one `error: ...` line (exit 2), a failed run exit 1."""
+    from coop.engine import NonFiniteLossError
+
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)
