@@ -14,18 +14,16 @@ from __future__ import annotations
 import logging
 import math
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from coop.checkpoint import learner_from_checkpoint, load_checkpoint, save_checkpoint, write_json
-from coop.config import resolved_epochs, run_name, to_yaml
+from coop.config import run_name
 from coop.data import ImageDataset, build_dataset, build_transforms, collate_skip_none
 from coop.features import autocast, cached_features
 from coop.model import CLIP, load_clip
