@@ -63,16 +63,19 @@ def epochs_for_shots(shots: int, dataset: str) -> int:
     return 200
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """Defaults <- YAML file <- `key=value` overrides; validated and resolved.
+def load_config(
+    path: str | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None
+) -> DictConfig:
+    """Defaults <- `base` <- YAML file <- `key=value` overrides; validated and resolved.
 
     Args:
         path: optional YAML file whose keys are a subset of `DEFAULTS`.
         overrides: dotted `key=value` strings, e.g. "data.shots=4".
+        base: optional config dict applied before the file (e.g. a checkpoint's run config).
     """
     cfg = OmegaConf.create(DEFAULTS)
     OmegaConf.set_struct(cfg, True)
-    layers = []
+    layers = [] if base is None else [("the saved run config", OmegaConf.create(base))]
     if path:
         p = Path(path)
         if not p.is_file():

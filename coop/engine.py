@@ -23,8 +23,9 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from coop.checkpoint import learner_from_checkpoint
 from coop.config import run_name
-from coop.data import ImageDataset, build_dataset, build_transforms, collate_skip_none
+from coop.data import CLIP_MEAN, CLIP_STD, ImageDataset, build_dataset, build_transforms, collate_skip_none
 from coop.features import autocast, cached_features
 from coop.model import CLIP, load_clip
 from coop.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
@@ -68,19 +69,28 @@ def build_learner(clip: CLIP, cfg: DictConfig, classnames: list[str]) -> PromptL
     )
 
 
-def setup(cfg: DictConfig) -> Setup:
-    device = resolve_device(cfg.device)
-    dataset = build_dataset(cfg.data.name, cfg.data.root, shots=int(cfg.data.shots), seed=int(cfg.data.seed))
-    clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
+def clip_transforms(clip: CLIP):
+    """CoOp's (train, test) transforms at the image tower's size and normalisation."""
     pre = clip.preprocess_cfg
-    train_tf, test_tf = build_transforms(
-        pre.get("size", clip.image_size),
-        pre.get("mean", (0.48145466, 0.4578275, 0.40821073)),
-        pre.get("std", (0.26862954, 0.26130258, 0.27577711)),
+    return build_transforms(
+        pre.get("size", clip.image_size), pre.get("mean", CLIP_MEAN), pre.get("std", CLIP_STD)
     )
-    torch.manual_seed(int(cfg.data.seed))  # prompt initialisation
-    learner = build_learner(clip, cfg, dataset.classnames).to(device)
-    return Setup(cfg, device, clip, dataset, PromptClassifier(clip, learner), train_tf, test_tf)
+
+
+def setup(cfg: DictConfig, ckpt: dict | None = None) -> Setup:
+    """Dataset, CLIP and classifier of a run; with `ckpt`, the saved prompts on the full test set."""
+    device = resolve_device(cfg.device)
+    shots = 0 if ckpt is not None else int(cfg.data.shots)
+    dataset = build_dataset(cfg.data.name, cfg.data.root, shots=shots, seed=int(cfg.data.seed))
+    clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
+    train_tf, test_tf = clip_transforms(clip)
+    if ckpt is None:
+        torch.manual_seed(int(cfg.data.seed))  # prompt initialisation
+        learner = build_learner(clip, cfg, dataset.classnames)
+    else:
+        learner = learner_from_checkpoint(clip, ckpt, dataset.classnames)
+    classifier = PromptClassifier(clip, learner.to(device))
+    return Setup(cfg, device, clip, dataset, classifier, train_tf, test_tf)
 
 
 def lr_factor(epoch: int, epochs: int, warmup_epochs: int, warmup_ratio: float) -> float:
@@ -129,7 +139,9 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str
         )
     classifier.train()
     total_loss, correct, seen = 0.0, 0, 0
-    for step, (x, y, _) in enumerate(tqdm(batches, total=n_batches, desc=f"epoch {epoch + 1}", leave=False)):
+    if train_feats is None:  # the slow, re-encoding path gets a progress bar of its own
+        batches = tqdm(batches, total=n_batches, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
+    for step, (x, y, _) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, precision):
             if train_feats is None:

@@ -200,16 +200,32 @@ def load_clip(name: str, pretrained: str | None = None, device: str | torch.devi
     return CLIP.from_openclip(model, tokenizer=tokenizer).to(device)
 
 
+def pretrained_available(name: str, pretrained: str | None) -> bool:
+    """Whether `load_clip(name, pretrained)` can get its weights here (file, cache or reachable hub)."""
+    if pretrained in (None, "", "none", "None") or os.path.isfile(pretrained):
+        return True
+    tag_cfg = open_clip.get_pretrained_cfg(resolve_model_name(name), pretrained)
+    return bool(tag_cfg) and (_cached_path(tag_cfg) is not None or _hub_reachable())
+
+
+def _cached_path(tag_cfg: dict) -> str | None:
+    hub = tag_cfg.get("hf_hub", "")
+    if not hub:
+        return None
+    repo, filename = (hub.rstrip("/"), "") if hub.endswith("/") else os.path.split(hub)
+    names = [filename] if filename else ["open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
+    for fname in names:
+        path = try_to_load_from_cache(repo, fname)
+        if isinstance(path, str) and os.path.isfile(path):
+            return path
+    return None
+
+
 def _cached_or_download(model_name: str, tag: str, tag_cfg: dict) -> str:
     """Path of the tag's checkpoint: from the local cache, else downloaded; clear error offline."""
-    hub = tag_cfg.get("hf_hub", "")
-    if hub:
-        repo, filename = os.path.split(hub.rstrip("/")) if not hub.endswith("/") else (hub.rstrip("/"), "")
-        names = [filename] if filename else ["open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
-        for fname in names:
-            path = try_to_load_from_cache(repo, fname)
-            if isinstance(path, str) and os.path.isfile(path):
-                return path
+    cached = _cached_path(tag_cfg)
+    if cached is not None:
+        return cached
     if not _hub_reachable():
         raise RuntimeError(
             f"open_clip weights '{tag}' for {model_name} are not in the local cache and the hub cannot be "

@@ -166,7 +166,9 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
             },
         )
 
-    for epoch in trange(start, epochs, initial=start, total=epochs, desc="epochs", dynamic_ncols=True):
+    log_every = max(1, epochs // 10)
+    bar = trange(start, epochs, initial=start, total=epochs, desc="epochs", dynamic_ncols=True)
+    for epoch in bar:
         t0 = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
         try:
@@ -176,24 +178,25 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
                 f"{e}; the last good checkpoint is {ckpt_path} (epoch {epoch})"
             ) from None
         scheduler.step()
-        history.append(
-            {
-                "epoch": epoch + 1,
-                **{k: round(v, 6) for k, v in stats.items()},
-                "lr": lr,
-                "time_s": round(time.perf_counter() - t0, 3),
-            }
-        )
+        if not all(torch.isfinite(p).all() for p in learner.parameters()):
+            raise NonFiniteLossError(
+                f"prompt parameters became non-finite in epoch {epoch + 1}; the last good checkpoint is "
+                f"{ckpt_path} (epoch {epoch})"
+            )
+        row = {"epoch": epoch + 1, **{k: round(v, 6) for k, v in stats.items()}, "lr": lr}
+        history.append({**row, "time_s": round(time.perf_counter() - t0, 3)})
         checkpoint(epoch + 1, finished=False)
         write_history(folder, history)
-        log.info(
-            "epoch %d/%d loss %.4f train acc %.2f%% lr %.2e",
-            epoch + 1,
-            epochs,
-            stats["loss"],
-            stats["train_acc"],
-            lr,
-        )
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", acc=f"{stats['train_acc']:.1f}")
+        if (epoch + 1) % log_every == 0 or epoch + 1 == epochs:
+            log.info(
+                "epoch %d/%d loss %.4f train acc %.2f%% lr %.2e",
+                epoch + 1,
+                epochs,
+                stats["loss"],
+                stats["train_acc"],
+                lr,
+            )
 
     feats, labels = test_features(s)
     metrics = evaluate(s.classifier, feats[0], labels, s.device, precision)
@@ -219,4 +222,23 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
         metrics["n_test"],
         metrics_path,
     )
+    return metrics
+
+
+def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """Test accuracy of a saved prompt, on its own dataset or (shared context) on another one.
+
+    Args:
+        path: a `checkpoint.pt`.
+        overrides: `key=value` changes to the run's config, e.g. "data.name=dtd", "data.root=...".
+    """
+    from coop.config import load_config
+
+    ckpt = load_checkpoint(path)
+    cfg = load_config(None, overrides, base=ckpt["config"])
+    s = setup(cfg, ckpt)
+    precision = cfg.train.precision if s.device.type == "cuda" else "fp32"
+    feats, labels = test_features(s)
+    metrics = evaluate(s.classifier, feats[0], labels, s.device, precision)
+    metrics.update(checkpoint=str(path), dataset=cfg.data.name, trained_on=ckpt["config"]["data"]["name"])
     return metrics

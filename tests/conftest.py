@@ -51,3 +51,31 @@ def tiny_clip(tiny_openclip):
     import coop
 
     return coop.CLIP.from_openclip(tiny_openclip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Few-shot and feature caches go to a per-session temp folder, never to ~/.cache."""
+    monkeypatch.setenv("COOP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "coop-cache"))
+
+
+def make_image_folder(root: Path, classes=("red_thing", "green_thing", "blue_thing"), n_train=6, n_test=4):
+    """A tiny ImageFolder dataset whose classes differ by colour, so prompts can learn them."""
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+    colours = [(200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40)]
+    for split, n in (("train", n_train), ("test", n_test)):
+        for c, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                noise = torch.randint(-30, 30, (32, 32, 3), generator=gen)
+                pixels = (torch.tensor(colours[c % 4]) + noise).clamp(0, 255).to(torch.uint8)
+                Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("imagefolder"))

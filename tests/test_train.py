@@ -1,0 +1,172 @@
+"""End-to-end training runs on a tiny model: run folders, resume after SIGKILL, eval, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, TINY_CONFIG, make_image_folder
+
+from coop.config import ConfigError, epochs_for_shots, load_config, run_name
+from coop.engine import lr_factor
+
+TRAIN = [sys.executable, str(REPO / "tools" / "train.py")]
+EVAL = [sys.executable, str(REPO / "tools" / "eval.py")]
+
+
+def tiny_args(folder, out, **extra):
+    args = {
+        "model.name": str(TINY_CONFIG),
+        "model.pretrained": "none",
+        "data.name": "imagefolder",
+        "data.root": str(folder),
+        "data.shots": 4,
+        "data.num_workers": 0,
+        "train.epochs": 4,
+        "train.batch_size": 4,
+        "train.lr": 0.05,
+        "device": "cpu",
+        "output_dir": str(out),
+    }
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ.copy(), **kw)
+
+
+def load_ckpt(path):
+    return torch.load(path, weights_only=True)
+
+
+def test_train_writes_run_folder(image_folder, tmp_path):
+    out = tmp_path / "run"
+    res = run(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 2, "prompt.csc": "true"}))
+    assert res.returncode == 0, res.stderr[-2000:]
+    for name in ("config.yaml", "log.txt", "history.csv", "checkpoint.pt", "metrics.json"):
+        assert (out / name).is_file(), name
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n_test"] == 12 and metrics["epochs"] == 4 and metrics["shots"] == 4 and metrics["seed"] == 1
+    assert 0 <= metrics["accuracy"] <= 100
+    ckpt = load_ckpt(out / "checkpoint.pt")
+    assert set(ckpt["prompt"]) == {"ctx", "deep_ctx"}
+    assert ckpt["prompt"]["ctx"].shape == (3, 4, 64) and ckpt["prompt"]["deep_ctx"].shape == (1, 3, 4, 64)
+    assert ckpt["finished"] and ckpt["epoch"] == 4 and len(ckpt["history"]) == 4
+    assert ckpt["optimizer"]["state"]  # momentum buffers are kept for resuming
+    cfg = load_config(str(out / "config.yaml"))
+    assert cfg.prompt.depth == 2 and cfg.data.root == str(image_folder)
+    rows = (out / "history.csv").read_text().splitlines()
+    assert rows[0] == "epoch,loss,train_acc,lr,time_s" and len(rows) == 5
+    lrs = [float(r.split(",")[3]) for r in rows[1:]]
+    assert lrs[0] == pytest.approx(1e-5) and lrs[1] == pytest.approx(0.05 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert "test accuracy" in (out / "log.txt").read_text()
+
+    # a finished run is not trained again
+    mtime = (out / "checkpoint.pt").stat().st_mtime_ns
+    again = run(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 2, "prompt.csc": "true"}))
+    assert again.returncode == 0 and "not training again" in again.stderr
+    assert (out / "checkpoint.pt").stat().st_mtime_ns == mtime
+    # ... and a different config on the same folder is refused with one line
+    other = run(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 3, "prompt.csc": "true"}))
+    assert other.returncode == 2 and "different config (prompt.depth" in other.stderr
+    assert "Traceback" not in other.stderr
+
+
+@pytest.mark.parametrize("aug_views", [0, 2])
+def test_resume_after_sigkill_is_exact(image_folder, tmp_path, aug_views):
+    extra = {"train.epochs": 30, "train.aug_views": aug_views}
+    ref = tmp_path / "uninterrupted"
+    assert run(TRAIN + tiny_args(image_folder, ref, **extra)).returncode == 0
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(TRAIN + tiny_args(image_folder, out, **extra), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = load_ckpt(out / "checkpoint.pt")["epoch"] if (out / "checkpoint.pt").exists() else 0
+    assert killed_at < 30, "the kill came too late to test resuming"
+
+    res = run(TRAIN + tiny_args(image_folder, out, **extra))
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = load_ckpt(ref / "checkpoint.pt"), load_ckpt(out / "checkpoint.pt")
+    assert torch.equal(a["prompt"]["ctx"], b["prompt"]["ctx"])
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (ref, out))
+    assert ma["accuracy"] == mb["accuracy"] and ma["final_train_loss"] == mb["final_train_loss"]
+    assert [r["loss"] for r in a["history"]] == [r["loss"] for r in b["history"]]
+
+
+def test_eval_same_and_other_dataset(image_folder, tmp_path):
+    out = tmp_path / "run"
+    assert run(TRAIN + tiny_args(image_folder, out)).returncode == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt")])
+    assert res.returncode == 0, res.stderr[-2000:]
+    again = json.loads((out / "eval_imagefolder.json").read_text())
+    assert again["accuracy"] == metrics["accuracy"] and again["n_test"] == metrics["n_test"]
+
+    other = make_image_folder(tmp_path / "other", classes=("yellow_thing", "red_thing"), n_test=3)
+    res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), f"data.root={other}", "--out", str(tmp_path / "o.json")])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "o.json").read_text())["n_test"] == 6
+
+
+def test_eval_refuses_csc_transfer(image_folder, tmp_path):
+    out = tmp_path / "run"
+    assert run(TRAIN + tiny_args(image_folder, out, **{"prompt.csc": "true", "train.epochs": 1})).returncode == 0
+    other = make_image_folder(tmp_path / "other", classes=("a_thing", "b_thing"), n_test=2)
+    res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), f"data.root={other}"])
+    assert res.returncode == 2 and "class-specific context" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_non_finite_loss_stops_with_last_good_checkpoint(image_folder, tmp_path):
+    out = tmp_path / "run"
+    res = run(TRAIN + tiny_args(image_folder, out, **{"train.lr": 1e38, "train.epochs": 5}))
+    assert res.returncode == 1 and "non-finite" in res.stderr and "last good checkpoint" in res.stderr
+    ckpt = load_ckpt(out / "checkpoint.pt")
+    assert ckpt["epoch"] >= 1 and not ckpt["finished"]
+    assert torch.isfinite(ckpt["prompt"]["ctx"]).all()
+    assert not (out / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["data.nope=1"], "unknown or invalid config key 'data.nope'"),
+        (["train.precision=fp16"], "train.precision='fp16' is not one of"),
+        (["data.root=/no/such/folder"], "/no/such/folder"),
+        (["--config", "/no/such.yaml"], "config file not found: /no/such.yaml"),
+    ],
+)
+def test_bad_input_is_one_line(image_folder, tmp_path, args, message):
+    res = run(TRAIN + tiny_args(image_folder, tmp_path / "r") + args)  # later overrides win
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], res.stderr[-1500:]
+    assert "Traceback" not in res.stderr
+
+
+def test_recipe_rules_and_shipped_configs():
+    assert [epochs_for_shots(k, "dtd") for k in (1, 2, 4, 8, 16)] == [50, 100, 100, 200, 200]
+    assert epochs_for_shots(16, "imagenet") == 50
+    # Dassl's ConstantWarmupScheduler + CosineAnnealingLR(T_max=epochs), stepped per epoch
+    assert lr_factor(0, 200, 1, 0.005) == 0.005
+    assert lr_factor(1, 200, 1, 0.005) == pytest.approx(0.5 * (1 + math.cos(math.pi / 200)))
+    assert lr_factor(100, 200, 1, 0.005) == pytest.approx(0.5)
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        if "ablations" in path.parts:
+            continue
+        cfg = load_config(str(path))
+        assert run_name(cfg).count("/") == 4
+    with pytest.raises(ConfigError, match="'prompt.size'"):
+        load_config(None, ["prompt.size=3"])

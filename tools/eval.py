@@ -1,0 +1,41 @@
+"""Evaluate a saved prompt on a dataset's test split.
+
+    python tools/eval.py --checkpoint output/.../checkpoint.pt [key=value ...] [--out FILE]
+
+Overrides change the run's saved config, e.g. `data.name=dtd data.root=$DATA` evaluates a shared
+context on another dataset (class-specific context cannot be transferred). The metrics are printed
+as JSON and written to --out (default: eval_<dataset>.json beside the checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import run_cli, setup_logging  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="a run's checkpoint.pt")
+    ap.add_argument("overrides", nargs="*", metavar="key=value")
+    ap.add_argument("--out", help="where to write the metrics JSON")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args()
+    setup_logging(args.verbose)
+
+    from coop.checkpoint import write_json
+    from coop.runner import evaluate_checkpoint
+
+    metrics = evaluate_checkpoint(args.checkpoint, args.overrides)
+    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{metrics['dataset']}.json"
+    write_json(out, metrics)
+    print(json.dumps({k: metrics[k] for k in ("dataset", "accuracy", "macro_f1", "n_test")}))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
