@@ -23,7 +23,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("name", ["ViT-B-32", "ViT-B-16-quickgelu", "RN50", "ViT-L-14"])
+@pytest.mark.parametrize("name", ["ViT-B-32", "ViT-B-16-quickgelu", "RN50", "ViT-L-14", "ViT-H-14"])
 def test_encode_text_matches_open_clip(name):
     oc = build_openclip(name)
     clip = coop.CLIP.from_openclip(oc)
