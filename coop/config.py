@@ -37,6 +37,7 @@ DEFAULTS = {
         "aug_views": 0,
         "eval_batch_size": 100,
         "cache_features": True,
+        "grad_checkpointing": False,
     },
     "output_dir": None,
     "device": "auto",

@@ -83,6 +83,7 @@ def setup(cfg: DictConfig, ckpt: dict | None = None) -> Setup:
     shots = 0 if ckpt is not None else int(cfg.data.shots)
     dataset = build_dataset(cfg.data.name, cfg.data.root, shots=shots, seed=int(cfg.data.seed))
     clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
+    clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
     train_tf, test_tf = clip_transforms(clip)
     if ckpt is None:
         torch.manual_seed(int(cfg.data.seed))  # prompt initialisation

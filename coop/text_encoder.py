@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ class TextTransformer(nn.Module):
                 deep = deep_prompts[i - 1].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
                 x = x.scatter(1, index, deep)
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
         x = self.ln_final(x)

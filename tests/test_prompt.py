@@ -172,3 +172,17 @@ def test_invalid_arguments(tiny_clip):
         coop.PromptLearner(tiny_clip, ["dog", "word " * 75])
     with pytest.raises(ValueError, match="n_ctx must be >= 1"):
         coop.PromptLearner(tiny_clip, CLASSES, n_ctx=0)
+
+
+def test_grad_checkpointing_gives_same_gradients(tiny_clip):
+    learner = randomise_prompts(coop.PromptLearner(tiny_clip, CLASSES, depth=2, position="front"))
+    classifier = coop.PromptClassifier(tiny_clip, learner)
+    grads = []
+    for flag in (False, True):
+        tiny_clip.text.grad_checkpointing = flag
+        learner.zero_grad()
+        classifier.text_features().square().sum().backward()
+        grads.append((learner.ctx.grad.clone(), learner.deep_ctx.grad.clone()))
+    tiny_clip.text.grad_checkpointing = False
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)
