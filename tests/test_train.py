@@ -54,7 +54,9 @@ def test_train_writes_run_folder(image_folder, tmp_path):
     for name in ("config.yaml", "log.txt", "history.csv", "checkpoint.pt", "metrics.json"):
         assert (out / name).is_file(), name
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["n_test"] == 12 and metrics["epochs"] == 4 and metrics["shots"] == 4 and metrics["seed"] == 1
+    assert (
+        metrics["n_test"] == 12 and metrics["epochs"] == 4 and metrics["shots"] == 4 and metrics["seed"] == 1
+    )
     assert 0 <= metrics["accuracy"] <= 100
     ckpt = load_ckpt(out / "checkpoint.pt")
     assert set(ckpt["prompt"]) == {"ctx", "deep_ctx"}
@@ -87,8 +89,12 @@ def test_resume_after_sigkill_is_exact(image_folder, tmp_path, aug_views):
     assert run(TRAIN + tiny_args(image_folder, ref, **extra)).returncode == 0
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(TRAIN + tiny_args(image_folder, out, **extra), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        TRAIN + tiny_args(image_folder, out, **extra),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.005)
@@ -116,14 +122,25 @@ def test_eval_same_and_other_dataset(image_folder, tmp_path):
     assert again["accuracy"] == metrics["accuracy"] and again["n_test"] == metrics["n_test"]
 
     other = make_image_folder(tmp_path / "other", classes=("yellow_thing", "red_thing"), n_test=3)
-    res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), f"data.root={other}", "--out", str(tmp_path / "o.json")])
+    res = run(
+        EVAL
+        + [
+            "--checkpoint",
+            str(out / "checkpoint.pt"),
+            f"data.root={other}",
+            "--out",
+            str(tmp_path / "o.json"),
+        ]
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((tmp_path / "o.json").read_text())["n_test"] == 6
 
 
 def test_eval_refuses_csc_transfer(image_folder, tmp_path):
     out = tmp_path / "run"
-    assert run(TRAIN + tiny_args(image_folder, out, **{"prompt.csc": "true", "train.epochs": 1})).returncode == 0
+    assert (
+        run(TRAIN + tiny_args(image_folder, out, **{"prompt.csc": "true", "train.epochs": 1})).returncode == 0
+    )
     other = make_image_folder(tmp_path / "other", classes=("a_thing", "b_thing"), n_test=2)
     res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), f"data.root={other}"])
     assert res.returncode == 2 and "class-specific context" in res.stderr and "Traceback" not in res.stderr
