@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 import coop
 from coop import analysis
+from coop import sweep as sweep_lib
 from coop.checkpoint import save_checkpoint
 from coop.config import load_config, run_name, to_yaml
 from coop.results import load_runs, summarize, varying_keys
@@ -189,20 +190,21 @@ def test_sweep_rejects_bad_points_before_running(tmp_path):
 
 
 def test_run_folders_and_shipped_grids(tmp_path):
-    sweep = load_tool("sweep")
     counts = {"position": 30, "depth": 18, "n_ctx": 15, "csc": 30}
     for name, n in counts.items():
-        grid = sweep.load_grid(str(GRIDS / f"{name}.yaml"), ["data.name=textile"])
-        runs = sweep.plan(grid, tmp_path)
+        grid = sweep_lib.load_grid(str(GRIDS / f"{name}.yaml"), ["data.name=textile"])
+        runs = sweep_lib.plan(grid, tmp_path)
         assert len(runs) == n and len({r.folder for r in runs}) == n
         assert all(r.folder.parts[-5:-3] == ("textile", "ViT-B-16") for r in runs)
     # swept keys missing from the run name are appended; values survive the command line
-    grid = sweep.load_grid(None, ["data.name=textile", "train.lr=[0.1,0.02]", "prompt.ctx_init='a: b'"])
-    names = [r.folder.parent.name for r in sweep.plan(grid, tmp_path)]
+    grid = sweep_lib.load_grid(None, ["data.name=textile", "train.lr=[0.1,0.02]", "prompt.ctx_init='a: b'"])
+    names = [r.folder.parent.name for r in sweep_lib.plan(grid, tmp_path)]
     assert names == ["nctxinit_cscfalse_posend_depth1_lr0.1", "nctxinit_cscfalse_posend_depth1_lr0.02"]
-    assert load_config(None, sweep.plan(grid, tmp_path)[0].overrides).prompt.ctx_init == "a: b"
+    assert load_config(None, sweep_lib.plan(grid, tmp_path)[0].overrides).prompt.ctx_init == "a: b"
     with pytest.raises(ValueError, match="same run folder"):
-        sweep.plan(sweep.load_grid(None, ["data.name=textile", "prompt.position=[mid,middle]"]), tmp_path)
+        sweep_lib.plan(
+            sweep_lib.load_grid(None, ["data.name=textile", "prompt.position=[mid,middle]"]), tmp_path
+        )
 
 
 # ---------------------------------------------------------------- tables and figures (synthetic)

@@ -1,0 +1,369 @@
+"""Sweeps: expand a grid of config values into CoOp-style run folders and run them.
+
+The library behind `tools/sweep.py`:
+
+    grid = load_grid("configs/ablations/position.yaml", ["data.root=/data"])
+    runs = plan(grid, Path("runs/position"))          # validated, with folders and status
+    run_processes(runs, [train_command(r, TRAIN, None) for r in runs], jobs=2, gpus=[], echo=False)
+
+A grid maps dotted config keys to a value (fixed) or a list (swept). Each point becomes
+`OUT/<coop.config.run_name(cfg)>`; swept keys that the name lacks (e.g. train.lr) are appended to
+its settings part. Runs execute as subprocesses of `tools/train.py` (local, one GPU per worker) or
+as submitit jobs (SLURM, or submitit's local executor).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from coop.config import ConfigError, load_config, run_name
+from coop.data import DATASETS
+
+log = logging.getLogger("coop.sweep")
+
+NAMED_KEYS = {"data.name", "model.name", "data.shots", "prompt.n_ctx", "prompt.csc", "prompt.position",
+              "prompt.depth", "data.seed"}  # fmt: skip  # keys that coop.config.run_name spells out
+ROOTLESS = {"textile"}  # datasets bundled with a package: no data.root
+
+
+@dataclass
+class Run:
+    overrides: list[str]  # key=value for train.py, without output_dir
+    swept: dict  # the swept keys' values at this point
+    folder: Path
+    status: str = "new"  # new | resume | done
+    returncode: int | None = None
+    error: str = ""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_grid(path: str | None, overrides: list[str]) -> dict[str, list]:
+    """Grid file <- `key=value` overrides, as {dotted key: list of values} (scalars -> [v]).
+
+    Args:
+        path: YAML grid file (nested mappings are read as dotted keys) or None.
+        overrides: `key=value` strings; values are YAML, so `[1,2]` is a list.
+    """
+    grid = {}
+    if path:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"grid file not found: {path}")
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"cannot parse grid file {path}: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"grid file {path} must be a mapping of config keys to values or lists")
+        grid = _flatten(data)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"argument '{item}' is not of the form key=value")
+        try:
+            grid[key.strip()] = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            raise ValueError(f"cannot parse the value of '{item}'") from None
+    values = {k: v if isinstance(v, list) else [v] for k, v in grid.items()}
+    for key, v in values.items():
+        if key == "output_dir":
+            raise ValueError("output_dir is set by the sweep (--out); remove it from the grid")
+        if not v:
+            raise ValueError(f"grid key {key} has an empty list of values")
+    return values
+
+
+def _parse_dotlist_value(text: str):
+    try:
+        return OmegaConf.from_dotlist([f"k={text}"]).k
+    except Exception:  # YAML errors of odd strings
+        return _UNPARSABLE
+
+
+_UNPARSABLE = object()
+
+
+def format_value(value) -> str:
+    """A value as a `key=value` string for train.py that OmegaConf parses back to the same value."""
+    if value is None:
+        text = "null"
+    elif isinstance(value, bool):
+        text = str(value).lower()
+    elif isinstance(value, int | float):
+        text = repr(value)
+    else:
+        text = str(value)
+        if _parse_dotlist_value(text) != text:
+            text = "'" + text.replace("'", "''") + "'"  # YAML single-quoted scalar
+    if _parse_dotlist_value(text) != value:
+        raise ValueError(f"grid value {value!r} cannot be passed on the command line")
+    return text
+
+
+def _suffix(swept: dict, extra: list[str]) -> str:
+    parts = []
+    for key in extra:
+        value = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in str(swept[key]))
+        parts.append(f"{key.split('.')[-1]}{value}")
+    return "_" + "_".join(parts) if parts else ""
+
+
+def _data_problem(cfg) -> str:
+    if cfg.data.name in ROOTLESS:
+        return ""
+    if cfg.data.root is None:
+        return f"data.root is not set; data.name={cfg.data.name} needs the DATA folder (data.root=/path)"
+    if not Path(str(cfg.data.root)).expanduser().is_dir():
+        return f"data.root {cfg.data.root} is not a directory"
+    return ""
+
+
+def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data: bool = True) -> list[Run]:
+    """Expand the grid into runs, validate every point's config and find their folders.
+
+    Args:
+        grid: {dotted key: values} from `load_grid`; lists of more than one value are swept.
+        out: sweep root folder.
+        config: optional base config file passed to train.py as `--config`.
+        check_data: also require an existing data.root (all datasets but the bundled textile).
+    Returns:
+        Runs in grid order (the first key varies slowest), with their status.
+    """
+    keys = list(grid)
+    swept_keys = [k for k in keys if len(grid[k]) > 1]
+    extra = [k for k in swept_keys if k not in NAMED_KEYS]
+    runs, seen = [], {}
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        point = dict(zip(keys, combo, strict=True))
+        overrides = [f"{k}={format_value(v)}" for k, v in point.items()]
+        swept = {k: point[k] for k in swept_keys}
+        where = " ".join(f"{k}={format_value(v)}" for k, v in swept.items()) or "(single point)"
+        try:
+            cfg = load_config(config, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"point {where}: {e}") from None
+        if cfg.data.name not in DATASETS:
+            raise ConfigError(f"point {where}: unknown data.name '{cfg.data.name}' ({', '.join(DATASETS)})")
+        problem = _data_problem(cfg)
+        if problem and check_data:
+            raise ConfigError(f"point {where}: {problem}")
+        head, _, seed = run_name(cfg).rpartition("/")
+        folder = out / f"{head}{_suffix(swept, extra)}" / seed
+        if folder in seen:
+            raise ConfigError(
+                f"points {seen[folder]} and {where} map to the same run folder {folder}; "
+                "sweep keys that change the run, or make the values distinct"
+            )
+        seen[folder] = where
+        runs.append(Run(overrides, swept, folder, run_status(folder)))
+    return runs
+
+
+def run_status(folder: Path) -> str:
+    """done (metrics.json), resume (checkpoint.pt or config.yaml) or new."""
+    if (folder / "metrics.json").is_file():
+        return "done"
+    if (folder / "checkpoint.pt").is_file() or (folder / "config.yaml").is_file():
+        return "resume"
+    return "new"
+
+
+def train_command(run: Run, train: Path, config: str | None) -> list[str]:
+    cfg = ["--config", str(Path(config).resolve())] if config else []
+    return [sys.executable, str(train), *cfg, *run.overrides, f"output_dir={run.folder}"]
+
+
+# ---------------------------------------------------------------- execution
+
+_LIVE: set = set()  # child processes started by this sweep, terminated on Ctrl-C
+_LIVE_LOCK = threading.Lock()
+
+
+def _register(proc, alive: bool) -> None:
+    with _LIVE_LOCK:
+        (_LIVE.add if alive else _LIVE.discard)(proc)
+
+
+def run_command(cmd: list[str], log_path: str, cwd: str, env=None, echo: bool = False, track=None) -> int:
+    """Run `cmd`, appending its stdout and stderr to `log_path` as they come; return its exit code.
+
+    Also what each submitit job executes on its node (it touches no module state of the sweep).
+
+    Args:
+        cmd: the command.
+        log_path: file the output is appended to, after a header line with the command.
+        cwd: working directory (relative paths in the config resolve against it).
+        env: extra environment variables.
+        echo: also copy the output to this process's stdout.
+        track: optional callback `track(proc, alive)` told when the child starts and ends.
+    """
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as f:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        f.write(f"\n=== {stamp} sweep: {' '.join(cmd)}\n".encode())
+        f.flush()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if track:
+            track(proc, True)
+        try:
+            for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):
+                f.write(chunk)
+                f.flush()
+                if echo:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+            return proc.wait()
+        finally:
+            if track:
+                track(proc, False)
+
+
+def _tail(path: Path, n: int = 1) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return " / ".join(ln.strip()[-200:] for ln in lines[-n:])
+
+
+def _finish(run: Run, rc: int | None, error: str = "") -> None:
+    run.returncode = rc
+    run.error = error
+    if rc == 0 and not (run.folder / "metrics.json").is_file():
+        run.returncode, run.error = -1, "train.py exited 0 but wrote no metrics.json"
+    if run.returncode != 0 and not run.error:
+        run.error = f"exit code {rc}: {_tail(run.folder / 'sweep.log')}"
+
+
+def run_processes(runs: list[Run], cmds: list[list[str]], jobs: int, gpus: list[str], echo: bool) -> None:
+    """Run the commands as local subprocesses, `jobs` at a time, each worker on its own GPU."""
+    slots: queue.Queue = queue.Queue()
+    for i in range(jobs):
+        slots.put(i)
+    cwd = os.getcwd()
+
+    def work(run: Run, cmd: list[str]) -> int:
+        slot = slots.get()
+        try:
+            env = {"CUDA_VISIBLE_DEVICES": gpus[slot % len(gpus)]} if gpus else {}
+            return run_command(cmd, str(run.folder / "sweep.log"), cwd, env, echo, _register)
+        finally:
+            slots.put(slot)
+
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    futures = {pool.submit(work, r, c): r for r, c in zip(runs, cmds, strict=True)}
+    try:
+        with (
+            logging_redirect_tqdm(),
+            tqdm(total=len(runs), desc="runs", unit="run", disable=True if echo else None) as bar,
+        ):
+            for fut in as_completed(futures):
+                run = futures[fut]
+                try:
+                    _finish(run, fut.result())
+                except OSError as e:
+                    _finish(run, -1, f"could not start: {e}")
+                log.info("%s %s", "ok    " if run.returncode == 0 else "FAILED", run.folder)
+                bar.update()
+    except KeyboardInterrupt:
+        with _LIVE_LOCK:
+            for proc in list(_LIVE):
+                proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+def run_submitit(runs: list[Run], cmds: list[list[str]], args, root: Path) -> None:
+    """Submit each run as a submitit job (SLURM or submitit's local executor) and wait for them."""
+    try:
+        import submitit
+    except ImportError:
+        raise ValueError("--executor slurm/local needs submitit: pip install 'coop[slurm]'") from None
+    cluster = args.executor
+    executor = submitit.AutoExecutor(folder=root / ".submitit", cluster=cluster)
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else (1 if cluster == "slurm" else 0)
+    params = {"timeout_min": args.timeout_min, "gpus_per_node": gpus, "name": "coop-sweep"}
+    if args.cpus_per_task:
+        params["cpus_per_task"] = args.cpus_per_task
+    if cluster == "slurm":
+        if args.partition:
+            params["slurm_partition"] = args.partition
+        params["slurm_array_parallelism"] = args.jobs or len(runs)
+    executor.update_parameters(**params)
+    cwd = os.getcwd()
+    pending = list(zip(runs, cmds, strict=True))
+    # SLURM: one array job, throttled by SLURM; local executor: at most --jobs at a time.
+    window = len(pending) if cluster == "slurm" else (args.jobs or 1)
+    active: dict = {}
+    with (
+        logging_redirect_tqdm(),
+        tqdm(total=len(runs), desc=f"{cluster} jobs", unit="run", disable=None) as bar,
+    ):
+        try:
+            while pending or active:
+                batch, pending = pending[: window - len(active)], pending[window - len(active) :]
+                if batch:
+                    with executor.batch():
+                        submitted = [
+                            (executor.submit(run_command, c, str(r.folder / "sweep.log"), cwd), r)
+                            for r, c in batch
+                        ]
+                    for job, run in submitted:
+                        log.info("submitted job %s: %s", job.job_id, run.folder)
+                        active[job] = run
+                    if cluster == "slurm" and args.no_wait:
+                        return
+                for job in [j for j in active if j.done()]:
+                    run = active.pop(job)
+                    try:
+                        _finish(run, job.result())
+                    except Exception as e:  # the job itself failed (timeout, preemption, node failure)
+                        _finish(run, -1, f"job {job.job_id}: {str(e).strip().splitlines()[-1][:300]}")
+                    log.info("%s %s", "ok    " if run.returncode == 0 else "FAILED", run.folder)
+                    bar.update()
+                if active:
+                    time.sleep(0.5 if cluster == "local" else 15)
+        except KeyboardInterrupt:
+            if cluster == "local":
+                for job in active:
+                    job.cancel(check=False)
+            else:
+                log.warning("SLURM jobs keep running: %s", " ".join(j.job_id for j in active))
+            raise
+
+
+def visible_gpus(spec: str | None) -> list[str]:
+    """GPU ids for the workers: --gpus, else CUDA_VISIBLE_DEVICES, else all GPUs torch sees."""
+    if spec is not None:
+        return [g for g in spec.split(",") if g.strip()]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
