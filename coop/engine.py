@@ -187,12 +187,14 @@ def evaluate(
     }
 
 
-def test_features(s: Setup, items=None, desc="test features"):
+def _features(s: Setup, items, transform, desc: str, views: int = 1, seed: int | None = None):
     cfg = s.cfg
     return cached_features(
         s.clip,
-        s.dataset.test if items is None else items,
-        s.test_tf,
+        items,
+        transform,
+        views=views,
+        seed=seed,
         device=s.device,
         batch_size=int(cfg.train.eval_batch_size),
         num_workers=int(cfg.data.num_workers),
@@ -203,27 +205,19 @@ def test_features(s: Setup, items=None, desc="test features"):
     )
 
 
+def eval_features(s: Setup):
+    """Test-split features ((1, N, E), labels), computed once and kept in the disk cache."""
+    return _features(s, s.dataset.test, s.test_tf, "test features")
+
+
 def training_features(s: Setup):
     """Cached training features for aug_views >= 1, None for aug_views == 0 (CoOp's way)."""
-    cfg = s.cfg
-    views = int(cfg.train.aug_views)
+    views = int(s.cfg.train.aug_views)
     if views == 0:
         return None
-    transform = s.test_tf if views == 1 else s.train_tf
-    return cached_features(
-        s.clip,
-        s.dataset.train,
-        transform,
-        views=views,
-        seed=None if views == 1 else int(cfg.data.seed),
-        device=s.device,
-        batch_size=int(cfg.train.eval_batch_size),
-        num_workers=int(cfg.data.num_workers),
-        skip_corrupt=bool(cfg.data.skip_corrupt),
-        precision=cfg.train.precision,
-        use_disk=bool(cfg.train.cache_features),
-        desc="train features",
-    )
+    if views == 1:  # one deterministic pass with the test transform
+        return _features(s, s.dataset.train, s.test_tf, "train features")
+    return _features(s, s.dataset.train, s.train_tf, "train features", views, int(s.cfg.data.seed))
 
 
 def default_output_dir(cfg: DictConfig) -> str:

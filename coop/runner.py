@@ -28,10 +28,10 @@ from coop.config import model_tag, resolved_epochs, to_yaml
 from coop.engine import (
     NonFiniteLossError,
     default_output_dir,
+    eval_features,
     evaluate,
     lr_factor,
     setup,
-    test_features,
     train_one_epoch,
     training_features,
 )
@@ -198,7 +198,7 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
                 lr,
             )
 
-    feats, labels = test_features(s)
+    feats, labels = eval_features(s)
     metrics = evaluate(s.classifier, feats[0], labels, s.device, precision)
     metrics.update(
         epochs=epochs,
@@ -238,7 +238,7 @@ def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...]
     cfg = load_config(None, overrides, base=ckpt["config"])
     s = setup(cfg, ckpt)
     precision = cfg.train.precision if s.device.type == "cuda" else "fp32"
-    feats, labels = test_features(s)
+    feats, labels = eval_features(s)
     metrics = evaluate(s.classifier, feats[0], labels, s.device, precision)
     metrics.update(checkpoint=str(path), dataset=cfg.data.name, trained_on=ckpt["config"]["data"]["name"])
     return metrics

@@ -29,6 +29,15 @@ def randomise_text_tower(model: torch.nn.Module, seed: int = 0) -> torch.nn.Modu
     return model
 
 
+def randomise_prompts(learner: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Fill every prompt tensor with N(0, 1) values so that layouts and deep tokens all matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return learner
+
+
 def build_openclip(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = open_clip.create_model(name, pretrained=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import randomise_prompts
 
 import coop
 from coop.reference import coop_text_features
@@ -20,14 +21,6 @@ CLASSES = [
 
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
-
-
-def randomise_prompts(learner, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in learner.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
-    return learner
 
 
 @pytest.mark.parametrize("position", ["end", "middle", "front"])

@@ -12,7 +12,7 @@ import sys
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, make_image_folder
+from conftest import REPO, TINY_CONFIG, make_image_folder, randomise_prompts
 from omegaconf import OmegaConf
 
 import coop
@@ -265,12 +265,7 @@ def test_plot_writes_only_figures_with_data(tmp_path, capsys):
 
 
 def random_learner(clip, classes=CLASSES, seed=0, **kw):
-    learner = coop.PromptLearner(clip, classes, **kw)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in learner.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
-    return learner
+    return randomise_prompts(coop.PromptLearner(clip, classes, **kw), seed)
 
 
 @pytest.mark.parametrize("position", ["end", "middle", "front"])

@@ -8,13 +8,24 @@ from collections.abc import Callable
 
 
 def setup_logging(verbose: bool = False) -> None:
+    """coop's own loggers at INFO (DEBUG with -v); others (open_clip logs on the root) at WARNING."""
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    logging.getLogger("coop").setLevel(logging.DEBUG if verbose else logging.INFO)
     for noisy in ("PIL", "matplotlib", "urllib3", "huggingface_hub", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def add_model_args(ap) -> None:
+    """--pretrained/--device/-v for tools that rebuild a run's model from its checkpoint."""
+    ap.add_argument(
+        "--pretrained", default="config", help="weights override (tag or file) for the run's model"
+    )
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("-v", "--verbose", action="store_true")
 
 
 def run_cli(main: Callable[[], int | None]) -> None:

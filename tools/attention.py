@@ -17,12 +17,11 @@ Writes into --out (default `<checkpoint folder>/attention/`):
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import run_cli, setup_logging  # noqa: E402
+from _cli import add_model_args, run_cli, setup_logging  # noqa: E402
 
 from coop.analysis import attention_figures  # noqa: E402
 from coop.checkpoint import load_trained  # noqa: E402
@@ -40,16 +39,9 @@ def main(argv=None) -> int:
         help="layouts to compare (default: end middle)",
     )
     ap.add_argument("--out", help="output folder (default: <checkpoint folder>/attention)")
-    ap.add_argument(
-        "--pretrained", default="config", help="weights override (tag or file) for the run's model"
-    )
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("-v", "--verbose", action="store_true")
+    add_model_args(ap)
     args = ap.parse_args(argv)
     setup_logging(args.verbose)
-    if not args.verbose:  # open_clip logs model building at INFO on the root logger
-        logging.getLogger().setLevel(logging.WARNING)
-        logging.getLogger("coop").setLevel(logging.INFO)
 
     clip, learner, _ = load_trained(args.checkpoint, args.device, pretrained=args.pretrained)
     classes = args.classes or learner.classnames[:2]

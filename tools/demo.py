@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-log = logging.getLogger("demo")
+log = logging.getLogger("coop.demo")
 
 
 def main() -> int:

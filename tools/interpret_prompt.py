@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import run_cli, setup_logging  # noqa: E402
+from _cli import add_model_args, run_cli, setup_logging  # noqa: E402
 
 from coop.analysis import format_words_table, nearest_words  # noqa: E402
 from coop.checkpoint import load_trained  # noqa: E402
@@ -30,16 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("checkpoint", help="a run's checkpoint.pt")
     ap.add_argument("--topk", type=int, default=5, help="words per vector and metric (default 5)")
     ap.add_argument("--out", help="folder for prompt_words.json/.csv (default: the checkpoint's folder)")
-    ap.add_argument(
-        "--pretrained", default="config", help="weights override (tag or file) for the run's model"
-    )
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("-v", "--verbose", action="store_true")
+    add_model_args(ap)
     args = ap.parse_args(argv)
     setup_logging(args.verbose)
-    if not args.verbose:  # open_clip logs model building at INFO on the root logger
-        logging.getLogger().setLevel(logging.WARNING)
-        logging.getLogger("coop").setLevel(logging.INFO)
     if args.topk < 1:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
 
