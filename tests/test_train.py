@@ -187,3 +187,20 @@ def test_recipe_rules_and_shipped_configs():
         assert run_name(cfg).count("/") == 4
     with pytest.raises(ConfigError, match="'prompt.size'"):
         load_config(None, ["prompt.size=3"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_image_is_named_or_skipped(tmp_path, workers):
+    folder = make_image_folder(tmp_path / "data", n_train=3, n_test=2)
+    bad = folder / "train" / "red_thing" / "1.png"
+    bad.write_bytes(b"not a png at all")
+    extra = {"data.num_workers": workers, "train.epochs": 1}
+    res = run(TRAIN + tiny_args(folder, tmp_path / "run", **extra))
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"cannot read image {bad}" in errors[0]
+    assert "Traceback" not in res.stderr
+
+    res = run(TRAIN + tiny_args(folder, tmp_path / "run2", **extra, **{"data.skip_corrupt": "true"}))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"skipping cannot read image {bad}" in res.stderr

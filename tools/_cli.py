@@ -28,6 +28,16 @@ def add_model_args(ap) -> None:
     ap.add_argument("-v", "--verbose", action="store_true")
 
 
+def one_line(error: BaseException) -> str:
+    """The message of `error`; for one re-raised from a DataLoader worker, the original one."""
+    text = str(error).strip()
+    if "Original Traceback" in text:  # "Caught DataError in DataLoader worker ... <traceback>"
+        last = text.splitlines()[-1]
+        head, sep, rest = last.partition(": ")
+        text = rest if sep and " " not in head else last
+    return text
+
+
 def run_cli(main: Callable[[], int | None]) -> None:
     """Run `main`; bad input becomes one `error: ...` line (exit 2), a failed run exit 1."""
     from coop.engine import NonFiniteLossError
@@ -41,6 +51,6 @@ def run_cli(main: Callable[[], int | None]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code or 0)
