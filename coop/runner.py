@@ -171,18 +171,18 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
     for epoch in bar:
         t0 = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
+        kept = (
+            f"the last good checkpoint is {ckpt_path} (epoch {epoch})"
+            if epoch
+            else "no checkpoint was written"
+        )
         try:
             stats = train_one_epoch(s, optimizer, epoch, train_feats, precision)
         except NonFiniteLossError as e:
-            raise NonFiniteLossError(
-                f"{e}; the last good checkpoint is {ckpt_path} (epoch {epoch})"
-            ) from None
+            raise NonFiniteLossError(f"{e}; {kept}") from None
         scheduler.step()
         if not all(torch.isfinite(p).all() for p in learner.parameters()):
-            raise NonFiniteLossError(
-                f"prompt parameters became non-finite in epoch {epoch + 1}; the last good checkpoint is "
-                f"{ckpt_path} (epoch {epoch})"
-            )
+            raise NonFiniteLossError(f"prompt parameters became non-finite in epoch {epoch + 1}; {kept}")
         row = {"epoch": epoch + 1, **{k: round(v, 6) for k, v in stats.items()}, "lr": lr}
         history.append({**row, "time_s": round(time.perf_counter() - t0, 3)})
         checkpoint(epoch + 1, finished=False)
