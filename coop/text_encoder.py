@@ -153,19 +153,16 @@ class TextTransformer(nn.Module):
         unique = torch.unique(lengths)
         if len(unique) == 1:
             return self._encode_bucket(x[:, : int(unique)], eos, deep_prompts, slots)
-        out = None
+        feats, order = [], []
         for length in unique.tolist():
             rows = (lengths == length).nonzero().squeeze(1)
             deep = None
             if deep_prompts is not None:
                 deep = deep_prompts if deep_prompts.shape[1] == 1 else deep_prompts[:, rows]
-            feats = self._encode_bucket(
-                x[rows, :length], eos[rows], deep, None if slots is None else slots[rows]
-            )
-            if out is None:
-                out = feats.new_empty(x.shape[0], feats.shape[1])
-            out = out.index_copy(0, rows, feats)
-        return out
+            bucket_slots = None if slots is None else slots[rows]
+            feats.append(self._encode_bucket(x[rows, :length], eos[rows], deep, bucket_slots))
+            order.append(rows)
+        return torch.cat(feats)[torch.cat(order).argsort()]  # back to row order
 
     def _encode_bucket(self, x, eos, deep_prompts, slots) -> torch.Tensor:
         n, length, width = x.shape
