@@ -119,8 +119,13 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
     if cfg.train.batch_size < 1:
         raise ConfigError("train.batch_size must be >= 1")
-    if cfg.train.epochs is not None and (not isinstance(cfg.train.epochs, int) or cfg.train.epochs < 1):
-        raise ConfigError(f"train.epochs must be a positive integer or null, got {cfg.train.epochs!r}")
+    epochs = cfg.train.epochs
+    if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0):
+        raise ConfigError(f"train.epochs must be a non-negative integer or null, got {epochs!r}")
+    if epochs == 0 and not cfg.prompt.ctx_init:
+        raise ConfigError(
+            "train.epochs=0 evaluates untrained prompts: set prompt.ctx_init (e.g. 'a photo of a')"
+        )
 
 
 def resolved_epochs(cfg: DictConfig) -> int:

@@ -98,7 +98,7 @@ def lr_factor(epoch: int, epochs: int, warmup_epochs: int, warmup_ratio: float) 
     """CoOp's schedule as a multiplier of the base lr: constant warm-up, then cosine over `epochs`."""
     if epoch < warmup_epochs:
         return warmup_ratio
-    return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+    return 0.5 * (1 + math.cos(math.pi * epoch / max(epochs, 1)))
 
 
 def seed_epoch(seed: int, epoch: int) -> torch.Generator:

@@ -204,3 +204,31 @@ def test_corrupt_image_is_named_or_skipped(tmp_path, workers):
     res = run(TRAIN + tiny_args(folder, tmp_path / "run2", **extra, **{"data.skip_corrupt": "true"}))
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"skipping cannot read image {bad}" in res.stderr
+
+
+def test_zero_epochs_is_the_zero_shot_baseline(image_folder, tmp_path):
+    """epochs=0 with ctx_init evaluates zero-shot CLIP with that template through the same pipeline."""
+    import coop
+    from coop.data import build_dataset
+    from coop.engine import clip_transforms
+    from coop.features import encode_images
+
+    out = tmp_path / "zs"
+    res = run(
+        TRAIN + tiny_args(image_folder, out, **{"train.epochs": 0, "prompt.ctx_init": "'a photo of a'"})
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["epochs"] == 0 and metrics["n_ctx"] == 4
+
+    clip = coop.load_clip(str(TINY_CONFIG))
+    ds = build_dataset("imagefolder", str(image_folder))
+    feats, labels, _ = encode_images(clip, ds.test, clip_transforms(clip)[1], device=torch.device("cpu"))
+    names = [c.replace("_", " ") for c in ds.classnames]
+    with torch.no_grad():
+        text = clip.encode_text(clip.tokenize([f"a photo of a {c}." for c in names]))
+        preds = coop.cosine_logits(feats, text, clip.logit_scale).argmax(-1)
+    assert metrics["accuracy"] == pytest.approx(100.0 * float((preds == labels).float().mean()))
+
+    bad = run(TRAIN + tiny_args(image_folder, tmp_path / "x", **{"train.epochs": 0}))
+    assert bad.returncode == 2 and "set prompt.ctx_init" in bad.stderr
