@@ -23,6 +23,7 @@ DEFAULTS = {
         "shots": 16,
         "seed": 1,
         "skip_corrupt": False,
+        "subsample_classes": "all",
         "num_workers": 2,
     },
     "train": {
@@ -46,6 +47,7 @@ DEFAULTS = {
 CHOICES = {
     "prompt.position": ("end", "middle", "mid", "front"),
     "train.precision": ("fp32", "amp"),
+    "data.subsample_classes": ("all", "base", "new"),
 }
 
 
@@ -142,13 +144,17 @@ def model_tag(name: str) -> str:
 
 
 def run_name(cfg: DictConfig) -> str:
-    """CoOp-style run folder: <dataset>/<model>/shots<K>/nctx<M>_csc<C>_pos<P>_depth<J>/seed<S>."""
+    """CoOp-style run folder: <dataset>/<model>/shots<K>/nctx<M>_csc<C>_pos<P>_depth<J>/seed<S>.
+
+    Base-to-new runs (data.subsample_classes base/new) add "_base"/"_new" to the settings part.
+    """
     p = cfg.prompt
     n_ctx = p.n_ctx if p.n_ctx is not None else ("init" if p.ctx_init else 4)
     pos = "middle" if p.position == "mid" else p.position
+    classes = "" if cfg.data.subsample_classes == "all" else f"_{cfg.data.subsample_classes}"
     return (
         f"{cfg.data.name}/{model_tag(cfg.model.name)}/shots{cfg.data.shots}/"
-        f"nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}/seed{cfg.data.seed}"
+        f"nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}{classes}/seed{cfg.data.seed}"
     )
 
 

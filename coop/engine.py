@@ -25,7 +25,15 @@ from tqdm import tqdm
 
 from coop.checkpoint import learner_from_checkpoint
 from coop.config import run_name
-from coop.data import CLIP_MEAN, CLIP_STD, ImageDataset, build_dataset, build_transforms, collate_skip_none
+from coop.data import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ImageDataset,
+    build_dataset,
+    build_transforms,
+    collate_skip_none,
+    subsample_classes,
+)
 from coop.features import autocast, cached_features
 from coop.model import CLIP, load_clip
 from coop.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
@@ -82,6 +90,7 @@ def setup(cfg: DictConfig, ckpt: dict | None = None) -> Setup:
     device = resolve_device(cfg.device)
     shots = 0 if ckpt is not None else int(cfg.data.shots)
     dataset = build_dataset(cfg.data.name, cfg.data.root, shots=shots, seed=int(cfg.data.seed))
+    dataset = subsample_classes(dataset, cfg.data.subsample_classes)
     clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
     train_tf, test_tf = clip_transforms(clip)

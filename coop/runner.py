@@ -240,5 +240,10 @@ def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...]
     precision = cfg.train.precision if s.device.type == "cuda" else "fp32"
     feats, labels = eval_features(s)
     metrics = evaluate(s.classifier, feats[0], labels, s.device, precision)
-    metrics.update(checkpoint=str(path), dataset=cfg.data.name, trained_on=ckpt["config"]["data"]["name"])
+    metrics.update(
+        checkpoint=str(path),
+        dataset=cfg.data.name,
+        subsample_classes=cfg.data.subsample_classes,
+        trained_on=ckpt["config"]["data"]["name"],
+    )
     return metrics

@@ -36,8 +36,9 @@ from coop.data import DATASETS
 
 log = logging.getLogger("coop.sweep")
 
+# keys that coop.config.run_name spells out
 NAMED_KEYS = {"data.name", "model.name", "data.shots", "prompt.n_ctx", "prompt.csc", "prompt.position",
-              "prompt.depth", "data.seed"}  # fmt: skip  # keys that coop.config.run_name spells out
+              "prompt.depth", "data.seed", "data.subsample_classes"}  # fmt: skip
 ROOTLESS = {"textile"}  # datasets bundled with a package: no data.root
 
 

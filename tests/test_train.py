@@ -232,3 +232,27 @@ def test_zero_epochs_is_the_zero_shot_baseline(image_folder, tmp_path):
 
     bad = run(TRAIN + tiny_args(image_folder, tmp_path / "x", **{"train.epochs": 0}))
     assert bad.returncode == 2 and "set prompt.ctx_init" in bad.stderr
+
+
+def test_base_to_new(tmp_path):
+    """Train on the first ceil(n/2) classes, then evaluate the shared context on the other half."""
+    from coop.data import build_dataset, subsample_classes
+
+    folder = make_image_folder(tmp_path / "data", classes=("a_thing", "b_thing", "c_thing"), n_test=2)
+    full = build_dataset("imagefolder", str(folder))
+    base, new = subsample_classes(full, "base"), subsample_classes(full, "new")
+    assert base.classnames == ["a_thing", "b_thing"] and new.classnames == ["c_thing"]
+    assert {d.label for d in new.test} == {0} and {d.classname for d in new.test} == {"c_thing"}
+    assert len(base.test) + len(new.test) == len(full.test)
+
+    out = tmp_path / "run"
+    res = run(TRAIN + tiny_args(folder, out, **{"data.subsample_classes": "base", "train.epochs": 1}))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((out / "metrics.json").read_text())["n_test"] == 4
+    assert load_ckpt(out / "checkpoint.pt")["classnames"] == ["a_thing", "b_thing"]
+    res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), "data.subsample_classes=new"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    new_metrics = json.loads((out / "eval_imagefolder_new.json").read_text())
+    assert new_metrics["n_test"] == 2 and new_metrics["accuracy"] == 100.0  # one class: always right
+    cfg = load_config(None, ["data.subsample_classes=new"])
+    assert run_name(cfg).endswith("depth1_new/seed1")

@@ -4,7 +4,8 @@
 
 Overrides change the run's saved config, e.g. `data.name=dtd data.root=$DATA` evaluates a shared
 context on another dataset (class-specific context cannot be transferred). The metrics are printed
-as JSON and written to --out (default: eval_<dataset>.json beside the checkpoint).
+as JSON and written to --out (default: eval_<dataset>.json beside the checkpoint, or
+eval_<dataset>_new.json for `data.subsample_classes=new`: the base-to-new protocol).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def main() -> int:
     from coop.runner import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(args.checkpoint, args.overrides)
-    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{metrics['dataset']}.json"
+    classes = "" if metrics["subsample_classes"] == "all" else f"_{metrics['subsample_classes']}"
+    name = f"eval_{metrics['dataset']}{classes}.json"
+    out = Path(args.out) if args.out else Path(args.checkpoint).parent / name
     write_json(out, metrics)
     print(json.dumps({k: metrics[k] for k in ("dataset", "accuracy", "macro_f1", "n_test")}))
     return 0

@@ -9,7 +9,7 @@ Modules: `base` (records, split files, few-shot sampling and caches), `datasets`
 per dataset, `DATASETS`, `build_dataset`), `images` (image loading and transforms).
 """
 
-from coop.data.base import DataError, Datum, FewShotDataset
+from coop.data.base import SUBSAMPLE, DataError, Datum, FewShotDataset, subsample_classes
 from coop.data.datasets import DATASETS, build_dataset
 from coop.data.images import CLIP_MEAN, CLIP_STD, ImageDataset, build_transforms, collate_skip_none
 
@@ -20,8 +20,10 @@ __all__ = [
     "DataError",
     "Datum",
     "FewShotDataset",
+    "SUBSAMPLE",
     "ImageDataset",
     "build_dataset",
     "build_transforms",
     "collate_skip_none",
+    "subsample_classes",
 ]

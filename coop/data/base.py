@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import tempfile
@@ -305,6 +306,35 @@ def fewshot_dataset(src: Source, shots: int = 0, seed: int = 1) -> FewShotDatase
         }
         save_cache(primary, fallback, obj, "few-shot split")
     return FewShotDataset(src.name, src.classnames, train, val, src.test, src.image_dir, shots, seed)
+
+
+SUBSAMPLE = ("all", "base", "new")
+
+
+def subsample_classes(ds: FewShotDataset, which: str = "all") -> FewShotDataset:
+    """The base-to-new protocol (CoCoOp): keep the first ceil(n/2) classes ("base") or the rest ("new").
+
+    Kept classes are relabelled from 0 in their original order; "all" returns `ds` unchanged.
+
+    Args:
+        ds: a dataset from `build_dataset` (already few-shot sampled, as CoCoOp does).
+        which: "all", "base" or "new".
+    """
+    if which not in SUBSAMPLE:
+        raise ValueError(f"subsample_classes must be one of {', '.join(SUBSAMPLE)}, got {which!r}")
+    if which == "all":
+        return ds
+    m = math.ceil(len(ds.classnames) / 2)
+    kept = range(m) if which == "base" else range(m, len(ds.classnames))
+    relabel = {old: new for new, old in enumerate(kept)}
+
+    def keep(items: list[Datum]) -> list[Datum]:
+        return [Datum(d.path, relabel[d.label], d.classname) for d in items if d.label in relabel]
+
+    names = [ds.classnames[i] for i in kept]
+    return FewShotDataset(
+        ds.name, names, keep(ds.train), keep(ds.val), keep(ds.test), ds.image_dir, ds.shots, ds.seed
+    )
 
 
 def save_cache(primary: Path | None, fallback: Path, obj, what: str) -> Path | None:
