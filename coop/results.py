@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 log = logging.getLogger(__name__)
 
 RUN_FILES = ("metrics.json", "config.yaml", "checkpoint.pt", "sweep.log")  # sweep.log: failed at start
-METRICS = ("accuracy", "macro_f1")
+METRICS = ("accuracy", "macro_f1", "new_accuracy", "hm")  # the last two: base-to-new runs
 IGNORED_KEYS = ("data.seed", "output_dir")  # never grouping keys by default
 KEY_ORDER = ("data.name", "model.name", "model.pretrained", "data.shots")  # leading table columns
 
@@ -89,9 +89,23 @@ def load_runs(root: str | os.PathLike) -> pd.DataFrame:
             else:
                 row.update({k: v for k, v in values.items() if not isinstance(v, dict | list)})
                 row["complete"] = True
+                row.update(_base_to_new(folder, row))
         rows.append(row)
     df = pd.DataFrame(rows)
     return df if len(df) else pd.DataFrame(columns=["run", "complete"])
+
+
+def _base_to_new(folder: Path, row: dict) -> dict:
+    """For a base-class run evaluated on the new classes: new-class accuracy and the harmonic mean."""
+    if row.get("data.subsample_classes") != "base":
+        return {}
+    path = folder / f"eval_{row.get('data.name')}_new.json"
+    try:
+        new = float(json.loads(path.read_text())["accuracy"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return {}
+    base = float(row["accuracy"])
+    return {"new_accuracy": new, "hm": 2 * base * new / (base + new) if base + new else 0.0}
 
 
 def config_keys(df: pd.DataFrame) -> list[str]:
@@ -144,7 +158,7 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
         raise ValueError(f"unknown grouping key '{missing[0]}' (known: {known})")
     metrics = [m for m in metrics if m in done.columns]
     if not metrics:
-        raise ValueError("no metric columns (accuracy, macro_f1) in the finished runs")
+        raise ValueError(f"no metric columns ({', '.join(METRICS)}) in the finished runs")
     for key in by:  # None and NaN group together; booleans and numbers stay as they are
         done[key] = done[key].map(lambda v: "null" if _hashable(v) is None else v)
     pooled = [k for k in varying_keys(done) if k not in by]

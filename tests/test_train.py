@@ -254,5 +254,12 @@ def test_base_to_new(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     new_metrics = json.loads((out / "eval_imagefolder_new.json").read_text())
     assert new_metrics["n_test"] == 2 and new_metrics["accuracy"] == 100.0  # one class: always right
+    from coop.results import load_runs, summarize
+
+    runs = load_runs(tmp_path)
+    table = summarize(runs, by=[])
+    base_acc = json.loads((out / "metrics.json").read_text())["accuracy"]
+    assert table["new_accuracy_mean"][0] == 100.0
+    assert table["hm_mean"][0] == pytest.approx(2 * base_acc * 100 / (base_acc + 100))
     cfg = load_config(None, ["data.subsample_classes=new"])
     assert run_name(cfg).endswith("depth1_new/seed1")
