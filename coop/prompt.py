@@ -155,6 +155,11 @@ class PromptLearner(nn.Module):
     def n_cls(self) -> int:
         return len(self.classnames)
 
+    @property
+    def shared_prefix(self) -> bool:
+        """Whether every prompt starts with the same [SOS][v1..vM] (shared context, class at the end)."""
+        return self.position == "end" and not self.csc
+
     def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompt embeddings (n_cls, L, W) and deep prompts (J-1, n_cls or 1, M, W) or None."""
         n_cls, _, width = self.token_embeds.shape
@@ -184,8 +189,11 @@ class PromptClassifier(nn.Module):
     def text_features(self) -> torch.Tensor:
         """Unnormalised class text features (n_cls, E)."""
         prompts, deep = self.prompt_learner()
-        pl = self.prompt_learner
-        return self.clip.text.encode_embeddings(prompts, pl.eos, deep, pl.slots if deep is not None else None)
+        pl, text = self.prompt_learner, self.clip.text
+        if pl.shared_prefix and not text.grad_checkpointing:
+            start = 1 + pl.n_ctx  # [SOS][v1..vM] is the same for every class
+            return text.encode_with_shared_prefix(prompts[:1, :start], prompts[:, start:], pl.eos, deep)
+        return text.encode_embeddings(prompts, pl.eos, deep, pl.slots if deep is not None else None)
 
     def logits(self, image_features: torch.Tensor, text_features: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, n_cls) from precomputed image features (and, optionally, text features)."""

@@ -60,14 +60,36 @@ class CausalSelfAttention(nn.Module):
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
         self.out_proj = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, length, width = x.shape
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (N, L, 3W)
         qkv = qkv.view(n, length, 3, self.heads, width // self.heads)  # (N, L, 3, H, Dh)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, H, L, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (N, H, L, Dh)
-        y = y.transpose(1, 2).reshape(n, length, width)  # (N, L, W)
-        return self.out_proj(y)
+        return q, k, v
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        n, _, length, _ = y.shape
+        return self.out_proj(y.transpose(1, 2).reshape(n, length, -1))  # (N, H, L, Dh) -> (N, L, W)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def forward_after_prefix(self, x: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor):
+        """Attention of rows that all follow one shared prefix whose keys/values are given.
+
+        Args:
+            x: (N, S, W) normalised hidden states at positions P..P+S-1.
+            k_prefix, v_prefix: (1, H, P, Dh) keys and values of the prefix positions 0..P-1.
+        """
+        n, length, _ = x.shape
+        q, k, v = self.qkv(x)  # (N, H, S, Dh)
+        prefix = k_prefix.shape[2]
+        k = torch.cat([k_prefix.expand(n, -1, -1, -1), k], dim=2)  # (N, H, P+S, Dh)
+        v = torch.cat([v_prefix.expand(n, -1, -1, -1), v], dim=2)
+        mask = torch.ones(length, prefix + length, dtype=torch.bool, device=x.device)
+        mask[:, prefix:] = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # causal
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
 class MLP(nn.Module):
@@ -164,6 +186,58 @@ class TextTransformer(nn.Module):
             order.append(rows)
         return torch.cat(feats)[torch.cat(order).argsort()]  # back to row order
 
+    def encode_with_shared_prefix(
+        self,
+        prefix: torch.Tensor,
+        x: torch.Tensor,
+        eos: torch.Tensor,
+        deep_prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Like `encode_embeddings` for rows that all start with the same P tokens (exact).
+
+        Under the causal mask the prefix's hidden states never depend on what follows, so they
+        (and their keys/values) are computed once instead of once per row: for CoOp's shared
+        context with the class at the end, `[SOS][v1..vM]` is such a prefix.
+
+        Args:
+            prefix: (1, P, W) token embeddings of positions 0..P-1, shared by all rows.
+            x: (N, L, W) token embeddings of positions P.., with L > max(eos) - P.
+            eos: (N,) absolute index of each row's [EOS] (>= P).
+            deep_prompts: optional (J-1, 1, P-1, W) tokens that replace prefix positions 1..P-1
+                before blocks 1..J-1 (the context slots of the "end" layout).
+        """
+        width = prefix.shape[-1]
+        p = prefix + self.positional_embedding[: prefix.shape[1]]  # (1, P, W)
+        n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
+        kv = []  # per block: the prefix's keys and values, (1, H, P, Dh) each
+        for i, block in enumerate(self.blocks):
+            if 1 <= i <= n_deep:
+                p = torch.cat([p[:, :1], deep_prompts[i - 1].to(p.dtype).reshape(1, -1, width)], dim=1)
+            q, k, v = block.attn.qkv(block.ln_1(p))
+            kv.append((k, v))
+            if i + 1 < len(self.blocks):  # the last block's prefix output is never read
+                p = p + block.attn.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                p = p + block.mlp(block.ln_2(p))
+        start = prefix.shape[1]
+        lengths = eos + 1 - start
+        feats, order = [], []
+        for length in torch.unique(lengths).tolist():
+            rows = (lengths == length).nonzero().squeeze(1)
+            h = x[rows, :length] + self.positional_embedding[start : start + length]  # (n, S, W)
+            for block, (k, v) in zip(self.blocks, kv, strict=True):
+                h = h + block.attn.forward_after_prefix(block.ln_1(h), k, v)
+                h = h + block.mlp(block.ln_2(h))
+            feats.append(self._project(h, eos[rows] - start))
+            order.append(rows)
+        return torch.cat(feats)[torch.cat(order).argsort()]  # back to row order
+
+    def _project(self, x: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+        x = self.ln_final(x)
+        pooled = x[torch.arange(x.shape[0], device=x.device), eos]  # (N, W)
+        if isinstance(self.text_projection, nn.Linear):
+            return self.text_projection(pooled)
+        return pooled @ self.text_projection  # (N, E)
+
     def _encode_bucket(self, x, eos, deep_prompts, slots) -> torch.Tensor:
         n, length, width = x.shape
         x = x + self.positional_embedding[:length]  # (N, L, W)
@@ -178,8 +252,4 @@ class TextTransformer(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        x = self.ln_final(x)
-        pooled = x[torch.arange(n, device=x.device), eos]  # (N, W)
-        if isinstance(self.text_projection, nn.Linear):
-            return self.text_projection(pooled)
-        return pooled @ self.text_projection  # (N, E)
+        return self._project(x, eos)

@@ -179,3 +179,26 @@ def test_grad_checkpointing_gives_same_gradients(tiny_clip):
     tiny_clip.text.grad_checkpointing = False
     assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
     assert torch.allclose(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_shared_prefix_path_equals_general_path(tiny_clip, depth):
+    """End + shared context computes [SOS][v1..vM] once; values and gradients must not change."""
+    learner = randomise_prompts(coop.PromptLearner(tiny_clip, CLASSES, n_ctx=3, depth=depth))
+    assert learner.shared_prefix
+    classifier = coop.PromptClassifier(tiny_clip, learner)
+    results = []
+    for general in (False, True):
+        learner.zero_grad()
+        if general:
+            prompts, deep = learner()
+            slots = learner.slots if deep is not None else None
+            feats = tiny_clip.text.encode_embeddings(prompts, learner.eos, deep, slots)
+        else:
+            feats = classifier.text_features()
+        feats.square().sum().backward()
+        results.append([feats.detach()] + [p.grad.clone() for p in learner.parameters()])
+    for fast, general in zip(*results, strict=True):
+        assert torch.allclose(fast, general, rtol=1e-5, atol=1e-6)
+    assert not coop.PromptLearner(tiny_clip, CLASSES, csc=True).shared_prefix
+    assert not coop.PromptLearner(tiny_clip, CLASSES, position="middle").shared_prefix
