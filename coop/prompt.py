@@ -156,9 +156,12 @@ class PromptLearner(nn.Module):
         return len(self.classnames)
 
     @property
-    def shared_prefix(self) -> bool:
-        """Whether every prompt starts with the same [SOS][v1..vM] (shared context, class at the end)."""
-        return self.position == "end" and not self.csc
+    def shared_prefix(self) -> int:
+        """How many leading tokens every prompt shares: [SOS][v1..vM] (end) or [SOS][v1..vM/2]
+        (middle) with shared context; 1 ([SOS] alone) otherwise."""
+        if self.csc or self.position == "front":
+            return 1
+        return 1 + (self.n_ctx if self.position == "end" else self.n_ctx // 2)
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompt embeddings (n_cls, L, W) and deep prompts (J-1, n_cls or 1, M, W) or None."""
@@ -190,10 +193,13 @@ class PromptClassifier(nn.Module):
         """Unnormalised class text features (n_cls, E)."""
         prompts, deep = self.prompt_learner()
         pl, text = self.prompt_learner, self.clip.text
-        if pl.shared_prefix and not text.grad_checkpointing:
-            start = 1 + pl.n_ctx  # [SOS][v1..vM] is the same for every class
-            return text.encode_with_shared_prefix(prompts[:1, :start], prompts[:, start:], pl.eos, deep)
-        return text.encode_embeddings(prompts, pl.eos, deep, pl.slots if deep is not None else None)
+        slots = pl.slots if deep is not None else None
+        start = pl.shared_prefix
+        if start > 1 and not text.grad_checkpointing:  # [SOS][v1..] is the same for every class
+            return text.encode_with_shared_prefix(
+                prompts[:1, :start], prompts[:, start:], pl.eos, deep, slots
+            )
+        return text.encode_embeddings(prompts, pl.eos, deep, slots)
 
     def logits(self, image_features: torch.Tensor, text_features: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, n_cls) from precomputed image features (and, optionally, text features)."""

@@ -192,39 +192,48 @@ class TextTransformer(nn.Module):
         x: torch.Tensor,
         eos: torch.Tensor,
         deep_prompts: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Like `encode_embeddings` for rows that all start with the same P tokens (exact).
 
         Under the causal mask the prefix's hidden states never depend on what follows, so they
-        (and their keys/values) are computed once instead of once per row: for CoOp's shared
-        context with the class at the end, `[SOS][v1..vM]` is such a prefix.
+        (and their keys/values) are computed once instead of once per row. With shared context,
+        `[SOS][v1..vM]` (class at the end) or `[SOS][v1..vM/2]` (class in the middle) is such a
+        prefix.
 
         Args:
             prefix: (1, P, W) token embeddings of positions 0..P-1, shared by all rows.
             x: (N, L, W) token embeddings of positions P.., with L > max(eos) - P.
             eos: (N,) absolute index of each row's [EOS] (>= P).
-            deep_prompts: optional (J-1, 1, P-1, W) tokens that replace prefix positions 1..P-1
-                before blocks 1..J-1 (the context slots of the "end" layout).
+            deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots.
+            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
         """
-        width = prefix.shape[-1]
-        p = prefix + self.positional_embedding[: prefix.shape[1]]  # (1, P, W)
+        start, width = prefix.shape[1], prefix.shape[-1]
         n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
+        in_prefix = int((slots[0] < start).sum()) if n_deep else 0  # h slots sit in the prefix
+        p = prefix + self.positional_embedding[:start]  # (1, P, W)
         kv = []  # per block: the prefix's keys and values, (1, H, P, Dh) each
         for i, block in enumerate(self.blocks):
-            if 1 <= i <= n_deep:
-                p = torch.cat([p[:, :1], deep_prompts[i - 1].to(p.dtype).reshape(1, -1, width)], dim=1)
+            if 1 <= i <= n_deep and in_prefix:
+                deep = deep_prompts[i - 1, :, :in_prefix].to(p.dtype)  # (1, h, W)
+                p = torch.cat([p[:, :1], deep, p[:, 1 + in_prefix :]], dim=1)
             q, k, v = block.attn.qkv(block.ln_1(p))
             kv.append((k, v))
             if i + 1 < len(self.blocks):  # the last block's prefix output is never read
                 p = p + block.attn.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
                 p = p + block.mlp(block.ln_2(p))
-        start = prefix.shape[1]
         lengths = eos + 1 - start
         feats, order = [], []
         for length in torch.unique(lengths).tolist():
             rows = (lengths == length).nonzero().squeeze(1)
+            n = len(rows)
             h = x[rows, :length] + self.positional_embedding[start : start + length]  # (n, S, W)
-            for block, (k, v) in zip(self.blocks, kv, strict=True):
+            if n_deep and in_prefix < slots.shape[1]:
+                index = (slots[rows, in_prefix:] - start).unsqueeze(-1).expand(-1, -1, width)  # (n, M-h, W)
+            for i, (block, (k, v)) in enumerate(zip(self.blocks, kv, strict=True)):
+                if 1 <= i <= n_deep and in_prefix < slots.shape[1]:
+                    deep = deep_prompts[i - 1, :, in_prefix:].to(h.dtype).expand(n, -1, -1)  # (n, M-h, W)
+                    h = h.scatter(1, index, deep)
                 h = h + block.attn.forward_after_prefix(block.ln_1(h), k, v)
                 h = h + block.mlp(block.ln_2(h))
             feats.append(self._project(h, eos[rows] - start))

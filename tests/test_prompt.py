@@ -181,11 +181,14 @@ def test_grad_checkpointing_gives_same_gradients(tiny_clip):
     assert torch.allclose(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("position", ["end", "middle"])
 @pytest.mark.parametrize("depth", [1, 3])
-def test_shared_prefix_path_equals_general_path(tiny_clip, depth):
-    """End + shared context computes [SOS][v1..vM] once; values and gradients must not change."""
-    learner = randomise_prompts(coop.PromptLearner(tiny_clip, CLASSES, n_ctx=3, depth=depth))
-    assert learner.shared_prefix
+def test_shared_prefix_path_equals_general_path(tiny_clip, depth, position):
+    """Shared context computes [SOS][v1..] once; values and gradients must not change."""
+    learner = randomise_prompts(
+        coop.PromptLearner(tiny_clip, CLASSES, n_ctx=5, depth=depth, position=position)
+    )
+    assert learner.shared_prefix == (6 if position == "end" else 3)
     classifier = coop.PromptClassifier(tiny_clip, learner)
     results = []
     for general in (False, True):
@@ -198,7 +201,7 @@ def test_shared_prefix_path_equals_general_path(tiny_clip, depth):
             feats = classifier.text_features()
         feats.square().sum().backward()
         results.append([feats.detach()] + [p.grad.clone() for p in learner.parameters()])
-    for fast, general in zip(*results, strict=True):
-        assert torch.allclose(fast, general, rtol=1e-5, atol=1e-6)
-    assert not coop.PromptLearner(tiny_clip, CLASSES, csc=True).shared_prefix
-    assert not coop.PromptLearner(tiny_clip, CLASSES, position="middle").shared_prefix
+    for fast, general in zip(*results, strict=True):  # same math, summed in another order
+        assert rel(fast, general) < 1e-5
+    assert coop.PromptLearner(tiny_clip, CLASSES, csc=True).shared_prefix == 1
+    assert coop.PromptLearner(tiny_clip, CLASSES, position="front").shared_prefix == 1

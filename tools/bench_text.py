@@ -73,7 +73,7 @@ def main() -> None:
     out_diff = float((out_ours - out_ref).abs().max())
     grad_diff = float((g_ours - g_ref).abs().max())
     print(f"reference CoOp (77 tokens): {t_ref * 1000:8.1f} ms  forward+backward")
-    path = "cut, bucketed, shared prefix" if learner.shared_prefix else "cut, bucketed"
+    path = "cut, bucketed, shared prefix" if learner.shared_prefix > 1 else "cut, bucketed"
     print(f"coop ({path}): {t_ours * 1000:8.1f} ms  forward+backward")
     print(f"speed-up: {t_ref / t_ours:.2f}x")
     print(
