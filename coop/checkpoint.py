@@ -5,7 +5,7 @@ A `checkpoint.pt` is a plain dict that loads with `torch.load(path, weights_only
     prompt      {"ctx": Tensor, "deep_ctx": Tensor (only when depth > 1)}
     optimizer   optimizer.state_dict()          scheduler   scheduler.state_dict()
     epoch       completed epochs                finished    bool
-    rng         {"torch": ByteTensor, "python": tuple, "cuda": [ByteTensor]}
+    rng         {"torch": ByteTensor, "python": tuple}   (epochs also reseed from (seed, epoch))
     history     [{"epoch", "loss", "train_acc", "lr", "time_s"}, ...]
     config      the resolved run config (plain dict)
     classnames  list[str]                       n_ctx       int (resolved M)
@@ -13,45 +13,18 @@ A `checkpoint.pt` is a plain dict that loads with `torch.load(path, weights_only
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from coop.io import atomic_write
 from coop.model import CLIP, load_clip
 from coop.prompt import PromptLearner
 
 
-def atomic_write(path: str | os.PathLike, write) -> None:
-    """Write via `write(tmp_path)` to a temp file in the same folder, then rename over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     atomic_write(path, lambda tmp: torch.save(state, tmp))
-
-
-def write_json(path: str | os.PathLike, obj) -> None:
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-
-    atomic_write(path, write)
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:

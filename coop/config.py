@@ -130,6 +130,15 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
+def flatten(cfg: dict, prefix: str = "") -> dict:
+    """A nested config dict as {dotted key: value}, e.g. {"data.shots": 16}."""
+    out = {}
+    for k, v in cfg.items():
+        key = f"{prefix}{k}"
+        out.update(flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
 def resolved_epochs(cfg: DictConfig) -> int:
     if cfg.train.epochs is not None:
         return int(cfg.train.epochs)

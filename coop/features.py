@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from coop.checkpoint import atomic_write
 from coop.data import Datum, ImageDataset, collate_skip_none
+from coop.io import atomic_write
 from coop.model import CLIP
 
 log = logging.getLogger(__name__)

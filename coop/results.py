@@ -21,6 +21,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
+from coop.config import flatten
+
 log = logging.getLogger(__name__)
 
 RUN_FILES = ("metrics.json", "config.yaml", "checkpoint.pt", "sweep.log")  # sweep.log: failed at start
@@ -29,23 +31,12 @@ IGNORED_KEYS = ("data.seed", "output_dir")  # never grouping keys by default
 KEY_ORDER = ("data.name", "model.name", "model.pretrained", "data.shots")  # leading table columns
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def _read_config(folder: Path) -> dict:
     """The run's config as a flat {dotted key: value} dict; from config.yaml, else the checkpoint."""
     path = folder / "config.yaml"
     if path.is_file():
         try:
-            return _flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+            return flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
         except Exception as e:  # yaml errors are multi-line
             log.warning("cannot read %s: %s", path, str(e).splitlines()[0])
             return {}
@@ -54,7 +45,7 @@ def _read_config(folder: Path) -> dict:
         import torch
 
         try:
-            return _flatten(torch.load(ckpt, map_location="cpu", weights_only=True).get("config") or {})
+            return flatten(torch.load(ckpt, map_location="cpu", weights_only=True).get("config") or {})
         except Exception as e:
             log.warning("cannot read the config of %s: %s", ckpt, str(e).splitlines()[0])
     return {}

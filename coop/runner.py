@@ -23,8 +23,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
-from coop.checkpoint import atomic_write, load_checkpoint, save_checkpoint, write_json
-from coop.config import model_tag, resolved_epochs, to_yaml
+from coop.checkpoint import load_checkpoint, save_checkpoint
+from coop.config import flatten, model_tag, resolved_epochs, to_yaml
 from coop.engine import (
     NonFiniteLossError,
     default_output_dir,
@@ -35,6 +35,7 @@ from coop.engine import (
     train_one_epoch,
     training_features,
 )
+from coop.io import atomic_write, write_json
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +55,8 @@ def attach_log_file(folder: Path) -> logging.Handler:
     return handler
 
 
-def _flat(cfg: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in cfg.items():
-        key = f"{prefix}{k}"
-        out.update(_flat(v, key + ".") if isinstance(v, dict) else {key: v})
-    return out
-
-
 def check_same_config(old: dict, new: dict, folder: Path) -> None:
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     diff = [k for k in sorted(set(a) | set(b)) if k not in RESUME_FREE_KEYS and a.get(k) != b.get(k)]
     if diff:
         k = diff[0]

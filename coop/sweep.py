@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from coop.config import ConfigError, load_config, run_name
+from coop.config import ConfigError, flatten, load_config, run_name
 from coop.data import DATASETS
 
 log = logging.getLogger("coop.sweep")
@@ -52,16 +52,6 @@ class Run:
     error: str = ""
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def load_grid(path: str | None, overrides: list[str]) -> dict[str, list]:
     """Grid file <- `key=value` overrides, as {dotted key: list of values} (scalars -> [v]).
 
@@ -79,7 +69,7 @@ def load_grid(path: str | None, overrides: list[str]) -> dict[str, list]:
             raise ValueError(f"cannot parse grid file {path}: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise ValueError(f"grid file {path} must be a mapping of config keys to values or lists")
-        grid = _flatten(data)
+        grid = flatten(data)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:

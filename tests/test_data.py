@@ -184,14 +184,14 @@ def test_fewer_than_k_warns_and_uses_all(tmp_path):
 
 
 def test_fewshot_cache_falls_back_when_not_writable(dtd_root, cache_dir, monkeypatch, caplog):
-    real_write = data_base.write_json_atomic
+    real_write = data_base.write_json
 
     def write(path, obj):
         if str(path).startswith(str(dtd_root / "dtd")):
             raise PermissionError(13, "Permission denied")
         real_write(path, obj)
 
-    monkeypatch.setattr(data_base, "write_json_atomic", write)
+    monkeypatch.setattr(data_base, "write_json", write)
     with caplog.at_level(logging.WARNING, logger="coop.data"):
         first = build_dataset("dtd", dtd_root, shots=2, seed=1)
     fallback = cache_dir / "dtd" / "split_fewshot" / "shot_2-seed_1.json"

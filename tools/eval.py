@@ -28,7 +28,7 @@ def main() -> int:
     args = ap.parse_args()
     setup_logging(args.verbose)
 
-    from coop.checkpoint import write_json
+    from coop.io import write_json
     from coop.runner import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(args.checkpoint, args.overrides)

@@ -15,11 +15,12 @@ import logging
 import math
 import os
 import random
-import tempfile
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+from coop.io import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -107,31 +108,6 @@ def require_file(path: str | os.PathLike, what: str) -> str:
     if not os.path.isfile(path):
         raise DataError(f"{what} not found: {path}")
     return path
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write `obj` as JSON to `path` via a temporary file and `os.replace`.
-
-    Readers running in parallel (several seeds on one node) never see a half-written file.
-
-    Args:
-        path: destination; its parent folder is created.
-        obj: JSON-serialisable object.
-
-    Raises:
-        OSError: the folder cannot be created or written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load_json(path: str | os.PathLike):
@@ -353,13 +329,13 @@ def save_cache(primary: Path | None, fallback: Path, obj, what: str) -> Path | N
     """
     if primary is not None:
         try:
-            write_json_atomic(primary, obj)
+            write_json(primary, obj)
             logger.info("%s cached at %s", what, primary)
             return primary
         except OSError as e:
             logger.warning("cannot write %s cache %s (%s); using %s instead", what, primary, e, fallback)
     try:
-        write_json_atomic(fallback, obj)
+        write_json(fallback, obj)
         logger.info("%s cached at %s", what, fallback)
         return fallback
     except OSError as e:
