@@ -51,6 +51,20 @@ CHOICES = {
 }
 
 
+# Keys that cannot change a run's results: a run may be resumed with other values, and result
+# tables never split seeds into separate rows by them.
+RESULT_FREE_KEYS = frozenset(
+    {
+        "device",
+        "output_dir",
+        "data.root",
+        "data.num_workers",
+        "train.eval_batch_size",
+        "train.cache_features",
+    }
+)
+
+
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key or file."""
 

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
 from coop.checkpoint import load_checkpoint, save_checkpoint
-from coop.config import flatten, model_tag, resolved_epochs, to_yaml
+from coop.config import RESULT_FREE_KEYS, flatten, model_tag, resolved_epochs, to_yaml
 from coop.engine import (
     NonFiniteLossError,
     default_output_dir,
@@ -39,8 +39,6 @@ from coop.io import atomic_write, write_json
 
 log = logging.getLogger(__name__)
 
-# Keys that may differ between the run that wrote a folder and the command that resumes it.
-RESUME_FREE_KEYS = {"device", "output_dir", "data.num_workers", "data.root", "train.eval_batch_size"}
 HISTORY_FIELDS = ["epoch", "loss", "train_acc", "lr", "time_s"]
 
 
@@ -57,7 +55,7 @@ def attach_log_file(folder: Path) -> logging.Handler:
 
 def check_same_config(old: dict, new: dict, folder: Path) -> None:
     a, b = flatten(old), flatten(new)
-    diff = [k for k in sorted(set(a) | set(b)) if k not in RESUME_FREE_KEYS and a.get(k) != b.get(k)]
+    diff = [k for k in sorted(set(a) | set(b)) if k not in RESULT_FREE_KEYS and a.get(k) != b.get(k)]
     if diff:
         k = diff[0]
         raise RunError(
