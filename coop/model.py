@@ -250,7 +250,13 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def cosine_logits(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor):
-    """logit_scale.exp() * normalize(img) @ normalize(txt).T  -> (B, n_cls)."""
-    img = F.normalize(image_features, dim=-1)
-    txt = F.normalize(text_features, dim=-1)
-    return logit_scale.exp() * img @ txt.t().to(img.dtype)
+    """logit_scale.exp() * normalize(img) @ normalize(txt).T  -> (B, n_cls), always in fp32.
+
+    Under bf16 autocast the features arrive in bf16; normalising and multiplying them in bf16 would
+    round logits near CLIP's 50..100 to steps of 0.25-0.5 and tie close classes, so this runs in
+    fp32 with autocast off (on the features' own values, upcast exactly).
+    """
+    with torch.autocast(image_features.device.type, enabled=False):
+        img = F.normalize(image_features.float(), dim=-1)  # (B, E)
+        txt = F.normalize(text_features.float(), dim=-1)  # (n_cls, E)
+        return logit_scale.float().exp() * img @ txt.t()

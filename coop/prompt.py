@@ -1,6 +1,7 @@
 """Learnable prompts (CoOp) and the cosine-similarity classifier built on them.
 
-Prompt layouts for a class whose name has C BPE tokens and M context vectors (DESIGN.md §2):
+Prompt layouts, as in CoOp, for a class whose name has C BPE tokens ([CLASS]) and M context
+vectors v1..vM; [SOS] and [EOS] are CLIP's start and end tokens, [.] the full stop of every prompt:
 
     end:    [SOS][v1 .. vM][CLASS][.][EOS]
     middle: [SOS][v1 .. v(M//2)][CLASS][v(M//2+1) .. vM][.][EOS]
@@ -13,11 +14,14 @@ context vectors are scattered into their slots on each forward pass.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from coop.model import CLIP, cosine_logits
 
+log = logging.getLogger(__name__)
 POSITIONS = {"end": "end", "middle": "middle", "mid": "middle", "front": "front"}
 
 
@@ -43,6 +47,31 @@ def context_slots(position: str, n_ctx: int, name_lens: list[int]) -> torch.Tens
     return torch.tensor(slots, dtype=torch.long)
 
 
+def _warn_if_coop_differs(ctx_init: str, n_tokens: int) -> None:
+    """CoOp counts the words of `ctx_init`, we count its BPE tokens; say so when they differ."""
+    n_words = len(ctx_init.split(" "))  # CoOp's rule, empty strings from double spaces included
+    if n_words == n_tokens:
+        return
+    if n_words < n_tokens:
+        coop_does = (
+            f"learn M={n_words} context vectors (the first {n_words} tokens) and keep the other "
+            f"{n_tokens - n_words} tokens frozen in the prompt"
+        )
+    else:
+        coop_does = (
+            f"learn M={n_words} vectors, taken from the phrase's tokens and the [EOS]/padding after them"
+        )
+    log.warning(
+        "ctx_init '%s' has %d words but %d BPE tokens: CoOp would %s; here all %d tokens are learned (n_ctx=%d)",
+        ctx_init,
+        n_words,
+        n_tokens,
+        coop_does,
+        n_tokens,
+        n_tokens,
+    )
+
+
 class PromptLearner(nn.Module):
     """Context vectors `ctx` (and deep context `deep_ctx`) plus the frozen class-name tokens.
 
@@ -51,9 +80,15 @@ class PromptLearner(nn.Module):
         classnames: class names; `_` is read as a space.
         n_ctx: number of context vectors M (default 4). With `ctx_init` it is the phrase's BPE
             token count; an explicit, different value is an error.
-        ctx_init: optional phrase ("a photo of a") whose token embeddings initialise `ctx`.
+        ctx_init: optional phrase ("a photo of a") whose token embeddings initialise `ctx`. Every
+            BPE token of the phrase becomes a learnable vector. CoOp instead takes M = the phrase's
+            word count (`len(ctx_init.split(" "))`) and learns the first M tokens; a phrase with more
+            tokens than words ("a close-up photo of a": 5 words, 7 tokens) keeps its last tokens
+            frozen there, and we learn all 7 (a warning says so). "a photo of a" is the same in both.
         position: where the class token sits: "end", "middle" (or "mid") or "front".
-        csc: class-specific context (one set of M vectors per class) instead of shared.
+        csc: class-specific context (one set of M vectors per class) instead of shared. With
+            `ctx_init`, every class starts from its own copy of the phrase; CoOp ignores CSC when
+            `ctx_init` is given and trains one shared context.
         depth: J >= 1. J = 1 is plain CoOp; J > 1 adds `deep_ctx` that replaces the hidden states
             at the context slots before text blocks 1..J-1.
     """
@@ -89,9 +124,11 @@ class PromptLearner(nn.Module):
             init_ids = tokenizer.encode(ctx_init)
             if not isinstance(n_ctx, _DefaultInt) and n_ctx != len(init_ids):
                 raise ValueError(
-                    f"n_ctx={n_ctx} conflicts with ctx_init '{ctx_init}', which has {len(init_ids)} tokens"
+                    f"n_ctx={n_ctx} conflicts with ctx_init '{ctx_init}', which has {len(init_ids)} tokens "
+                    "(one context vector per BPE token; leave n_ctx unset)"
                 )
             n_ctx = len(init_ids)
+            _warn_if_coop_differs(ctx_init, n_ctx)
             prefix_text = ctx_init
         else:
             n_ctx = int(n_ctx)

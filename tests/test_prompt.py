@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import randomise_prompts
@@ -61,7 +63,8 @@ def _shallow_copy(clip, learner):
 
 
 def test_layout_token_order(tiny_clip):
-    """The class tokens and context slots sit where DESIGN.md §2 says, and [EOS] stays put."""
+    """end: [SOS][ctx][CLASS][.][EOS], middle: [SOS][ctx/2][CLASS][ctx/2][.][EOS], front:
+    [SOS][CLASS][ctx][.][EOS]; the context slots hold the placeholders and [EOS] stays put."""
     x = 49407  # any id would do; we compare against the "X" placeholder id
     name_ids = tiny_clip.tokenizer.encode("golden retriever")
     placeholder = tiny_clip.tokenizer.encode("X")[0]
@@ -205,3 +208,46 @@ def test_shared_prefix_path_equals_general_path(tiny_clip, depth, position):
         assert rel(fast, general) < 1e-5
     assert coop.PromptLearner(tiny_clip, CLASSES, csc=True).shared_prefix == 1
     assert coop.PromptLearner(tiny_clip, CLASSES, position="front").shared_prefix == 1
+
+
+def test_logits_are_fp32_under_bf16_autocast(tiny_clip):
+    """bf16 spaces values near 50 by 0.25, so bf16 logits would tie; they are computed in fp32."""
+    learner = randomise_prompts(coop.PromptLearner(tiny_clip, CLASSES))
+    classifier = coop.PromptClassifier(tiny_clip, learner)
+    image_features = torch.randn(5, tiny_clip.embed_dim).bfloat16()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        text = classifier.text_features()
+        logits = classifier.logits(image_features, text)
+        again = classifier.logits(image_features)  # text features computed inside
+    img = torch.nn.functional.normalize(image_features.float(), dim=-1)
+    txt = torch.nn.functional.normalize(text.float(), dim=-1)
+    expected = tiny_clip.logit_scale.exp() * img @ txt.T
+    assert logits.dtype == again.dtype == torch.float32
+    assert torch.allclose(logits, expected, rtol=1e-6, atol=1e-5)
+    assert torch.equal(logits, again)
+
+    # Cosines 0.5 and 0.501 at CLIP's scale of 100: 50.0 and 50.1, one bf16 step (0.25) apart at most.
+    scale = torch.tensor(100.0).log()
+    img = torch.tensor([[1.0, 0.0]]).bfloat16()
+    txt = torch.tensor([[0.5, 0.75**0.5], [0.501, (1 - 0.501**2) ** 0.5]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        close = coop.cosine_logits(img, txt, scale)
+    assert close.dtype == torch.float32 and float(close[0, 1] - close[0, 0]) == pytest.approx(0.1, abs=1e-4)
+
+
+def test_ctx_init_word_count_differs_from_coop(tiny_clip, caplog):
+    """CoOp learns M = word count of ctx_init; we learn every BPE token and say what CoOp would do."""
+    phrase = "a close-up photo of a"
+    assert len(tiny_clip.tokenizer.encode(phrase)) == 7 and len(phrase.split(" ")) == 5
+    with caplog.at_level(logging.INFO, logger="coop.prompt"):
+        learner = coop.PromptLearner(tiny_clip, CLASSES, ctx_init=phrase)
+    assert learner.n_ctx == 7 and learner.ctx.shape == (7, tiny_clip.width)
+    lines = [r.getMessage() for r in caplog.records if r.name == "coop.prompt"]
+    assert len(lines) == 1 and caplog.records[-1].levelno == logging.WARNING
+    assert "5 words but 7 BPE tokens" in lines[0]
+    assert "M=5 context vectors" in lines[0] and "other 2 tokens frozen" in lines[0]
+    assert "all 7 tokens are learned" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="coop.prompt"):
+        coop.PromptLearner(tiny_clip, CLASSES, ctx_init="a_photo_of_a")  # 4 words, 4 tokens
+    assert not [r for r in caplog.records if r.name == "coop.prompt"]
