@@ -1,0 +1,40 @@
+"""Methods behind one interface (`coop.methods.base.Method`); `cfg.method` picks one.
+
+from coop.methods import build_method
+method = build_method(clip, classnames, cfg)
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from coop.methods.base import Method, TransferError
+from coop.methods.coop import CoOp, build_learner
+from coop.methods.linear_probe import LinearProbe
+from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
+from coop.model import CLIP
+
+METHODS: dict[str, type[Method]] = {"coop": CoOp, "zeroshot": ZeroShot, "linear_probe": LinearProbe}
+
+
+def build_method(clip: CLIP, classnames: list[str], cfg: DictConfig) -> Method:
+    """The method named by `cfg.method`, built for `classnames`."""
+    name = cfg.method
+    if name not in METHODS:
+        raise ValueError(f"method={name!r} is not one of {', '.join(METHODS)}")
+    return METHODS[name](clip, classnames, cfg)
+
+
+__all__ = [
+    "COOP_TEMPLATES",
+    "METHODS",
+    "CoOp",
+    "LinearProbe",
+    "Method",
+    "TransferError",
+    "ZeroShot",
+    "build_learner",
+    "build_method",
+    "resolve_templates",
+    "template_features",
+]

@@ -1,0 +1,60 @@
+"""CoOp: learnable context vectors in the prompt, cosine-similarity classifier (the default method)."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from coop.methods.base import Method, TransferError
+from coop.model import CLIP
+from coop.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
+
+
+def build_learner(clip: CLIP, cfg: DictConfig, classnames: list[str]) -> PromptLearner:
+    """The PromptLearner described by the `prompt.*` keys of a run config."""
+    p = cfg.prompt
+    return PromptLearner(
+        clip,
+        classnames,
+        n_ctx=N_CTX_DEFAULT if p.n_ctx is None else int(p.n_ctx),
+        ctx_init=p.ctx_init,
+        position=p.position,
+        csc=bool(p.csc),
+        depth=int(p.depth),
+    )
+
+
+class CoOp(Method):
+    """`logit_scale.exp() * norm(img) @ norm(text_features(prompts)).T`; only the prompts train."""
+
+    name = "coop"
+    trainer = "sgd"
+
+    def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
+        super().__init__(clip, classnames, cfg)
+        self.classifier = PromptClassifier(clip, build_learner(clip, cfg, classnames))
+
+    @property
+    def prompt_learner(self) -> PromptLearner:
+        return self.classifier.prompt_learner
+
+    def learnable(self) -> dict[str, torch.Tensor]:
+        return self.prompt_learner.prompt_tensors()
+
+    def load_learnable(self, tensors: dict[str, torch.Tensor], classnames: list[str]) -> None:
+        if self.prompt_learner.csc and list(classnames) != self.classnames:
+            raise TransferError(
+                "class-specific context (prompt.csc=true) cannot be transferred to other classes; "
+                "only shared context transfers"
+            )
+        super().load_learnable(tensors, classnames)
+
+    def prepare(self) -> torch.Tensor:
+        return self.classifier.text_features()  # (n_cls, E)
+
+    def logits(self, image_features: torch.Tensor, prepared: torch.Tensor | None = None) -> torch.Tensor:
+        return self.classifier.logits(image_features, prepared)
+
+    def describe(self) -> dict:
+        pl = self.prompt_learner
+        return {"n_ctx": pl.n_ctx, "position": pl.position, "csc": pl.csc, "depth": pl.depth}
