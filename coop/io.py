@@ -1,12 +1,36 @@
-"""Atomic file writes: a reader (or a crash) never sees a half-written file."""
+"""Atomic file writes: a reader (or a crash) never sees a half-written file.
+
+Files get the mode a plain `open(path, "w")` would give them (0o666 masked by the umask, e.g.
+0644 under umask 022), not the 0600 of the temporary file they are written through.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    # os.umask can only be read by setting it: set and restore under a lock, so no other
+    # thread of ours writes a file in between with a wrong mask
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -22,6 +46,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp made it 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
