@@ -5,12 +5,24 @@
     train_tf, test_tf = build_transforms(224)
     train_set = ImageDataset(ds.train, train_tf)
 
-Modules: `base` (records, split files, few-shot sampling and caches), `datasets` (one reader
-per dataset, `DATASETS`, `build_dataset`), `images` (image loading and transforms).
+Modules: `base` (records, split files, caches), `fewshot` (CoOp's few-shot sampling rule and
+its cache), `folders` (listing class folders), `datasets` (one reader per dataset, `DATASETS`,
+`build_dataset`), `imagenet_variants` (the test-only ImageNet-V2/-Sketch/-A/-R readers) and
+`images` (image loading and transforms).
+
+Datasets in `TEST_ONLY_DATASETS` have a test split only (`FewShotDataset.test_only`);
+`require_train_split(ds)` raises a one-line DataError for them.
 """
 
-from coop.data.base import SUBSAMPLE, DataError, Datum, FewShotDataset, subsample_classes
-from coop.data.datasets import DATASETS, build_dataset
+from coop.data.base import (
+    SUBSAMPLE,
+    DataError,
+    Datum,
+    FewShotDataset,
+    require_train_split,
+    subsample_classes,
+)
+from coop.data.datasets import DATASETS, TEST_ONLY_DATASETS, build_dataset
 from coop.data.images import CLIP_MEAN, CLIP_STD, ImageDataset, build_transforms, collate_skip_none
 
 __all__ = [
@@ -21,9 +33,11 @@ __all__ = [
     "Datum",
     "FewShotDataset",
     "SUBSAMPLE",
+    "TEST_ONLY_DATASETS",
     "ImageDataset",
     "build_dataset",
     "build_transforms",
     "collate_skip_none",
+    "require_train_split",
     "subsample_classes",
 ]

@@ -1,8 +1,9 @@
-"""Shared dataset machinery: records, split files, few-shot sampling and JSON caches.
+"""Shared dataset machinery: records, split files, the test-only flag and JSON caches.
 
 Every reader in `coop.data.datasets` returns a `Source` (the full splits plus where its
-paths are relative to); `fewshot_dataset` turns it into the `FewShotDataset` that training
-code sees. Split-file reading, few-shot sampling and caching live here and nowhere else.
+paths are relative to); `coop.data.fewshot.fewshot_dataset` turns it into the
+`FewShotDataset` that training code sees. Split-file reading and cache writing live here,
+few-shot sampling in `coop.data.fewshot`, and nowhere else.
 
 Caches are JSON with paths relative to the image directory, in CoOp's split-file item format
 `[relative_path, label, classname]`, so a DATA folder can be moved or mounted elsewhere.
@@ -14,17 +15,12 @@ import json
 import logging
 import math
 import os
-import random
-import warnings
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from coop.io import write_json
 
 logger = logging.getLogger(__name__)
-
-VAL_SHOTS_MAX = 4  # CoOp validates on min(K, 4) images per class
 
 
 class DataError(ValueError):
@@ -46,6 +42,8 @@ class FewShotDataset:
 
     `shots == 0` means the full training set; otherwise `train` holds `shots` images per class
     and `val` min(shots, 4) per class, sampled with `seed`. `test` is never subsampled.
+    `test_only` datasets (the ImageNet variants of domain generalisation) have only `test`;
+    `train` and `val` are empty, and `require_train_split` refuses them.
     """
 
     name: str
@@ -56,6 +54,7 @@ class FewShotDataset:
     image_dir: str = ""
     shots: int = 0
     seed: int = 1
+    test_only: bool = False
 
     @property
     def num_classes(self) -> int:
@@ -68,6 +67,7 @@ class Source:
 
     `dataset_dir` is where `split_fewshot/` goes (CoOp's convention); None means the dataset
     folder is not ours to write (e.g. a pip package), so only the user cache dir is used.
+    `test_only` marks a source with a test split only (its `train` and `val` are empty).
     """
 
     name: str
@@ -77,6 +77,25 @@ class Source:
     val: list[Datum]
     test: list[Datum]
     dataset_dir: str | None = None
+    test_only: bool = False
+
+
+def test_only_error(name: str) -> DataError:
+    """The one-line error for training (or few-shot sampling) on a test-only dataset."""
+    return DataError(
+        f"{name} is a test-only dataset (domain generalization); "
+        "train on imagenet and evaluate with eval.targets"
+    )
+
+
+def require_train_split(ds: FewShotDataset | Source) -> None:
+    """Raise DataError if `ds` has no train split to learn from (a test-only dataset).
+
+    Args:
+        ds: a dataset from `build_dataset`, or a reader's `Source`.
+    """
+    if ds.test_only:
+        raise test_only_error(ds.name)
 
 
 def cache_root() -> Path:
@@ -95,6 +114,13 @@ def require_dir(path: str | os.PathLike, what: str) -> str:
     if not os.path.isdir(path):
         raise DataError(f"{what} not found: {path}")
     return path
+
+
+def require_root(root) -> str:
+    """The DATA folder `root` as an absolute string; DataError if it is None or not a folder."""
+    if root is None:
+        raise DataError("dataset root is None: pass the DATA folder that holds the dataset")
+    return require_dir(root, "dataset root")
 
 
 def require_file(path: str | os.PathLike, what: str) -> str:
@@ -192,98 +218,6 @@ def classnames_from_items(splits: dict[str, list[Datum]], where: str) -> list[st
     return [lab2name[i] for i in range(n)]
 
 
-def sample_per_class(
-    data: list[Datum], k: int, rng: random.Random, classnames: list[str], split: str
-) -> list[Datum]:
-    """Draw `k` items per class with `rng`; a class with fewer than `k` keeps all (with a warning).
-
-    Items are sorted by path within each class before sampling and classes are visited in
-    label order, so the draw depends only on the seed, not on file-system listing order.
-
-    Args:
-        data: items to sample from.
-        k: items per class.
-        rng: a seeded `random.Random`, shared across calls so train and val draws differ.
-        classnames: all class names; classes absent from `data` are warned about too.
-        split: split name for warnings.
-    """
-    by_label: dict[int, list[Datum]] = defaultdict(list)
-    for d in data:
-        by_label[d.label].append(d)
-    out = []
-    for label, name in enumerate(classnames):
-        group = sorted(by_label.get(label, []), key=lambda d: d.path)
-        if len(group) < k:
-            warnings.warn(
-                f"class {name!r} (label {label}) has only {len(group)} {split} images, fewer than {k}; using all",
-                stacklevel=4,  # the caller of build_dataset
-            )
-            out.extend(group)
-        else:
-            out.extend(rng.sample(group, k))
-    return out
-
-
-def _load_fewshot_cache(path: Path, src: Source) -> dict | None:
-    """Read a cached few-shot split; None if absent or stale (items not in the full splits)."""
-    if not path.is_file():
-        return None
-    cached = read_split_file(path, src.image_dir, keys=("train", "val"))
-    for split, full in (("train", src.train), ("val", src.val)):
-        known = {(d.path, d.label, d.classname) for d in full}
-        if any((d.path, d.label, d.classname) not in known for d in cached[split]):
-            logger.warning(
-                "few-shot cache %s does not match the %s split of %s; resampling", path, split, src.name
-            )
-            return None
-    return cached
-
-
-def fewshot_dataset(src: Source, shots: int = 0, seed: int = 1) -> FewShotDataset:
-    """Subsample `src` to `shots` images per class (train) and min(shots, 4) (val), cached.
-
-    The subset is cached at `<dataset_dir>/split_fewshot/shot_{K}-seed_{S}.json` and read back
-    from there; if that folder cannot be written (or the source has no `dataset_dir`) the cache
-    goes to `$COOP_CACHE_DIR/<name>/split_fewshot/` instead.
-
-    Args:
-        src: full splits from a reader.
-        shots: images per class; 0 keeps everything.
-        seed: seed of the local `random.Random` used for sampling.
-    """
-    if shots < 0:
-        raise ValueError(f"shots must be >= 0, got {shots}")
-    if shots == 0:
-        return FewShotDataset(src.name, src.classnames, src.train, src.val, src.test, src.image_dir, 0, seed)
-
-    fname = f"shot_{shots}-seed_{seed}.json"
-    fallback = cache_root() / src.name / "split_fewshot" / fname
-    primary = Path(src.dataset_dir) / "split_fewshot" / fname if src.dataset_dir else None
-    for path in (primary, fallback):
-        cached = _load_fewshot_cache(path, src) if path is not None else None
-        if cached is not None:
-            logger.info("few-shot split of %s read from %s", src.name, path)
-            train, val = cached["train"], cached["val"]
-            break
-    else:
-        rng = random.Random(seed)
-        train = sample_per_class(src.train, shots, rng, src.classnames, "train")
-        val = (
-            sample_per_class(src.val, min(shots, VAL_SHOTS_MAX), rng, src.classnames, "val")
-            if src.val
-            else []
-        )
-        obj = {
-            "train": to_items(train, src.image_dir),
-            "val": to_items(val, src.image_dir),
-            "dataset": src.name,
-            "shots": shots,
-            "seed": seed,
-        }
-        save_cache(primary, fallback, obj, "few-shot split")
-    return FewShotDataset(src.name, src.classnames, train, val, src.test, src.image_dir, shots, seed)
-
-
 SUBSAMPLE = ("all", "base", "new")
 
 
@@ -309,7 +243,15 @@ def subsample_classes(ds: FewShotDataset, which: str = "all") -> FewShotDataset:
 
     names = [ds.classnames[i] for i in kept]
     return FewShotDataset(
-        ds.name, names, keep(ds.train), keep(ds.val), keep(ds.test), ds.image_dir, ds.shots, ds.seed
+        ds.name,
+        names,
+        keep(ds.train),
+        keep(ds.val),
+        keep(ds.test),
+        ds.image_dir,
+        ds.shots,
+        ds.seed,
+        ds.test_only,
     )
 
 

@@ -10,7 +10,9 @@ names to readers (a plain dict, no registry). Usage:
 Layouts are CoOp's (its Dassl readers), so an existing DATA folder works unchanged:
 nine datasets ship CoOp's `split_zhou_*.json`; ImageNet and FGVC-Aircraft are read from their
 own files; `imagefolder` is a generic `train/ val/ test/` class-folder tree; `textile` is the
-simulated textile-defect set bundled with the `conformal-clip-data` package.
+simulated textile-defect set bundled with the `conformal-clip-data` package. The test-only
+ImageNet variants of domain generalisation (`TEST_ONLY_DATASETS`) are read by
+`coop.data.imagenet_variants`.
 """
 
 from __future__ import annotations
@@ -31,18 +33,20 @@ from coop.data.base import (
     Source,
     cache_root,
     classnames_from_items,
-    fewshot_dataset,
     load_json,
     parse_items,
     read_split_file,
     require_dir,
     require_file,
+    require_root,
     save_cache,
+    test_only_error,
 )
+from coop.data.fewshot import fewshot_dataset
+from coop.data.folders import list_class_dirs, list_class_images, list_images, read_wnid_classnames
+from coop.data.imagenet_variants import IMAGENET_VARIANTS, TEST_ONLY_DATASETS, read_imagenet_variant
 
 logger = logging.getLogger(__name__)
-
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 
 # name -> (dataset folder under root, image folder under it ("" = itself), split file under it)
 SPLIT_JSON_LAYOUTS = {
@@ -62,12 +66,6 @@ TEXTILE_FRACTIONS = (0.5, 0.2)  # train, val; the remaining 30% is test
 IMAGENET_LISTING = "images_listing.json"
 
 
-def _require_root(root) -> str:
-    if root is None:
-        raise DataError("dataset root is None: pass the DATA folder that holds the dataset")
-    return require_dir(root, "dataset root")
-
-
 def read_split_json_dataset(root, name: str) -> Source:
     """Read one of the nine datasets CoOp ships a `split_zhou_*.json` for.
 
@@ -76,7 +74,7 @@ def read_split_json_dataset(root, name: str) -> Source:
         name: key of `SPLIT_JSON_LAYOUTS`.
     """
     folder, images, split = SPLIT_JSON_LAYOUTS[name]
-    dataset_dir = require_dir(os.path.join(_require_root(root), folder), f"{name} dataset directory")
+    dataset_dir = require_dir(os.path.join(require_root(root), folder), f"{name} dataset directory")
     image_dir = require_dir(os.path.join(dataset_dir, images), f"{name} image directory")
     split_file = require_file(os.path.join(dataset_dir, split), f"{name} split file {split}")
     splits = read_split_file(split_file, image_dir)
@@ -84,42 +82,12 @@ def read_split_json_dataset(root, name: str) -> Source:
     return Source(name, image_dir, classnames, splits["train"], splits["val"], splits["test"], dataset_dir)
 
 
-def _list_images(folder: str) -> list[str]:
-    """Image file names directly inside `folder` (by extension, case-insensitive), sorted."""
-    return sorted(
-        e.name
-        for e in os.scandir(folder)
-        if e.is_file()
-        and not e.name.startswith(".")
-        and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS
-    )
-
-
-def _list_class_dirs(folder: str) -> list[str]:
-    return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
-
-
-def _read_imagenet_classnames(path: str) -> dict[str, str]:
-    out = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            parts = line.strip().split(" ")
-            if not parts[0]:
-                continue
-            if len(parts) < 2:
-                raise DataError(
-                    f"malformed {path} line {n}: expected '<wnid> <class name>', got {line.strip()!r}"
-                )
-            out[parts[0]] = " ".join(parts[1:])
-    return out
-
-
 def _list_imagenet(image_dir: str, classnames_file: str) -> dict:
     """List ImageNet train/val folders as CoOp does: label = index in sorted train folders."""
-    wnid2name = _read_imagenet_classnames(classnames_file)
+    wnid2name = read_wnid_classnames(classnames_file)
     train_dir = require_dir(os.path.join(image_dir, "train"), "imagenet train directory")
     val_dir = require_dir(os.path.join(image_dir, "val"), "imagenet val directory")
-    wnids = _list_class_dirs(train_dir)
+    wnids = list_class_dirs(train_dir)
     for wnid in wnids:
         if wnid not in wnid2name:
             raise DataError(f"imagenet class folder {wnid} is not listed in {classnames_file}")
@@ -128,14 +96,13 @@ def _list_imagenet(image_dir: str, classnames_file: str) -> dict:
     splits = {}
     for split, folder in (("train", train_dir), ("test", val_dir)):
         items = []
-        for wnid in _list_class_dirs(folder):
+        for wnid in list_class_dirs(folder):
             if wnid not in label:
                 raise DataError(f"imagenet class folder {os.path.join(folder, wnid)} has no train folder")
             rel = os.path.relpath(os.path.join(folder, wnid), image_dir)
             name = classnames[label[wnid]]
-            items += [
-                [os.path.join(rel, f), label[wnid], name] for f in _list_images(os.path.join(folder, wnid))
-            ]
+            files = list_class_images(os.path.join(folder, wnid), f"imagenet {split}")
+            items += [[os.path.join(rel, f), label[wnid], name] for f in files]
         splits[split] = items
     return {"image_dir": image_dir, "classnames": classnames, "wnids": wnids, **splits}
 
@@ -151,7 +118,7 @@ def read_imagenet(root) -> Source:
     Args:
         root: the DATA folder.
     """
-    dataset_dir = require_dir(os.path.join(_require_root(root), "imagenet"), "imagenet dataset directory")
+    dataset_dir = require_dir(os.path.join(require_root(root), "imagenet"), "imagenet dataset directory")
     image_dir = require_dir(os.path.join(dataset_dir, "images"), "imagenet image directory")
     classnames_file = require_file(os.path.join(dataset_dir, "classnames.txt"), "imagenet classnames.txt")
     primary = Path(dataset_dir) / IMAGENET_LISTING
@@ -186,7 +153,7 @@ def read_fgvc_aircraft(root) -> Source:
         root: the DATA folder.
     """
     dataset_dir = require_dir(
-        os.path.join(_require_root(root), "fgvc_aircraft"), "fgvc_aircraft dataset directory"
+        os.path.join(require_root(root), "fgvc_aircraft"), "fgvc_aircraft dataset directory"
     )
     image_dir = require_dir(os.path.join(dataset_dir, "images"), "fgvc_aircraft image directory")
     variants = require_file(os.path.join(dataset_dir, "variants.txt"), "fgvc_aircraft variants.txt")
@@ -223,11 +190,11 @@ def read_imagefolder(root) -> Source:
     Args:
         root: folder holding `train/` and `test/` (and optionally `val/`).
     """
-    root = _require_root(root)
+    root = require_root(root)
     train_dir = require_dir(os.path.join(root, "train"), "imagefolder train directory")
     test_dir = require_dir(os.path.join(root, "test"), "imagefolder test directory")
     val_dir = os.path.join(root, "val")
-    classnames = _list_class_dirs(train_dir)
+    classnames = list_class_dirs(train_dir)
     if not classnames:
         raise DataError(f"imagefolder train directory has no class folders: {train_dir}")
     label = {c: i for i, c in enumerate(classnames)}
@@ -236,12 +203,11 @@ def read_imagefolder(root) -> Source:
         if split == "val" and not os.path.isdir(val_dir):
             continue
         items = []
-        for c in _list_class_dirs(folder):
+        for c in list_class_dirs(folder):
             if c not in label:
                 raise DataError(f"imagefolder class {c!r} in {folder} has no folder in {train_dir}")
-            items += [
-                Datum(os.path.join(folder, c, f), label[c], c) for f in _list_images(os.path.join(folder, c))
-            ]
+            files = list_class_images(os.path.join(folder, c), f"imagefolder {split}")
+            items += [Datum(os.path.join(folder, c, f), label[c], c) for f in files]
         splits[split] = items
     return Source("imagefolder", root, classnames, splits["train"], splits["val"], splits["test"], root)
 
@@ -268,7 +234,7 @@ def read_textile(root=None) -> Source:
     image_dir = os.path.commonpath(dirs)
     splits = {"train": [], "val": [], "test": []}
     for label, (name, folder) in enumerate(zip(TEXTILE_CLASSNAMES, dirs, strict=True)):
-        files = _list_images(require_dir(folder, f"textile {name} image directory"))
+        files = list_images(require_dir(folder, f"textile {name} image directory"))
         random.Random(0).shuffle(files)
         n_train, n_val = textile_split(len(files))
         data = [Datum(os.path.join(folder, f), label, name) for f in files]
@@ -286,6 +252,7 @@ DATASETS: dict[str, Callable[..., Source]] = {
     "fgvc_aircraft": read_fgvc_aircraft,
     "imagefolder": read_imagefolder,
     "textile": read_textile,
+    **{name: partial(read_imagenet_variant, name=name) for name in IMAGENET_VARIANTS},
 }
 
 
@@ -300,12 +267,19 @@ def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1) -> FewSho
         seed: sampling seed; the subset is cached as `split_fewshot/shot_{K}-seed_{S}.json`.
 
     Returns:
-        FewShotDataset with `classnames` and `train`/`val`/`test` lists of `Datum`.
+        FewShotDataset with `classnames` and `train`/`val`/`test` lists of `Datum`; for the
+        datasets in `TEST_ONLY_DATASETS`, only `test` (and `test_only=True`).
+
+    Raises:
+        DataError: a missing or malformed folder or file, an empty split, or `shots > 0` on a
+            test-only dataset.
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(sorted(DATASETS))}")
     if shots < 0:
         raise ValueError(f"shots must be >= 0, got {shots}")
+    if shots > 0 and name in TEST_ONLY_DATASETS:
+        raise test_only_error(name)  # before listing tens of thousands of images
     src = DATASETS[name](root)
     ds = fewshot_dataset(src, shots, seed)
     logger.info(
