@@ -1,13 +1,20 @@
-"""Tables and figures from run folders: every `metrics.json` (with its `config.yaml`) under a root.
+"""Result tables from run folders: every `metrics.json` (with its `config.yaml`) under a root.
 
-    from coop.results import load_runs, summarize, varying_keys
+    from coop.results import dataset_table, load_runs, summarize, varying_keys
     runs = load_runs("runs/position")                 # one row per run folder
     table = summarize(runs, by=varying_keys(runs))    # mean / std over seeds per setting
+    wide = dataset_table(runs)                        # one column per dataset, as in the papers
 
-Entry points: `tools/collect.py` (tables) and `tools/plot.py` (figures). A run folder is any
-folder holding `metrics.json`, `config.yaml`, `checkpoint.pt` or `sweep.log`; one without `metrics.json`
-is incomplete and is kept (flag `complete`) so that tools can list it. Numbers come from the
-metrics files only, never from logs.
+Entry points: `tools/collect.py` (tables); `coop.plots` draws figures from these tables. A run
+folder is any folder holding `metrics.json`, `config.yaml`, `checkpoint.pt` or `sweep.log`; one
+without `metrics.json` is incomplete and is kept (flag `complete`) so that tools can list it.
+Numbers come from the metrics files only (`metrics.json`, and `eval_<dataset>.json` written by
+`tools/eval.py`), never from logs.
+
+Seeds of one setting are pooled over every key of `coop.config.RESULT_FREE_KEYS` (device,
+workers, data root, ...): those keys cannot change a result, so they never split a row.
+Base-to-new: `hm` is the harmonic mean of the seed-averaged base and new accuracies (CoCoOp's
+convention); `hm_per_seed` is the mean (and std) of the per-seed harmonic means.
 """
 
 from __future__ import annotations
@@ -21,14 +28,27 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from coop.config import flatten
+from coop.config import CHOICES, DEFAULTS, RESULT_FREE_KEYS, flatten
 
 log = logging.getLogger(__name__)
 
 RUN_FILES = ("metrics.json", "config.yaml", "checkpoint.pt", "sweep.log")  # sweep.log: failed at start
-METRICS = ("accuracy", "macro_f1", "new_accuracy", "hm")  # the last two: base-to-new runs
-IGNORED_KEYS = ("data.seed", "output_dir")  # never grouping keys by default
-KEY_ORDER = ("data.name", "model.name", "model.pretrained", "data.shots")  # leading table columns
+# The last three: base-to-new runs. `hm` is derived per setting from the means (see summarize).
+METRICS = ("accuracy", "macro_f1", "new_accuracy", "hm", "hm_per_seed")
+IGNORED_KEYS = frozenset({"data.seed"} | RESULT_FREE_KEYS)  # never grouping keys by default
+KEY_ORDER = ("method", "data.name", "model.name", "model.pretrained", "data.shots")  # leading columns
+DEFAULT_METHOD = "coop"  # runs whose config predates the `method` key
+# Config keys outside any section (device, output_dir, method).
+TOP_LEVEL_KEYS = frozenset({k for k, v in DEFAULTS.items() if not isinstance(v, dict)} | {"method"})
+# eval_<dataset>_<half>.json belongs to the base-to-new protocol, not to transfer targets.
+SUBSAMPLE_SUFFIXES = tuple(f"_{c}" for c in CHOICES["data.subsample_classes"] if c != "all")
+# Column order of the per-dataset table: CoOp's 11 datasets as its paper lists them, then the
+# ImageNet variants of the domain-generalisation table; other datasets follow alphabetically.
+DATASET_ORDER = (
+    "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
+    "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101",
+    "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r",
+)  # fmt: skip
 
 
 def _read_config(folder: Path) -> dict:
@@ -58,8 +78,10 @@ def load_runs(root: str | os.PathLike) -> pd.DataFrame:
         root: folder searched recursively for run folders.
     Returns:
         DataFrame with columns `run` (path relative to root), `complete` (metrics.json present),
-        every config key (e.g. `prompt.position`) and every metrics.json key (e.g. `accuracy`).
-        Empty when no run folder is found.
+        every config key (e.g. `prompt.position`; `method` is "coop" when the config has none),
+        every metrics.json key (e.g. `accuracy`) and, for finished runs, `eval_targets`: the
+        run's `eval_<dataset>.json` files as {dataset: {metric: value}}. Empty when no run
+        folder is found.
     """
     root = Path(root)
     if not root.is_dir():
@@ -69,25 +91,52 @@ def load_runs(root: str | os.PathLike) -> pd.DataFrame:
     for folder in folders:
         row = {"run": folder.relative_to(root).as_posix() or ".", "complete": False}
         row.update(_read_config(folder))
+        row.setdefault("method", DEFAULT_METHOD)
         if row.get("prompt.position") == "mid":  # an alias
             row["prompt.position"] = "middle"
         metrics = folder / "metrics.json"
         if metrics.is_file():
-            try:
-                values = json.loads(metrics.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                log.warning("unreadable %s (%s): run counted as incomplete", metrics, e)
+            values = _read_metrics(metrics)
+            if values is None:
+                log.warning("unreadable %s: run counted as incomplete", metrics)
             else:
-                row.update({k: v for k, v in values.items() if not isinstance(v, dict | list)})
+                row.update(values)
                 row["complete"] = True
                 row.update(_base_to_new(folder, row))
+                row["eval_targets"] = _eval_targets(folder)
         rows.append(row)
     df = pd.DataFrame(rows)
     return df if len(df) else pd.DataFrame(columns=["run", "complete"])
 
 
+def _read_metrics(path: Path) -> dict | None:
+    """The scalar entries of a metrics JSON file (per-class lists dropped); None if unreadable."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(values, dict):
+        return None
+    return {k: v for k, v in values.items() if not isinstance(v, dict | list)}
+
+
+def _eval_targets(folder: Path) -> dict[str, dict]:
+    """{dataset: metrics} of the run's `eval_<dataset>.json` files (transfer evaluations)."""
+    out = {}
+    for path in sorted(folder.glob("eval_*.json")):
+        name = path.stem[len("eval_") :]
+        if not name or name.endswith(SUBSAMPLE_SUFFIXES):
+            continue
+        values = _read_metrics(path)
+        if values is None:
+            log.warning("unreadable %s: left out", path)
+            continue
+        out[name] = values
+    return out
+
+
 def _base_to_new(folder: Path, row: dict) -> dict:
-    """For a base-class run evaluated on the new classes: new-class accuracy and the harmonic mean."""
+    """For a base-class run evaluated on the new classes: new-class accuracy and this seed's HM."""
     if row.get("data.subsample_classes") != "base":
         return {}
     path = folder / f"eval_{row.get('data.name')}_new.json"
@@ -95,13 +144,17 @@ def _base_to_new(folder: Path, row: dict) -> dict:
         new = float(json.loads(path.read_text())["accuracy"])
     except (OSError, KeyError, ValueError, TypeError):
         return {}
-    base = float(row["accuracy"])
-    return {"new_accuracy": new, "hm": 2 * base * new / (base + new) if base + new else 0.0}
+    return {"new_accuracy": new, "hm_per_seed": harmonic_mean(float(row["accuracy"]), new)}
+
+
+def harmonic_mean(base: float, new: float) -> float:
+    """The base-to-new protocol's headline number: 2 b n / (b + n) (0 when both are 0)."""
+    return 2 * base * new / (base + new) if base + new else 0.0
 
 
 def config_keys(df: pd.DataFrame) -> list[str]:
-    """The config columns of a `load_runs` frame (dotted names, plus `output_dir`/`device`)."""
-    return [c for c in df.columns if "." in c or c in ("output_dir", "device")]
+    """The config columns of a `load_runs` frame (dotted names, plus `method`/`output_dir`/`device`)."""
+    return [c for c in df.columns if "." in c or c in TOP_LEVEL_KEYS]
 
 
 def _hashable(v):
@@ -115,7 +168,8 @@ def varying_keys(df: pd.DataFrame, exclude=IGNORED_KEYS) -> list[str]:
 
     Args:
         df: a `load_runs` frame.
-        exclude: keys never returned (by default data.seed and output_dir).
+        exclude: keys never returned (by default data.seed and the keys that cannot change a
+            result, `coop.config.RESULT_FREE_KEYS`: device, output_dir, data.root, ...).
     """
     done = df[df["complete"]] if "complete" in df else df
     keys = []
@@ -134,7 +188,10 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
     Args:
         df: a `load_runs` frame; incomplete runs are left out.
         by: grouping keys (config columns); an empty list gives one row per dataset and model.
-        metrics: metric columns to aggregate (those present in `df`).
+        metrics: metric columns to aggregate (those present in `df`). `hm` is derived, not
+            averaged: the harmonic mean of the mean base accuracy and the mean new-class
+            accuracy over the runs that have both (CoCoOp's convention; its std is NaN).
+            `hm_per_seed` averages each run's own harmonic mean.
         ddof: 1 for the sample standard deviation (NaN with one seed), 0 for the population one.
     Returns:
         One row per setting: the `by` columns, `n_seeds` (distinct seeds), `n_runs` (only when
@@ -147,7 +204,8 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
     if missing:
         known = ", ".join(sorted(config_keys(done)))
         raise ValueError(f"unknown grouping key '{missing[0]}' (known: {known})")
-    metrics = [m for m in metrics if m in done.columns]
+    has_hm = {"accuracy", "new_accuracy"} <= set(done.columns)
+    metrics = [m for m in metrics if m in done.columns or (m == "hm" and has_hm)]
     if not metrics:
         raise ValueError(f"no metric columns ({', '.join(METRICS)}) in the finished runs")
     for key in by:  # None and NaN group together; booleans and numbers stay as they are
@@ -164,6 +222,9 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
         row["n_runs"] = len(group)
         row["seeds"] = ",".join(str(s) for s in sorted(set(seeds)))
         for m in metrics:
+            if m == "hm":
+                row["hm_mean"], row["hm_std"] = _hm_of_means(group), float("nan")
+                continue
             col = pd.to_numeric(group[m], errors="coerce")
             row[f"{m}_mean"] = col.mean()
             row[f"{m}_std"] = col.std(ddof=ddof) if len(col) > ddof else float("nan")
@@ -175,11 +236,39 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
     return table
 
 
+def _hm_of_means(group: pd.DataFrame) -> float:
+    """Harmonic mean of the seed-averaged base and new accuracies, over runs that have both."""
+    base = pd.to_numeric(group["accuracy"], errors="coerce")
+    new = pd.to_numeric(group["new_accuracy"], errors="coerce")
+    paired = base.notna() & new.notna()
+    if not paired.any():
+        return float("nan")
+    return harmonic_mean(float(base[paired].mean()), float(new[paired].mean()))
+
+
 def _sort_key(v):
     """Numbers in numeric order, before strings/booleans (mixed columns such as n_ctx 4 / null)."""
     if isinstance(v, int | float) and not isinstance(v, bool):
         return (0, float(v), "")
     return (1, 0.0, str(v))
+
+
+def _show(v) -> str:
+    """A config value for a table: 0.0 -> "0" (pandas turns int columns with gaps into floats)."""
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def _places(values: pd.Series, digits: int) -> int:
+    """Metrics in [0, 1] (e.g. a macro-F1 fraction) get two more digits than percentages."""
+    return digits + 2 if values.abs().max() <= 1 else digits
+
+
+def _cell(mean, std, places: int, n=None) -> str:
+    """`mean ± std`, `mean` when there is no std, `–` when missing; `(n=K)` when n is given."""
+    if pd.isna(mean):
+        return "–"
+    text = f"{mean:.{places}f}" if pd.isna(std) else f"{mean:.{places}f} ± {std:.{places}f}"
+    return text if n is None else f"{text} (n={int(n)})"
 
 
 def format_markdown(table: pd.DataFrame, digits: int = 2) -> str:
@@ -188,18 +277,10 @@ def format_markdown(table: pd.DataFrame, digits: int = 2) -> str:
     keys = [c for c in table.columns if not c.endswith(("_mean", "_std")) and c != "seeds"]
     header = keys + metrics
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    # Metrics in [0, 1] (e.g. a macro-F1 fraction) get two more digits than percentages.
-    places = {m: digits + 2 if table[f"{m}_mean"].abs().max() <= 1 else digits for m in metrics}
+    places = {m: _places(table[f"{m}_mean"], digits) for m in metrics}
     for _, row in table.iterrows():
-        cells = [str(row[k]) for k in keys]
-        for m in metrics:
-            mean, std, d = row[f"{m}_mean"], row[f"{m}_std"], places[m]
-            if pd.isna(mean):
-                cells.append("–")
-            elif pd.isna(std):
-                cells.append(f"{mean:.{d}f}")
-            else:
-                cells.append(f"{mean:.{d}f} ± {std:.{d}f}")
+        cells = [_show(row[k]) for k in keys]
+        cells += [_cell(row[f"{m}_mean"], row[f"{m}_std"], places[m]) for m in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -209,157 +290,109 @@ def incomplete_runs(df: pd.DataFrame) -> list[str]:
     return df.loc[~df["complete"].astype(bool), "run"].tolist() if len(df) else []
 
 
-# ---------------------------------------------------------------- figures
-
-PANEL_KEYS = ("data.name", "model.name")
-
-
-def _label(keys: list[str], values) -> str:
+def setting_label(keys: list[str], values) -> str:
+    """ "shots=4, position=end" for keys ["data.shots", "prompt.position"] and values (4, "end")."""
     values = values if isinstance(values, tuple) else (values,)
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, values, strict=True)) or "all"
+    return ", ".join(f"{k.split('.')[-1]}={_show(v)}" for k, v in zip(keys, values, strict=True))
 
 
-def _groups(table: pd.DataFrame, keys: list[str]):
-    if not keys:
-        return [((), table)]
-    return [(v if isinstance(v, tuple) else (v,), g) for v, g in table.groupby(keys, sort=False)]
+# ---------------------------------------------------------------- one column per dataset
 
 
-def plot_lines(df: pd.DataFrame, x: str, path, metric: str = "accuracy", title: str = "") -> bool:
-    """Metric vs a config key, one line per other setting, error bars = std over seeds.
+def _per_dataset(done: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Long format: one row per (finished run, dataset it was tested on), the value in `value`.
 
-    One panel per dataset (and model, when several). Nothing is written when `x` takes fewer
-    than two values among the finished runs.
+    A run counts for its own dataset (metrics.json) and for every transfer target
+    (eval_<dataset>.json); an eval file for the run's own dataset is not counted twice.
+    """
+    rows = []
+    for _, run in done.iterrows():
+        base = {k: v for k, v in run.items() if k != "eval_targets"}
+        own = run.get("data.name")
+        targets = run.get("eval_targets")
+        targets = targets if isinstance(targets, dict) else {}
+        values = {own: run.get(metric)} | {ds: m.get(metric) for ds, m in targets.items() if ds != own}
+        for ds, value in values.items():
+            value = pd.to_numeric(value, errors="coerce")
+            if isinstance(ds, str) and pd.notna(value):
+                rows.append({**base, "dataset": ds, "value": float(value)})
+    return pd.DataFrame(rows)
+
+
+def _dataset_columns(names) -> list[str]:
+    known = [d for d in DATASET_ORDER if d in set(names)]
+    return known + sorted(set(names) - set(known))
+
+
+def dataset_table(
+    df: pd.DataFrame, metric: str = "accuracy", by: list[str] | None = None, ddof: int = 1
+) -> pd.DataFrame:
+    """The papers' layout: one row per method and setting, one column per dataset, then Average.
+
+    Columns are the datasets the runs were trained and tested on (metrics.json) plus their
+    transfer targets (`eval_<dataset>.json`, e.g. ImageNet -> ImageNet-Sketch). A cell never
+    pools runs trained on different datasets: when some would (e.g. DTD trained on DTD and
+    DTD as a target of ImageNet runs), rows are split by `data.name` as well.
 
     Args:
-        df: a `load_runs` frame.
-        x: the config key on the x axis, e.g. "data.shots" or "prompt.depth".
-        path: PNG file to write.
-        metric: metric column.
-        title: figure title.
+        df: a `load_runs` frame; incomplete runs are left out.
+        metric: the metric of every cell (`accuracy` by default).
+        by: row keys besides `method` (default: the config keys that vary, except data.name).
+        ddof: 1 for the sample standard deviation (NaN with one seed), 0 for the population one.
     Returns:
-        True when the figure was written.
+        One row per setting: the row keys (`method` first), then `<dataset>_mean`,
+        `<dataset>_std` and `<dataset>_n` (seeds) per dataset, then `average`: the mean of the
+        row's cell means, NaN unless every dataset has a value (missing cells are never
+        averaged over).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = df[df["complete"]] if len(df) else df
-    if x not in done or done[x].nunique() < 2 or metric not in done:
-        return False
-    varying = varying_keys(done)
-    panels = [k for k in PANEL_KEYS if k in varying or (k == "data.name" and k in done)]
-    lines = [k for k in varying if k != x and k not in panels]
-    table = summarize(done, by=[x, *panels, *lines], metrics=[metric])
-    table = table[pd.to_numeric(table[x], errors="coerce").notna()]
-    # A setting measured at a single x value has no trend to show (e.g. depth runs in a shots plot).
-    table = table.groupby([*panels, *lines], dropna=False, sort=False).filter(lambda g: len(g) > 1)
-    if not len(table):
-        return False
-    panel_groups = _groups(table, panels)
-    fig, axes = plt.subplots(
-        1, len(panel_groups), figsize=(4.6 * len(panel_groups), 3.6), squeeze=False, sharey=True
-    )
-    for ax, (pvalues, ptable) in zip(axes[0], panel_groups, strict=True):
-        for lvalues, ltable in _groups(ptable, lines):
-            ltable = ltable.sort_values(x, key=lambda s: pd.to_numeric(s))
-            ax.errorbar(
-                pd.to_numeric(ltable[x]), ltable[f"{metric}_mean"], yerr=ltable[f"{metric}_std"].fillna(0),
-                marker="o", capsize=3, label=_label(lines, lvalues),
-            )  # fmt: skip
-        if x == "data.shots":
-            ax.set_xscale("log", base=2)
-        xs = sorted(pd.to_numeric(ptable[x]).unique())
-        ax.set_xticks(xs, [f"{v:g}" for v in xs])
-        ax.set_title(_label(panels, pvalues), fontsize=9)
-        ax.set_xlabel(x)
-        ax.grid(alpha=0.3)
-        if lines:
-            ax.legend(fontsize=7)
-    axes[0, 0].set_ylabel(f"{metric} (%)" if metric == "accuracy" else metric)
-    fig.suptitle(title or f"{metric} vs {x} (mean ± std over seeds)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    done = df[df["complete"].astype(bool)] if "complete" in df else df
+    if "data.name" not in done or not len(done):
+        raise ValueError("no finished runs with a data.name")
+    long = _per_dataset(done, metric)
+    if not len(long):
+        raise ValueError(f"metric '{metric}' is in none of the finished runs' metrics files")
+    keys = [k for k in (by if by is not None else varying_keys(done)) if k not in ("method", "data.name")]
+    keys = ["method", *keys] + (["data.name"] if by is not None and "data.name" in by else [])
+    missing = [k for k in keys if k not in long.columns]
+    if missing:
+        known = ", ".join(sorted(config_keys(done)))
+        raise ValueError(f"unknown grouping key '{missing[0]}' (known: {known})")
+    for key in keys:  # None and NaN group together, as in summarize
+        long[key] = long[key].map(lambda v: "null" if _hashable(v) is None else v)
+    if "data.name" not in keys and long.groupby([*keys, "dataset"])["data.name"].nunique().gt(1).any():
+        log.info("some datasets are both trained on and transfer targets: rows split by data.name")
+        keys.append("data.name")
+    pooled = [k for k in varying_keys(done) if k not in keys and k != "data.name"]
+    if pooled:
+        log.warning("each cell pools runs that differ in %s (not grouped by)", ", ".join(pooled))
+    columns = _dataset_columns(long["dataset"].unique())
+    rows = []
+    for values, group in long.groupby(keys, sort=False, dropna=False):
+        row = dict(zip(keys, values if isinstance(values, tuple) else (values,), strict=True))
+        for ds in columns:
+            cell = group[group["dataset"] == ds]
+            seeds = cell["data.seed"].nunique() if "data.seed" in cell else len(cell)
+            row[f"{ds}_mean"] = cell["value"].mean() if len(cell) else float("nan")
+            row[f"{ds}_std"] = cell["value"].std(ddof=ddof) if len(cell) > ddof else float("nan")
+            row[f"{ds}_n"] = seeds
+        means = [row[f"{ds}_mean"] for ds in columns]
+        row["average"] = float("nan") if any(pd.isna(m) for m in means) else sum(means) / len(means)
+        rows.append(row)
+    rows.sort(key=lambda r: tuple(_sort_key(r[k]) for k in keys))
+    return pd.DataFrame(rows)
 
 
-def plot_positions(df: pd.DataFrame, path, metric: str = "accuracy") -> bool:
-    """Bar chart of each class-token position per dataset (and other setting) at the most shots.
-
-    Within each group, only the largest shot count that every position reached is used, so that
-    bars compare like with like. Nothing is written with fewer than two positions.
-
-    Args:
-        df: a `load_runs` frame.
-        path: PNG file to write.
-        metric: metric column.
-    Returns:
-        True when the figure was written.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    key = "prompt.position"
-    done = df[df["complete"]] if len(df) else df
-    if key not in done or done[key].nunique() < 2 or metric not in done:
-        return False
-    varying = varying_keys(done)
-    groups = [k for k in ("data.name", *varying) if k in done and k not in (key, "data.shots")]
-    groups = list(dict.fromkeys(groups))
-    table = summarize(done, by=[*groups, "data.shots", key], metrics=[metric])
-    positions = sorted(table[key].unique(), key=["end", "middle", "front"].index)
-    labels, bars = [], {p: ([], []) for p in positions}
-    for gvalues, gtable in _groups(table, groups):
-        common = set.intersection(*(set(t["data.shots"]) for _, t in gtable.groupby(key)))
-        if len(gtable[key].unique()) < 2 or not common:
-            continue
-        shots = max(common)
-        at = gtable[gtable["data.shots"] == shots].set_index(key)
-        labels.append(f"{_label(groups, gvalues)}\n{shots} shots")
-        for p in positions:
-            bars[p][0].append(at[f"{metric}_mean"].get(p, np.nan))
-            bars[p][1].append(at[f"{metric}_std"].get(p, np.nan))
-    if not labels:
-        return False
-    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(labels) * len(positions) / 2 + 2), 3.8))
-    width = 0.8 / len(positions)
-    xs = np.arange(len(labels))
-    for i, p in enumerate(positions):
-        means, stds = bars[p]
-        drawn = ax.bar(xs + (i - (len(positions) - 1) / 2) * width, means, width,
-                       yerr=np.nan_to_num(stds), capsize=3, label=p)  # fmt: skip
-        ax.bar_label(drawn, fmt="%.1f", fontsize=7, label_type="center", color="white")
-    ax.set_xticks(xs, labels, fontsize=7)
-    ax.set_ylabel(f"{metric} (%)" if metric == "accuracy" else metric)
-    ax.set_title(f"class-token position: {' vs '.join(positions)} (mean ± std over seeds)", fontsize=10)
-    ax.legend(title="position")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-FIGURES = {
-    "acc_vs_shots.png": lambda df, path, m: plot_lines(df, "data.shots", path, m),
-    "acc_vs_depth.png": lambda df, path, m: plot_lines(df, "prompt.depth", path, m),
-    "end_vs_middle.png": plot_positions,
-}
-
-
-def write_figures(df: pd.DataFrame, out_dir, metric: str = "accuracy") -> list[Path]:
-    """Every figure of `FIGURES` for which the runs hold data; returns the paths written.
-
-    Args:
-        df: a `load_runs` frame.
-        out_dir: folder for the PNG files.
-        metric: metric column to plot.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return [out_dir / name for name, plot in FIGURES.items() if plot(df, out_dir / name, metric)]
+def format_dataset_markdown(table: pd.DataFrame, digits: int = 2) -> str:
+    """A Markdown table of `dataset_table`: `mean ± std (n=seeds)` cells, `–` when missing."""
+    datasets = [c[: -len("_mean")] for c in table.columns if c.endswith("_mean")]
+    keys = [c for c in table.columns if not c.endswith(("_mean", "_std", "_n")) and c != "average"]
+    header = ["method", *datasets, "**Average**"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    places = _places(pd.concat([table[f"{ds}_mean"] for ds in datasets]), digits)
+    for _, row in table.iterrows():
+        settings = setting_label(keys[1:], tuple(row[k] for k in keys[1:]))
+        cells = [f"{row['method']} ({settings})" if settings else str(row["method"])]
+        cells += [_cell(row[f"{ds}_mean"], row[f"{ds}_std"], places, row[f"{ds}_n"]) for ds in datasets]
+        cells.append(_cell(row["average"], float("nan"), places))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

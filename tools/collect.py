@@ -2,12 +2,23 @@
 
     python tools/collect.py runs/position                       # group by the keys that vary
     python tools/collect.py runs/position --by data.shots prompt.position
+    python tools/collect.py runs/ --table datasets              # the papers' layout
 
-Reads every `metrics.json` (with its `config.yaml`) under ROOT, groups the finished runs by
-`--by` (default: the config keys whose values differ between runs, except data.seed and
-output_dir) and prints one row per setting with the number of seeds. Writes `results.csv`
-(numbers) and `results.md` (Markdown, plus the list of incomplete runs) into ROOT. Runs without
-`metrics.json` are listed as incomplete, never dropped silently. Exit 1 when no run finished.
+Reads every `metrics.json` (with its `config.yaml`) under ROOT and groups the finished runs by
+`--by` (default: the config keys whose values differ between runs, except data.seed and the keys
+that cannot change a result: device, output_dir, data.root, data.num_workers,
+train.eval_batch_size, train.cache_features).
+
+--table settings (default): one row per setting with the number of seeds; writes `results.csv`
+and `results.md`. Base-to-new runs get `new_accuracy`, `hm` (harmonic mean of the seed-averaged
+base and new accuracies, as CoCoOp reports it) and `hm_per_seed` (mean of per-seed HMs).
+
+--table datasets: one row per method and setting, one column per dataset (transfer targets from
+`eval_<dataset>.json` included), then the Average of complete rows; cells are mean ± std over
+seeds with the number of seeds; writes `results_datasets.csv` and `results_datasets.md`.
+
+Files go into ROOT, or --out. Runs without `metrics.json` are listed as incomplete, never dropped
+silently. Exit 1 when no run finished.
 """
 
 from __future__ import annotations
@@ -20,7 +31,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
-from coop.results import format_markdown, incomplete_runs, load_runs, summarize, varying_keys  # noqa: E402
+from coop.results import (  # noqa: E402
+    dataset_table,
+    format_dataset_markdown,
+    format_markdown,
+    incomplete_runs,
+    load_runs,
+    summarize,
+    varying_keys,
+)
 
 log = logging.getLogger("coop.collect")
 
@@ -29,6 +48,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", help="folder holding run folders (searched recursively)")
     ap.add_argument("--by", nargs="+", metavar="KEY", help="grouping config keys (default: those that vary)")
+    ap.add_argument("--table", choices=("settings", "datasets"), default="settings", help="table layout")
+    ap.add_argument("--metric", default="accuracy", help="cell metric of --table datasets (default accuracy)")
+    ap.add_argument("--out", help="folder for the table files (default: ROOT)")
     ap.add_argument(
         "--ddof", type=int, default=1, choices=(0, 1), help="std: 1 = sample (default), 0 = population"
     )
@@ -46,18 +68,28 @@ def main(argv=None) -> int:
     if not runs["complete"].any():
         print(f"no finished runs under {root}", file=sys.stderr)
         return 1
-    by = args.by if args.by is not None else varying_keys(runs)
-    table = summarize(runs, by, ddof=args.ddof)
-    markdown = format_markdown(table)
     n_done = int(runs["complete"].sum())
-    print(f"{n_done} finished run(s), grouped by {', '.join(by) or 'dataset and model'}:\n")
+    if args.table == "datasets":
+        table = dataset_table(runs, args.metric, args.by, ddof=args.ddof)
+        markdown = format_dataset_markdown(table)
+        intro = f"{n_done} finished run(s); {args.metric}, mean ± std over seeds (n = seeds)"
+        stem = "results_datasets"
+    else:
+        by = args.by if args.by is not None else varying_keys(runs)
+        table = summarize(runs, by, ddof=args.ddof)
+        markdown = format_markdown(table)
+        intro = f"{n_done} finished run(s), grouped by {', '.join(by) or 'dataset and model'}"
+        stem = "results"
+    print(f"{intro}:\n")
     print(markdown)
-    table.to_csv(root / "results.csv", index=False)
-    text = f"# Results: {root}\n\n{n_done} finished runs; mean ± std over seeds.\n\n{markdown}\n"
+    out = Path(args.out) if args.out else root
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / f"{stem}.csv", index=False)
+    text = f"# Results: {root}\n\n{intro}.\n\n{markdown}\n"
     if incomplete:
         text += "\n## Incomplete runs (no metrics.json)\n\n" + "".join(f"- {r}\n" for r in incomplete)
-    (root / "results.md").write_text(text)
-    print(f"\nwrote {root / 'results.csv'} and {root / 'results.md'}")
+    (out / f"{stem}.md").write_text(text)
+    print(f"\nwrote {out / f'{stem}.csv'} and {out / f'{stem}.md'}")
     return 0
 
 
