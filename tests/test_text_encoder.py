@@ -77,13 +77,13 @@ def _tiny_cfg(**text_overrides):
 )
 def test_non_standard_text_towers_are_rejected(overrides, message):
     model = open_clip.CLIP(**_tiny_cfg(**overrides))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(coop_model.ModelError, match=message):
         coop.CLIP.from_openclip(model)
 
 
 def test_custom_text_model_is_rejected():
     model = open_clip.CustomTextCLIP(**_tiny_cfg())
-    with pytest.raises(ValueError, match="standard causal CLIP text tower"):
+    with pytest.raises(coop_model.ModelError, match="standard causal CLIP text tower"):
         coop.CLIP.from_openclip(model)
 
 
@@ -102,18 +102,20 @@ def test_load_clip_config_json_and_local_file(tmp_path):
 
 
 def test_load_clip_bad_names():
-    with pytest.raises(ValueError, match="unknown open_clip model 'ViT-Q-99'"):
+    with pytest.raises(coop_model.ModelError, match="unknown open_clip model 'ViT-Q-99'"):
         coop.load_clip("ViT-Q-99")
-    with pytest.raises(ValueError, match="missing.json"):
+    with pytest.raises(coop_model.ModelError, match="missing.json"):
         coop.load_clip("missing.json")
-    with pytest.raises(ValueError, match="neither a file nor an open_clip tag"):
+    with pytest.raises(coop_model.ModelError, match="neither a file nor an open_clip tag"):
         coop.load_clip("RN50", pretrained="no-such-tag")
 
 
 def test_offline_tag_gives_one_clear_error(monkeypatch):
     monkeypatch.setattr(coop_model, "try_to_load_from_cache", lambda *a, **k: None)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(RuntimeError, match="not in the local cache.*local checkpoint file"):
+    with pytest.raises(
+        coop_model.WeightsUnavailableError, match="not in the local cache.*local weights file"
+    ):
         coop.load_clip("RN50", pretrained="openai")
 
 
