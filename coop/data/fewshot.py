@@ -99,7 +99,9 @@ def split_digest(src: Source) -> str:
 
     h = hashlib.sha256()
     for split in (src.train, src.val):
-        h.update(json.dumps([[rel(d.path), d.label, d.classname] for d in split]).encode())
+        # NUL cannot occur in a path; each split ends with a record separator of its own
+        h.update("".join([f"{rel(d.path)}\0{d.label}\0{d.classname}\n" for d in split]).encode())
+        h.update(b"\x1e")
     return h.hexdigest()
 
 
@@ -115,7 +117,7 @@ def _read_cache(path: Path, src: Source, record: dict) -> tuple[dict | None, str
         return None, "written by an older version"
     for key, value in record.items():
         if obj.get(key) != value:
-            return None, f"its {key} differs from the current data"
+            return None, f"its {key} does not match the current one"
     try:
         cached = read_split_file(path, src.image_dir, keys=("train", "val"))
     except DataError as e:
