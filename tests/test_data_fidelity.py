@@ -96,8 +96,12 @@ def as_items(ds, data):
 def test_fewshot_draw_is_coops(tmp_path, seed):
     split = pets_split()
     write_pets(tmp_path, split)
-    with pytest.warns(UserWarning, match="'beagle'"):
+    with pytest.warns(UserWarning) as short:
         ds = build_dataset("oxford_pets", tmp_path, shots=3, seed=seed)
+    assert sorted(str(w.message).split(" has")[0] for w in short) == [
+        "class 'beagle' (label 1)",  # 2 train images
+        "class 'chihuahua' (label 2)",  # 2 val images
+    ]
     train, val = coop_draw(split, 3, seed)
     assert as_items(ds, ds.train) == train and as_items(ds, ds.val) == val
     # labels in order of first appearance, the short class kept whole in split order
