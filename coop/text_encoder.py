@@ -12,8 +12,13 @@ Two things make it faster than the reference CoOp computation, both exact:
     sequences are cut to `eos + 1` tokens instead of 77;
   * sequences are grouped by length ("buckets"), so short class names do not pay for long ones.
 
-Deep prompts (DESIGN.md §3): before block i (1 <= i < J) the hidden states at the context slots
-are replaced by fresh learnable tokens; no positional embedding is added to them.
+Deep prompts: before block i (1 <= i < J) the hidden states at the context slots are replaced
+by fresh learnable tokens; no positional embedding is added to them.
+
+Attention runs through `F.scaled_dot_product_attention` (flash kernels on GPUs), which returns
+no weights. Tools that need them (`coop.attention`) call `encode_with_attention`: the same
+blocks, with each attention module asked (`need_weights=True`) to form softmax(q k^T / sqrt(Dh)
++ causal mask) explicitly. Only that call pays for the explicit (L, L) matrices.
 """
 
 from __future__ import annotations
@@ -71,9 +76,24 @@ class CausalSelfAttention(nn.Module):
         n, _, length, _ = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(n, length, -1))  # (N, H, L, Dh) -> (N, L, W)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, need_weights: bool = False):
+        """Causal self-attention of (N, L, W) normalised hidden states.
+
+        Args:
+            x: (N, L, W).
+            need_weights: also return the attention probabilities, computed explicitly as
+                softmax(q k^T / sqrt(Dh) + causal mask); the default path is fused SDPA.
+        Returns:
+            (N, L, W), or ((N, L, W), (N, H, L, L) probabilities) with `need_weights`.
+        """
         q, k, v = self.qkv(x)
-        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        if not need_weights:
+            return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        length = x.shape[1]
+        hidden = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)  # keys after the query
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (N, H, L, L)
+        weights = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        return self.merge(weights @ v), weights  # (N, H, L, Dh) -> (N, L, W)
 
     def forward_after_prefix(self, x: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor):
         """Attention of rows that all follow one shared prefix whose keys/values are given.
@@ -113,9 +133,14 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, need_weights: bool = False):
+        """(N, L, W) -> (N, L, W); with `need_weights`, also the (N, H, L, L) attention weights."""
+        if not need_weights:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+        y, weights = self.attn(self.ln_1(x), need_weights=True)
+        x = x + y
+        return x + self.mlp(self.ln_2(x)), weights
 
 
 class Resblocks(nn.Module):
@@ -240,6 +265,28 @@ class TextTransformer(nn.Module):
             order.append(rows)
         return torch.cat(feats)[torch.cat(order).argsort()]  # back to row order
 
+    def encode_with_attention(
+        self,
+        x: torch.Tensor,
+        eos: torch.Tensor,
+        deep_prompts: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode_embeddings` that also returns every layer's attention probabilities.
+
+        All rows run at one length, max(eos) + 1: under the causal mask a row's [EOS] never sees
+        the tokens after it, so the features equal those of the length buckets.
+
+        Args:
+            x, eos, deep_prompts, slots: as in `encode_embeddings`.
+        Returns:
+            (N, E) features and (layers, N, H, L, L) weights: [l, n, h, t, s] is the probability
+            that query t puts on key s in head h of block l (0 for s > t).
+        """
+        weights: list[torch.Tensor] = []
+        feats = self._encode_bucket(x[:, : int(eos.max()) + 1], eos, deep_prompts, slots, weights)
+        return feats, torch.stack(weights)
+
     def _project(self, x: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
         x = self.ln_final(x)
         pooled = x[torch.arange(x.shape[0], device=x.device), eos]  # (N, W)
@@ -247,7 +294,9 @@ class TextTransformer(nn.Module):
             return self.text_projection(pooled)
         return pooled @ self.text_projection  # (N, E)
 
-    def _encode_bucket(self, x, eos, deep_prompts, slots) -> torch.Tensor:
+    def _encode_bucket(self, x, eos, deep_prompts, slots, weights: list | None = None) -> torch.Tensor:
+        """Rows of one length through every block; each block's attention weights are appended
+        to `weights` when it is a list (the explicit-softmax path, for analysis only)."""
         n, length, width = x.shape
         x = x + self.positional_embedding[:length]  # (N, L, W)
         n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
@@ -257,7 +306,10 @@ class TextTransformer(nn.Module):
             if 1 <= i <= n_deep:
                 deep = deep_prompts[i - 1].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
                 x = x.scatter(1, index, deep)
-            if self.grad_checkpointing and torch.is_grad_enabled():
+            if weights is not None:
+                x, w = block(x, need_weights=True)
+                weights.append(w)
+            elif self.grad_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)

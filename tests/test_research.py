@@ -16,7 +16,7 @@ from conftest import REPO, TINY_CONFIG, make_image_folder, randomise_prompts
 from omegaconf import OmegaConf
 
 import coop
-from coop import analysis
+from coop import analysis, attention
 from coop import sweep as sweep_lib
 from coop.checkpoint import save_checkpoint
 from coop.config import load_config, run_name, to_yaml
@@ -270,36 +270,50 @@ def random_learner(clip, classes=CLASSES, seed=0, **kw):
 
 @pytest.mark.parametrize("position", ["end", "middle", "front"])
 @pytest.mark.parametrize("csc,depth", [(False, 1), (True, 1), (False, 3), (True, 2)])
-def test_manual_attention_forward_matches_encoder(tiny_clip, position, csc, depth):
+def test_attention_weights_path_matches_encoder(tiny_clip, position, csc, depth):
+    """The explicit-softmax path (need_weights) gives the same features as the SDPA path."""
     learner = random_learner(tiny_clip, n_ctx=4, position=position, csc=csc, depth=depth)
     with torch.no_grad():
         ref = coop.PromptClassifier(tiny_clip, learner).text_features()
-    prompts, deep = learner()
-    feats, attn = analysis.encode_with_attention(tiny_clip.text, prompts, deep, learner.eos, learner.slots)
+    feats, attn = attention.attention_maps(tiny_clip.text, learner)
     assert float((feats - ref).abs().max() / ref.abs().max()) < 1e-5
-    n_layers, length = len(tiny_clip.text.blocks), prompts.shape[1]
+    n_layers, length = len(tiny_clip.text.blocks), int(learner.eos.max()) + 1
     assert attn.shape == (n_layers, len(CLASSES), length, length)
-    assert torch.allclose(attn.sum(-1), torch.ones(()), atol=1e-5)
-    assert attn.triu(1).abs().max() == 0  # causal: no query sees a later key
+
+
+def test_attention_module_weights_are_causal_probabilities(tiny_clip):
+    block = tiny_clip.text.blocks[1]
+    x = torch.randn(3, 7, tiny_clip.width, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = block.attn(x)
+        slow, weights = block.attn(x, need_weights=True)
+        out, block_weights = block(x, need_weights=True)
+        expected = block.attn(block.ln_1(x), need_weights=True)[1]  # the block asks its own module
+    assert weights.shape == (3, block.attn.heads, 7, 7)
+    assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-6)  # each query's row sums to 1
+    assert weights.triu(1).abs().max() == 0  # causal: no query sees a later key
+    assert weights[..., torch.ones(7, 7).tril().bool()].min() > 0  # ... and every earlier key some
+    assert torch.allclose(slow, fast, atol=1e-6) and torch.equal(block_weights, expected)
+    assert torch.allclose(out, block(x), atol=1e-6)
 
 
 def test_attention_roles_follow_the_causal_mask(tiny_clip):
     learner = random_learner(tiny_clip, n_ctx=4, position="end")
-    layouts = analysis.layout_learners(
+    layouts = attention.layout_learners(
         tiny_clip, learner, ["dog", "golden_retriever"], ["end", "middle", "front"]
     )
     mass = {}
     for pos, lrn in layouts.items():
         assert torch.equal(lrn.ctx, learner.ctx)
-        _, attn = analysis.encode_with_attention(tiny_clip.text, *lrn(), lrn.eos, lrn.slots)
-        mass[pos] = analysis.attention_to_roles(attn, analysis.token_roles(lrn, tiny_clip.tokenizer))
+        _, attn = attention.attention_maps(tiny_clip.text, lrn)
+        mass[pos] = attention.attention_to_roles(attn, attention.token_roles(lrn, tiny_clip.tokenizer))
     assert mass["end"]["ctx->cls"].abs().max() == 0 and mass["middle"]["ctx->cls"].min() > 0
     assert mass["front"]["cls->ctx"].abs().max() == 0 and mass["end"]["cls->ctx"].min() > 0
-    roles = analysis.token_roles(layouts["middle"], tiny_clip.tokenizer)[1]
+    roles = attention.token_roles(layouts["middle"], tiny_clip.tokenizer)[1]
     assert roles["labels"] == ["[SOS]", "v1", "v2", "golden", "retriever", "v3", "v4", ".", "[EOS]"]
     csc = random_learner(tiny_clip, n_ctx=2, csc=True)
     with pytest.raises(ValueError, match="not in the checkpoint's classes"):
-        analysis.layout_learners(tiny_clip, csc, ["cat"], ["end"])
+        attention.layout_learners(tiny_clip, csc, ["cat"], ["end"])
 
 
 def test_nearest_words_recover_planted_words(tiny_clip):
