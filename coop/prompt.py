@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 POSITIONS = {"end": "end", "middle": "middle", "mid": "middle", "front": "front"}
 
 
+class PromptError(ValueError):
+    """Prompt settings that cannot work (position, depth, n_ctx, a class name too long, ...)."""
+
+
 class _DefaultInt(int):
     """Marks `n_ctx` as not given, so that `ctx_init` may set it without a conflict."""
 
@@ -105,12 +109,12 @@ class PromptLearner(nn.Module):
     ):
         super().__init__()
         if position not in POSITIONS:
-            raise ValueError(f"unknown class-token position '{position}' (choose end, middle or front)")
+            raise PromptError(f"unknown class-token position '{position}' (choose end, middle or front)")
         layers = clip.text.cfg.layers
         if not 1 <= int(depth) <= layers:
-            raise ValueError(f"prompt depth must be in 1..{layers} (the text encoder's layers), got {depth}")
+            raise PromptError(f"prompt depth must be in 1..{layers} (the text encoder's layers), got {depth}")
         if not classnames:
-            raise ValueError("no class names given")
+            raise PromptError("no class names given")
         self.position = POSITIONS[position]
         self.csc = bool(csc)
         self.depth = int(depth)
@@ -123,7 +127,7 @@ class PromptLearner(nn.Module):
             ctx_init = ctx_init.replace("_", " ")
             init_ids = tokenizer.encode(ctx_init)
             if not isinstance(n_ctx, _DefaultInt) and n_ctx != len(init_ids):
-                raise ValueError(
+                raise PromptError(
                     f"n_ctx={n_ctx} conflicts with ctx_init '{ctx_init}', which has {len(init_ids)} tokens "
                     "(one context vector per BPE token; leave n_ctx unset)"
                 )
@@ -133,7 +137,7 @@ class PromptLearner(nn.Module):
         else:
             n_ctx = int(n_ctx)
             if n_ctx < 1:
-                raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+                raise PromptError(f"n_ctx must be >= 1, got {n_ctx}")
             prefix_text = " ".join(["X"] * n_ctx)
         self.n_ctx = n_ctx
         self.ctx_init = ctx_init or None
@@ -142,7 +146,7 @@ class PromptLearner(nn.Module):
         limit = clip.context_length
         for name, c in zip(self.classnames, name_lens, strict=True):
             if 1 + n_ctx + c + 2 > limit:  # [SOS] ctx class [.] [EOS]
-                raise ValueError(
+                raise PromptError(
                     f"prompt for class '{name}' needs {1 + n_ctx + c + 2} tokens, more than {limit} "
                     f"(n_ctx={n_ctx}, class name {c} tokens)"
                 )

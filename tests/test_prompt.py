@@ -9,6 +9,7 @@ import torch
 from conftest import randomise_prompts
 
 import coop
+from coop.prompt import PromptError
 from coop.reference import coop_text_features
 
 CLASSES = [
@@ -98,7 +99,7 @@ def test_ctx_init_reproduces_zero_shot(tiny_openclip, tiny_clip):
     assert csc.ctx.shape == (len(CLASSES), 4, tiny_clip.width)
     assert torch.equal(csc.ctx[0], csc.ctx[-1]) and torch.equal(csc.ctx[0], learner.ctx)
     assert coop.PromptLearner(tiny_clip, CLASSES, ctx_init="a photo of").n_ctx == 3
-    with pytest.raises(ValueError, match="conflicts with ctx_init"):
+    with pytest.raises(PromptError, match="conflicts with ctx_init"):
         coop.PromptLearner(tiny_clip, CLASSES, n_ctx=5, ctx_init="a photo of a")
 
 
@@ -158,15 +159,15 @@ def test_classifier_logits_formula(tiny_clip):
 
 
 def test_invalid_arguments(tiny_clip):
-    with pytest.raises(ValueError, match="depth must be in 1..3"):
+    with pytest.raises(PromptError, match="depth must be in 1..3"):
         coop.PromptLearner(tiny_clip, CLASSES, depth=0)
-    with pytest.raises(ValueError, match="depth must be in 1..3"):
+    with pytest.raises(PromptError, match="depth must be in 1..3"):
         coop.PromptLearner(tiny_clip, CLASSES, depth=4)
-    with pytest.raises(ValueError, match="position 'left'"):
+    with pytest.raises(PromptError, match="position 'left'"):
         coop.PromptLearner(tiny_clip, CLASSES, position="left")
-    with pytest.raises(ValueError, match="class 'word word"):
+    with pytest.raises(PromptError, match="class 'word word"):
         coop.PromptLearner(tiny_clip, ["dog", "word " * 75])
-    with pytest.raises(ValueError, match="n_ctx must be >= 1"):
+    with pytest.raises(PromptError, match="n_ctx must be >= 1"):
         coop.PromptLearner(tiny_clip, CLASSES, n_ctx=0)
 
 

@@ -1,4 +1,4 @@
-"""Shared command-line plumbing for the tools: logging setup and one-line errors."""
+"""Shared command-line plumbing for the tools: logging setup, and one-line errors for bad input."""
 
 from __future__ import annotations
 
@@ -38,19 +38,74 @@ def one_line(error: BaseException) -> str:
     return text
 
 
-def run_cli(main: Callable[[], int | None]) -> None:
-    """Run `main`; bad input becomes one `error: ...` line (exit 2), a failed run exit 1."""
-    from coop.engine import NonFiniteLossError
+# Errors that mean bad input (config, data, run folder, checkpoint, learned tensors applied to other
+# classes, model or weights, prompt settings): one line and exit 2. Looked up by module and name in
+# sys.modules, so nothing is imported here (a class never imported cannot have been raised) and a
+# class that does not exist yet is skipped.
+BAD_INPUT = (
+    ("coop.config", "ConfigError"),
+    ("coop.data", "DataError"),
+    ("coop.runner", "RunError"),
+    ("coop.checkpoint", "CheckpointError"),
+    ("coop.methods", "TransferError"),
+    ("coop.model", "ModelError"),
+    ("coop.model", "WeightsUnavailableError"),
+    ("coop.prompt", "PromptError"),
+)
+# A run that failed for a reason the message explains: one line and exit 1.
+RUN_FAILED = (("coop.engine", "NonFiniteLossError"),)
 
+OOM_HINT = """\
+error: out of memory. To fit, try one or more of:
+  train.grad_checkpointing=true   recompute text activations in the backward pass (many classes)
+  train.batch_size=16             a smaller training batch (changes the recipe: use a new output_dir)
+  train.eval_batch_size=50        a smaller evaluation batch (does not change results)
+The traceback follows."""
+
+
+def _classes(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
+    found = (getattr(sys.modules.get(module), name, None) for module, name in names)
+    return tuple(cls for cls in found if isinstance(cls, type) and issubclass(cls, BaseException))
+
+
+def bad_input_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes that `run_cli` prints as one line (among those imported so far)."""
+    return (FileNotFoundError, *_classes(BAD_INPUT))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or another backend's "out of memory" RuntimeError (e.g. MPS)."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(
+        getattr(torch, "cuda", None), "OutOfMemoryError", None
+    )
+    if isinstance(oom, type) and isinstance(error, oom):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def run_cli(main: Callable[[], int | None]) -> None:
+    """Run `main` and exit with its code, turning known errors into short messages.
+
+    - bad input (`bad_input_errors()`: config, data, run folder, checkpoint, model, weights, a missing
+      file): one `error: ...` line, exit 2;
+    - a run that failed with an explained reason (non-finite loss): one `error: ...` line, exit 1;
+    - out of memory: what to try, then the traceback (exit 1);
+    - anything else is a bug and keeps its full traceback (exit 1); Ctrl-C exits 130.
+    """
     try:
         code = main()
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
-    except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as e:
+        if isinstance(e, bad_input_errors()):
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            sys.exit(2)
+        if isinstance(e, _classes(RUN_FAILED)):
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            sys.exit(1)
+        if is_out_of_memory(e):
+            print(OOM_HINT, file=sys.stderr)
+        raise
     sys.exit(code or 0)

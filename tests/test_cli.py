@@ -1,0 +1,142 @@
+"""tools/_cli.run_cli: bad input is one line, bugs keep their traceback, out of memory says what to try."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import _cli  # noqa: E402
+
+from coop.config import ConfigError, load_config  # noqa: E402
+from coop.data import DataError  # noqa: E402
+from coop.engine import NonFiniteLossError  # noqa: E402
+from coop.model import ModelError, WeightsUnavailableError  # noqa: E402
+from coop.prompt import PromptError  # noqa: E402
+from coop.runner import RunError  # noqa: E402
+
+
+def exit_of(error: BaseException, capsys) -> tuple[int, list[str]]:
+    def main():
+        raise error
+
+    with pytest.raises(SystemExit) as info:
+        _cli.run_cli(main)
+    return info.value.code, capsys.readouterr().err.splitlines()
+
+
+def test_config_error_is_one_line_exit_2(capsys):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["prompt.colour=red"])
+    code, lines = exit_of(info.value, capsys)
+    assert code == 2 and lines == ["error: unknown or invalid config key 'prompt.colour' in command line"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        DataError("dataset root not found: /data"),
+        RunError("out/run holds a run with a different config"),
+        ModelError("unknown open_clip model 'ViT-Q-99'"),
+        WeightsUnavailableError("open_clip weights 'openai' for ViT-B-16 are not in the local cache"),
+        PromptError("prompt depth must be in 1..12"),
+        FileNotFoundError("weights file not found: /x/ViT-B-16.pt"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_bad_input_errors_are_one_line_exit_2(error, capsys):
+    assert exit_of(error, capsys) == (2, [f"error: {error}"])
+
+
+@pytest.mark.parametrize(
+    "module, name", [("coop.checkpoint", "CheckpointError"), ("coop.methods", "TransferError")]
+)
+def test_errors_of_other_modules_are_bad_input_when_they_exist(module, name, capsys, monkeypatch):
+    """run_cli looks these classes up by name, so it works before and after they are added."""
+    mod = pytest.importorskip(module)
+    error_class = getattr(mod, name, None)
+    if error_class is not None:
+        assert exit_of(error_class("cannot use x.pt"), capsys) == (2, ["error: cannot use x.pt"])
+    monkeypatch.delattr(mod, name, raising=False)  # as before the class existed
+    assert exit_of(ConfigError("bad key"), capsys) == (2, ["error: bad key"])
+
+
+def test_non_finite_loss_is_one_line_exit_1(capsys):
+    assert exit_of(NonFiniteLossError("non-finite loss (nan)"), capsys) == (
+        1,
+        ["error: non-finite loss (nan)"],
+    )
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("bug"), ValueError("bug"), AssertionError("bug"), KeyError("bug")]
+)
+def test_other_errors_are_reraised(error, capsys):
+    def main():
+        raise error
+
+    with pytest.raises(type(error)):
+        _cli.run_cli(main)
+    assert capsys.readouterr().err == ""
+
+
+def run_script(body: str) -> subprocess.CompletedProcess:
+    """Run `body` after `from _cli import run_cli` in a fresh interpreter (no torch import: fast)."""
+    script = "import sys\nsys.path.insert(0, 'tools')\nfrom _cli import run_cli\n" + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_shape_mismatch_keeps_its_traceback():
+    res = run_script(
+        """
+        def main():
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 2x3)")
+        run_cli(main)
+        """
+    )
+    assert res.returncode == 1
+    assert res.stderr.startswith("Traceback (most recent call last)") and ", in main" in res.stderr
+    assert res.stderr.rstrip().endswith(
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x3 and 2x3)"
+    )
+    assert "error:" not in res.stderr
+
+
+def test_out_of_memory_prints_what_to_try_above_the_traceback():
+    res = run_script(
+        """
+        def main():
+            raise RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB)")
+        run_cli(main)
+        """
+    )
+    assert res.returncode == 1
+    err = res.stderr
+    assert err.startswith("error: out of memory")
+    hint = err[: err.index("Traceback (most recent call last)")]
+    for fix in ("train.grad_checkpointing=true", "train.batch_size=", "train.eval_batch_size="):
+        assert fix in hint
+    assert err.rstrip().endswith("out of memory (MPS allocated: 17.00 GB)")
+
+
+@pytest.mark.parametrize("oom", ["OutOfMemoryError", "cuda.OutOfMemoryError"])
+def test_cuda_out_of_memory_error_gets_the_hint(oom, capsys):
+    import torch
+
+    cls = torch.cuda.OutOfMemoryError if oom.startswith("cuda") else torch.OutOfMemoryError
+    error = cls("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    def main():
+        raise error
+
+    with pytest.raises(cls):
+        _cli.run_cli(main)
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory") and "train.grad_checkpointing=true" in err
+    assert not _cli.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
