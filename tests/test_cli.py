@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -140,3 +141,33 @@ def test_cuda_out_of_memory_error_gets_the_hint(oom, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: out of memory") and "train.grad_checkpointing=true" in err
     assert not _cli.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.pretrained=/no/such/ViT-B-16.pt", "error: weights file not found: /no/such/ViT-B-16.pt"),
+        ("prompt.depth=9", "error: prompt depth must be in 1..3"),
+    ],
+)
+def test_train_tool_bad_model_or_prompt_is_one_line(image_folder, tmp_path, override, message):
+    args = [
+        f"model.name={REPO / 'configs' / 'models' / 'coop-tiny.json'}",
+        "model.pretrained=none",
+        "data.name=imagefolder",
+        f"data.root={image_folder}",
+        "data.num_workers=0",
+        "device=cpu",
+        f"output_dir={tmp_path / 'run'}",
+        override,
+    ]
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(message) and "Traceback" not in res.stderr
