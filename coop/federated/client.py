@@ -1,0 +1,228 @@
+"""The client side: local training on cached image features, and the ClientApp's handlers.
+
+A client is stateless between rounds. Each TRAIN message carries the global tensors, the run's
+config (YAML) and the round's lr; the client
+
+1. builds (once per process, then from memory) CLIP, the dataset, the partition and the image
+   features of its own partition (`partition-id` from its node config), and checks that its
+   partition's digest equals the server's;
+2. loads the global tensors and trains `fl.local_epochs` epochs with a fresh SGD optimizer
+   (train.momentum, train.weight_decay); batches are drawn from a generator seeded by
+   (data.seed, round, client), so a round replays exactly; with fl.aggregation=fedprox the loss
+   gets (fl.mu / 2) * ||w - w_global||^2;
+3. replies with the tensors it trained (for latent domains: only the domain prompts it used)
+   and its metrics: num-examples, train-loss, train-acc, partition-id, usage-<k>.
+
+An exception is answered with an error reply that names the client ("client 2: DataError: ...");
+the server decides what to do with it (`fl.on_client_failure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from coop.data import DataError
+from coop.federated.latent_domains import domain_of_key
+from coop.federated.task import (
+    build_method,
+    client_partition,
+    features,
+    load_data,
+    local_seed,
+    resolve_device,
+)
+from coop.methods import Method
+from coop.model import CLIP, load_clip
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """A client's loss became NaN/inf."""
+
+
+def local_train(
+    method: Method,
+    feats: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    seed: int,
+    mu: float = 0.0,
+    anchor: dict[str, torch.Tensor] | None = None,
+) -> dict:
+    """Train `method.learnable()` in place on features ((V, N, E), labels (N,)); returns stats.
+
+    Each epoch draws a permutation of the N items and one view per item from one generator
+    seeded by `seed`; batches of `batch_size` (the last, incomplete one is dropped unless it is
+    the only one, as in CoOp's few-shot loaders).
+
+    Args:
+        method: a method whose `loss(image_features, labels)` gives (loss, logits).
+        epochs, batch_size, lr, momentum, weight_decay: the local SGD.
+        seed: seeds the batch order (`local_seed(data.seed, round, client)`).
+        mu: FedProx's proximal weight; adds (mu / 2) * sum ||w - anchor||^2 to the loss.
+        anchor: the global tensors the round started from (needed when mu > 0).
+    """
+    learnable = method.learnable()
+    device = next(iter(learnable.values())).device
+    optimizer = torch.optim.SGD(learnable.values(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    gen = torch.Generator().manual_seed(seed)
+    anchor = {k: anchor[k].to(device) for k in learnable} if mu > 0 else None
+    n_views, n = feats.shape[:2]
+    n_batches = n // batch_size if n >= batch_size else 1
+    method.train()
+    total, correct, seen = 0.0, 0, 0
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=gen)
+        view = torch.randint(n_views, (n,), generator=gen)
+        for b in range(n_batches):
+            idx = order[b * batch_size : (b + 1) * batch_size]
+            x, y = feats[view[idx], idx].to(device), labels[idx].to(device)
+            loss, logits = method.loss(x, y)
+            objective = loss
+            if anchor is not None:
+                objective = loss + mu / 2 * sum(((p - anchor[k]) ** 2).sum() for k, p in learnable.items())
+            if not torch.isfinite(objective):
+                raise NonFiniteLossError(
+                    f"non-finite loss ({objective.item()}) in epoch {epoch + 1}, step {b + 1}"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            objective.backward()
+            optimizer.step()
+            total += loss.item() * len(y)
+            correct += int((logits.argmax(-1) == y).sum())
+            seen += len(y)
+    return {"loss": total / seen, "train_acc": 100.0 * correct / seen, "num_examples": n}
+
+
+@dataclass
+class ClientData:
+    clip: CLIP
+    classnames: list[str]
+    feats: torch.Tensor  # (V, N, E)
+    labels: torch.Tensor  # (N,)
+    digest: str
+    method: Method
+
+
+_CACHE: dict[tuple, ClientData] = {}  # per process: (config, partition id) -> data; a pure cache
+
+
+def client_data(cfg: DictConfig, pid: int) -> ClientData:
+    """CLIP, features of partition `pid` and the method, built once per (config, pid) and process."""
+    key = (OmegaConf.to_yaml(cfg), pid)
+    if key not in _CACHE:
+        if len(_CACHE) >= 32:
+            _CACHE.clear()
+        device = resolve_device(cfg.device)
+        clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
+        ds = load_data(cfg)
+        part = client_partition(cfg, ds)
+        if not 0 <= pid < len(part.clients):
+            raise DataError(f"partition-id {pid} is not in 0..{len(part.clients) - 1} (fl.clients)")
+        items = [ds.train[i] for i in part.clients[pid]]
+        feats, labels = features(cfg, clip, items, device, train=True, what=f"client {pid}'s training images")
+        method = build_method(clip, ds.classnames, cfg).to(device)
+        _CACHE[key] = ClientData(clip, list(ds.classnames), feats, labels, part.digest(), method)
+    return _CACHE[key]
+
+
+def client_config(text: str, node_config: dict) -> DictConfig:
+    """The server's run config, with this node's `data-root` and `device` (if given) on top."""
+    cfg = OmegaConf.create(text)
+    if "data-root" in node_config:
+        cfg.data.root = str(node_config["data-root"])
+    if "device" in node_config:
+        cfg.device = str(node_config["device"])
+    return cfg
+
+
+def train_round(cfg: DictConfig, pid: int, tensors: dict, rnd: int, lr: float, mu: float, digest: str):
+    """One client's round: (tensors to send back, metrics)."""
+    data = client_data(cfg, pid)
+    if data.digest != digest:
+        raise DataError(
+            f"its partition (digest {data.digest}) differs from the server's ({digest}): "
+            "the clients must see the same dataset, fl.* settings and data.seed as the server"
+        )
+    method = data.method
+    method.load_learnable(tensors, data.classnames)
+    if hasattr(method, "reset_usage"):
+        method.reset_usage()
+    stats = local_train(
+        method,
+        data.feats,
+        data.labels,
+        epochs=int(cfg.fl.local_epochs),
+        batch_size=int(cfg.train.batch_size),
+        lr=lr,
+        momentum=float(cfg.train.momentum),
+        weight_decay=float(cfg.train.weight_decay),
+        seed=local_seed(int(cfg.data.seed), rnd, pid),
+        mu=mu,
+        anchor=tensors,
+    )
+    usage = [int(u) for u in getattr(method, "usage", torch.zeros(0)).tolist()]
+    sent = {
+        k: v.detach().cpu().clone()
+        for k, v in method.learnable().items()
+        if domain_of_key(k) is None or usage[domain_of_key(k)] > 0
+    }
+    metrics = {
+        "num-examples": stats["num_examples"],
+        "train-loss": stats["loss"],
+        "train-acc": stats["train_acc"],
+        "partition-id": pid,
+        **{f"usage-{k}": u for k, u in enumerate(usage)},
+    }
+    return sent, metrics
+
+
+# ---------------------------------------------------------------- Flower handlers
+
+
+def handle_query(msg, context):
+    """Tell the server which partition this node holds."""
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    node = context.node_config
+    record = MetricRecord(
+        {"partition-id": int(node["partition-id"]), "num-partitions": int(node.get("num-partitions", -1))}
+    )
+    return Message(RecordDict({"metrics": record}), reply_to=msg)
+
+
+def handle_train(msg, context):
+    """Train on this node's partition; errors become an error reply naming the client."""
+    from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+    from flwr.common.constant import ErrorCode
+
+    pid = int(context.node_config["partition-id"])
+    try:
+        config = msg.content["config"]
+        cfg = client_config(str(config["coop-config"]), context.node_config)
+        tensors = msg.content["arrays"].to_torch_state_dict()
+        sent, metrics = train_round(
+            cfg,
+            pid,
+            tensors,
+            int(config["server-round"]),
+            float(config["lr"]),
+            float(config["proximal-mu"]),
+            str(config["partition-digest"]),
+        )
+    except Exception as e:  # reported to the server with the client's id, never swallowed
+        log.error("client %d failed:\n%s", pid, traceback.format_exc())
+        reason = f"client {pid}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+    return Message(RecordDict({"arrays": ArrayRecord(sent), "metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -1,0 +1,289 @@
+"""The server: a federated run's round loop, run folder, checkpoints and metrics.
+
+    metrics = run_server(grid, cfg)     # inside a Flower ServerApp (simulation or deployment)
+
+The run folder is the one `tools/train.py` writes (config.yaml, log.txt, history.csv,
+checkpoint.pt, metrics.json), plus `partition.json` (which training items each client holds).
+Each round:
+
+1. the strategy samples clients (seeded by (data.seed, round)) and sends them the global prompt
+   tensors, the run config and the round's lr (`round_lr`);
+2. the replies are aggregated (`coop.federated.strategy`); failed clients are logged with their
+   partition id and recorded in history.csv (`failed`) and metrics.json (`client_failures`);
+3. `evaluate_fn` (Flower's central evaluation signature: (round, ArrayRecord) -> MetricRecord)
+   scores the new global prompt on the global test split;
+4. `checkpoint.pt` is written atomically (global tensors, strategy state, round, history), then
+   one history.csv row: round, accuracy, macro_f1, train_loss (clients' mean, weighted by their
+   examples), train_acc, clients (that replied), sampled, failed, bytes_down, bytes_up,
+   bytes_sent (raw prompt-tensor bytes; bytes_sent = down + up), lr, time_s.
+
+Rerunning resumes after the last checkpointed round; as clients are stateless and every random
+choice derives from (seed, round, client), a resumed run ends with the same tensors as an
+uninterrupted one (on CPU). A finished run is not repeated. With fl.on_client_failure=stop (or
+when every sampled client fails) the run stops with `FederatedError` and keeps the checkpoint of
+the last complete round, so the same command retries that round.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from omegaconf import DictConfig, OmegaConf
+
+from coop.config import RESULT_FREE_KEYS, flatten, to_yaml
+from coop.federated import task
+from coop.federated.strategy import PromptStrategy, failure_reason
+from coop.io import atomic_write, write_json
+from coop.model import load_clip
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "coop-federated-1"
+HISTORY_FIELDS = [
+    "round", "accuracy", "macro_f1", "train_loss", "train_acc", "clients", "sampled", "failed",
+    "bytes_down", "bytes_up", "bytes_sent", "lr", "time_s",
+]  # fmt: skip
+
+
+class FederatedError(RuntimeError):
+    """A federated run cannot go on (its message is one line and names the client or folder)."""
+
+
+def run_server(grid: Grid, cfg: DictConfig, node_timeout: float = 600.0, round_timeout: float = 24 * 3600.0):
+    """Run (or resume, or return the metrics of a finished) federated run; returns metrics.json."""
+    folder = Path(cfg.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(folder / "log.txt")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        return _run(grid, cfg, folder, node_timeout, round_timeout)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def read_checkpoint(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise FederatedError(
+            f"cannot read checkpoint {path} ({type(e).__name__}); delete it to restart"
+        ) from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise FederatedError(f"{path} is not a federated coop checkpoint; use another output_dir")
+    return ckpt
+
+
+def check_same_config(old: dict, new: dict, folder: Path) -> None:
+    a, b = flatten(old), flatten(new)
+    diff = [k for k in sorted(set(a) | set(b)) if k not in RESULT_FREE_KEYS and a.get(k) != b.get(k)]
+    if diff:
+        k = diff[0]
+        raise FederatedError(
+            f"{folder} holds a run with a different config ({k}: {a.get(k)!r} there, {b.get(k)!r} now); "
+            "use another output_dir"
+        )
+
+
+def write_history(folder: Path, history: list[dict]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=HISTORY_FIELDS)
+    writer.writeheader()
+    writer.writerows(history)
+    atomic_write(folder / "history.csv", lambda tmp: Path(tmp).write_text(buf.getvalue()))
+
+
+def discover_clients(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
+    """Wait for `clients` nodes and ask each for its partition id: {partition id: node id}."""
+    deadline, last_note = time.monotonic() + timeout, 0.0
+    while len(ids := list(grid.get_node_ids())) < clients:
+        if time.monotonic() > deadline:
+            raise FederatedError(
+                f"only {len(ids)} of fl.clients={clients} nodes connected within {timeout:.0f} s"
+            )
+        if time.monotonic() - last_note > 10:
+            log.info("waiting for nodes: %d of %d connected", len(ids), clients)
+            last_note = time.monotonic()
+        time.sleep(0.2)
+    query = [Message(RecordDict(), message_type=MessageType.QUERY, dst_node_id=i) for i in ids]
+    nodes: dict[int, int] = {}
+    for reply in grid.send_and_receive(query, timeout=timeout):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            raise FederatedError(f"node {node} did not report its partition-id: {failure_reason(reply)}")
+        metrics = reply.content["metrics"]
+        pid, n = int(metrics["partition-id"]), int(metrics["num-partitions"])
+        if n not in (-1, clients):
+            raise FederatedError(f"node {node} has num-partitions={n}, but fl.clients={clients}")
+        if not 0 <= pid < clients or pid in nodes:
+            raise FederatedError(
+                f"node {node} has partition-id={pid}: ids must be 0..{clients - 1}, one per node"
+            )
+        nodes[pid] = node
+    missing = [p for p in range(clients) if p not in nodes]
+    if missing:
+        raise FederatedError(f"no node answered for partition-id {missing[0]} (fl.clients={clients})")
+    return nodes
+
+
+def finished_metrics(cfg: DictConfig) -> dict | None:
+    """metrics.json of the finished run in cfg.output_dir, None if it is not finished (or new).
+
+    Raises FederatedError if the folder holds a run with another config, or an unusable checkpoint.
+    """
+    folder = Path(cfg.output_dir)
+    ckpt = read_checkpoint(folder / "checkpoint.pt")
+    if ckpt is None:
+        return None
+    check_same_config(ckpt["config"], OmegaConf.to_container(cfg, resolve=True), folder)
+    if ckpt.get("finished") and (folder / "metrics.json").is_file():
+        log.info("%s is finished; not training again", folder)
+        return json.loads((folder / "metrics.json").read_text())
+    return None
+
+
+def _run(grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float) -> dict:
+    done = finished_metrics(cfg)
+    if done is not None:
+        return done
+    config = OmegaConf.to_container(cfg, resolve=True)
+    ckpt_path, metrics_path = folder / "checkpoint.pt", folder / "metrics.json"
+    ckpt = read_checkpoint(ckpt_path)
+    atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
+
+    fl, rounds = cfg.fl, int(cfg.fl.rounds)
+    device = task.resolve_device(cfg.device)
+    clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
+    ds = task.load_data(cfg)
+    part = task.client_partition(cfg, ds)
+    write_json(folder / "partition.json", part.to_json())
+    method = task.build_method(clip, ds.classnames, cfg).to(device)
+    test_feats, test_labels = task.features(cfg, clip, ds.test, device, train=False, what="the test split")
+    test_domains = task.item_domains(ds, ds.test)
+    strategy = PromptStrategy(
+        clients=int(fl.clients),
+        fraction=float(fl.fraction),
+        seed=int(cfg.data.seed),
+        aggregation=fl.aggregation,
+        mu=float(fl.mu),
+        beta=float(fl.beta),
+    )
+    arrays = {k: v.detach().cpu().clone() for k, v in method.learnable().items()}
+    start, history, failures = 0, [], []
+    if ckpt is not None:
+        arrays, start = dict(ckpt["prompt"]), int(ckpt["round"])
+        history, failures = list(ckpt["history"]), list(ckpt["failures"])
+        strategy.load_state_dict(ckpt["strategy"])
+        log.info("resuming %s after round %d", folder, start)
+    log.info(
+        "%s | %s (%s) | %d classes, %d train / %d test images | %s: %d clients (%s partition, sizes %s), "
+        "%d rounds x %d local epochs, %s | %d prompt parameters | %s",
+        cfg.data.name, cfg.model.name, cfg.model.pretrained, len(ds.classnames), len(ds.train), len(ds.test),
+        fl.method, fl.clients, fl.partition, part.sizes(), rounds, fl.local_epochs, fl.aggregation,
+        sum(t.numel() for t in arrays.values()), device,
+    )  # fmt: skip
+
+    def evaluate_fn(server_round: int, record: ArrayRecord) -> MetricRecord:
+        """Flower-style central evaluation of the global tensors on the test split."""
+        method.load_learnable(record.to_torch_state_dict(), ds.classnames)
+        result = task.evaluate(method, test_feats[0], test_labels, device)
+        return MetricRecord({"accuracy": result["accuracy"], "macro-f1": result["macro_f1"]})
+
+    def checkpoint(rnd: int, finished: bool) -> None:
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "config": config,
+            "classnames": list(ds.classnames),
+            "prompt": arrays,
+            "strategy": strategy.state_dict(),
+            "round": rnd,
+            "finished": finished,
+            "history": history,
+            "failures": failures,
+            "partition_digest": part.digest(),
+        }
+        atomic_write(ckpt_path, lambda tmp: torch.save(state, tmp))
+
+    if start < rounds:
+        strategy.set_nodes(discover_clients(grid, int(fl.clients), node_timeout))
+        strategy.summary()
+    client_yaml = to_yaml(task.absolute_paths(cfg))
+    for rnd in range(start + 1, rounds + 1):
+        t0 = time.perf_counter()
+        lr = task.round_lr(rnd, rounds, float(cfg.train.lr))
+        train_config = ConfigRecord({"coop-config": client_yaml, "lr": lr, "partition-digest": part.digest()})
+        messages = strategy.configure_train(rnd, ArrayRecord(arrays), train_config, grid)
+        log.info(
+            "round %d/%d: training clients %s at lr %.3g", rnd, rounds, strategy.last_stats["sampled"], lr
+        )
+        new, train_metrics = strategy.aggregate_train(
+            rnd, grid.send_and_receive(messages, timeout=round_timeout)
+        )
+        for f in strategy.last_failures:
+            log.error("round %d: client %d failed: %s", rnd, f["client"], f["error"])
+        if new is None:
+            raise FederatedError(
+                f"round {rnd}: every sampled client failed (first: {strategy.last_failures[0]['error']})"
+            )
+        if strategy.last_failures and fl.on_client_failure == "stop":
+            f = strategy.last_failures[0]
+            raise FederatedError(
+                f"round {rnd}: client {f['client']} failed ({f['error']}); fl.on_client_failure=stop, "
+                f"the checkpoint keeps round {rnd - 1}"
+            )
+        failures += strategy.last_failures
+        arrays = new.to_torch_state_dict()
+        result = evaluate_fn(rnd, new)
+        stats = strategy.last_stats
+        history.append(
+            {
+                "round": rnd,
+                "accuracy": round(result["accuracy"], 4),
+                "macro_f1": round(result["macro-f1"], 4),
+                "train_loss": round(train_metrics["train-loss"], 6),
+                "train_acc": round(train_metrics["train-acc"], 4),
+                "clients": stats["clients"],
+                "sampled": len(stats["sampled"]),
+                "failed": " ".join(str(f["client"]) for f in strategy.last_failures),
+                "bytes_down": stats["bytes_down"],
+                "bytes_up": stats["bytes_up"],
+                "bytes_sent": stats["bytes_down"] + stats["bytes_up"],
+                "lr": lr,
+                "time_s": round(time.perf_counter() - t0, 3),
+            }
+        )
+        checkpoint(rnd, finished=False)
+        write_history(folder, history)
+        row = history[-1]
+        log.info(
+            "round %d/%d: accuracy %.2f%%, train loss %.4f, %d clients, %d bytes sent (%.1f s)",
+            rnd, rounds, row["accuracy"], row["train_loss"], row["clients"], row["bytes_sent"], row["time_s"],
+        )  # fmt: skip
+
+    method.load_learnable(arrays, ds.classnames)
+    metrics = task.evaluate(method, test_feats[0], test_labels, device, test_domains)
+    metrics.update(
+        epochs=rounds * int(fl.local_epochs),
+        rounds=rounds,
+        **task.run_fields(cfg, method),
+        final_train_loss=history[-1]["train_loss"] if history else None,
+        bytes_sent=sum(r["bytes_sent"] for r in history),
+        client_failures=failures,
+        domain_usage=strategy.domain_usage or None,
+    )
+    write_json(metrics_path, metrics)
+    checkpoint(rounds, finished=True)
+    log.info("test accuracy %.2f%% (macro F1 %.2f) on %d images -> %s", metrics["accuracy"], metrics["macro_f1"],
+             metrics["n_test"], metrics_path)  # fmt: skip
+    return metrics

@@ -1,0 +1,217 @@
+"""The server's strategy: which clients train each round, and how their prompts are combined.
+
+`PromptStrategy` is a Flower `Strategy` (Message API). Clients are identified by their
+partition id (each node reports it once, `set_nodes`), never by Flower's random node ids, so that
+sampling and aggregation are the same in every run and on resume:
+
+- sampling: round r trains max(1, floor(fl.fraction * fl.clients)) clients drawn by a
+  `random.Random` seeded by (data.seed, r); all clients when fl.fraction = 1;
+- aggregation (`aggregate`), over the replies sorted by partition id, in float64:
+    shared tensors (PromptFL's prompt; G and the queries of latent domains)
+        fedavg, fedprox   weighted mean, weights = the clients' num-examples
+        uniform           plain mean (PromptFL's official rule)
+    domain prompts D_k ("domain<k>.*" tensors; only clients that routed samples to D_k send it)
+        D_k <- beta * D_k + (1 - beta) * mean of the received D_k,
+        weighted by the samples each client routed to D_k (uniform: plain mean);
+        D_k is unchanged in a round where no client used it;
+- failures: a client whose reply is an error (or malformed) is left out of the round and
+  reported in `last_failures` with its partition id and reason; the caller decides whether the
+  run goes on (`fl.on_client_failure`). If every sampled client fails, there is nothing to
+  aggregate and the global tensors stay as they were.
+
+FedProx's proximal term is the clients' business: the strategy only sends `proximal-mu`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from coop.data.images import derive_seed
+from coop.federated.latent_domains import domain_of_key
+
+log = logging.getLogger(__name__)
+
+
+def sample_clients(seed: int, rnd: int, clients: int, fraction: float) -> list[int]:
+    """The partition ids that train in round `rnd`, sorted; a function of (seed, round) only."""
+    m = max(1, int(fraction * clients))
+    if m >= clients:
+        return list(range(clients))
+    return sorted(random.Random(derive_seed(seed, rnd)).sample(range(clients), m))
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Raw bytes of a set of tensors (the prompt payload, without message framing)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def aggregate(
+    current: dict[str, torch.Tensor], replies: list[dict], aggregation: str, beta: float
+) -> dict[str, torch.Tensor]:
+    """New global tensors from the clients' replies (see the module docstring for the rules).
+
+    Args:
+        current: the global tensors the round started from.
+        replies: one dict per successful client, sorted by partition id, with keys `tensors`
+            (name -> tensor), `num_examples` and `usage` (samples routed to each domain prompt).
+        aggregation: "fedavg", "uniform" or "fedprox".
+        beta: moving-average rate of the domain prompts.
+    """
+    out = {}
+    for key, old in current.items():
+        k = domain_of_key(key)
+        senders = [r for r in replies if key in r["tensors"]]
+        if not senders:
+            out[key] = old.clone()
+            continue
+        if aggregation == "uniform":
+            weights = [1.0] * len(senders)
+        elif k is None:
+            weights = [float(r["num_examples"]) for r in senders]
+        else:
+            weights = [float(r["usage"][k]) for r in senders]
+        total = sum(weights)
+        mean = sum(w / total * r["tensors"][key].double() for w, r in zip(weights, senders, strict=True))
+        if k is not None:
+            mean = beta * old.double() + (1 - beta) * mean
+        out[key] = mean.to(old.dtype)
+    return out
+
+
+def failure_reason(reply: Message) -> str:
+    """The one-line reason of an error reply (a client's own, or the engine's last line)."""
+    reason = (reply.error.reason or "").strip()
+    if "Message: " in reason:  # the simulation engine wraps exceptions it caught itself
+        reason = reason.rsplit("Message: ", 1)[1]
+    lines = [line for line in reason.splitlines() if line.strip()]
+    return (lines[-1] if lines else "unknown error").strip().rstrip("'>")
+
+
+class PromptStrategy(Strategy):
+    """Seeded client sampling and deterministic prompt aggregation (see the module docstring).
+
+    Args:
+        clients, fraction, seed: `fl.clients`, `fl.fraction`, `data.seed`.
+        aggregation, mu, beta: `fl.aggregation`, `fl.mu`, `fl.beta`.
+    """
+
+    def __init__(self, *, clients: int, fraction: float, seed: int, aggregation: str, mu: float, beta: float):
+        self.clients, self.fraction, self.seed = clients, fraction, seed
+        self.aggregation, self.mu, self.beta = aggregation, mu, beta
+        self.nodes: dict[int, int] = {}  # partition id -> Flower node id
+        self.current: dict[str, torch.Tensor] = {}
+        self.last_failures: list[dict] = []
+        self.last_stats: dict = {}
+        self.domain_usage: list[int] = []  # samples routed to each domain prompt, all rounds so far
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps besides the global tensors (which hold the moving averages)."""
+        return {"domain_usage": list(self.domain_usage)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.domain_usage = list(state.get("domain_usage", []))
+
+    def set_nodes(self, nodes: dict[int, int]) -> None:
+        self.nodes = dict(nodes)
+
+    def summary(self) -> None:
+        log.info(
+            "strategy: %d clients, fraction %s, aggregation %s%s, domain-prompt beta %s",
+            self.clients,
+            self.fraction,
+            self.aggregation,
+            f" (mu {self.mu})" if self.aggregation == "fedprox" else "",
+            self.beta,
+        )
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        pids = sample_clients(self.seed, server_round, self.clients, self.fraction)
+        self.current = arrays.to_torch_state_dict()
+        config["server-round"] = server_round
+        config["proximal-mu"] = float(self.mu) if self.aggregation == "fedprox" else 0.0
+        record = RecordDict({"arrays": arrays, "config": config})
+        self.last_stats = {"sampled": pids, "bytes_down": tensor_bytes(self.current) * len(pids)}
+        return [Message(record, message_type=MessageType.TRAIN, dst_node_id=self.nodes[p]) for p in pids]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        by_node = {node: pid for pid, node in self.nodes.items()}
+        good, self.last_failures = [], []
+        bytes_up = 0
+        for reply in replies:
+            pid = by_node.get(reply.metadata.src_node_id, -1)
+            if reply.has_error():
+                self.last_failures.append(
+                    {"round": server_round, "client": pid, "error": failure_reason(reply)}
+                )
+                continue
+            tensors = reply.content["arrays"].to_torch_state_dict()
+            metrics = reply.content["metrics"]
+            problem = self._check(tensors)
+            if problem:
+                self.last_failures.append({"round": server_round, "client": pid, "error": problem})
+                continue
+            n_domains = sum(1 for k in metrics.keys() if k.startswith("usage-"))
+            usage = [int(metrics[f"usage-{k}"]) for k in range(n_domains)]
+            bytes_up += tensor_bytes(tensors)
+            good.append(
+                {
+                    "pid": pid,
+                    "tensors": tensors,
+                    "num_examples": int(metrics["num-examples"]),
+                    "usage": usage,
+                    "loss": float(metrics["train-loss"]),
+                    "acc": float(metrics["train-acc"]),
+                }
+            )
+        missing = (
+            set(self.last_stats["sampled"])
+            - {g["pid"] for g in good}
+            - {f["client"] for f in self.last_failures}
+        )
+        for pid in sorted(missing):  # no reply at all (e.g. a node that went away)
+            self.last_failures.append({"round": server_round, "client": pid, "error": "no reply"})
+        self.last_failures.sort(key=lambda f: f["client"])
+        good.sort(key=lambda g: g["pid"])
+        self.last_stats.update(clients=len(good), bytes_up=bytes_up, replies=good)
+        if not good:
+            return None, None
+        for g in good:
+            if len(self.domain_usage) < len(g["usage"]):
+                self.domain_usage += [0] * (len(g["usage"]) - len(self.domain_usage))
+            for k, u in enumerate(g["usage"]):
+                self.domain_usage[k] += u
+        new = aggregate(self.current, good, self.aggregation, self.beta)
+        n = sum(g["num_examples"] for g in good)
+        metrics = MetricRecord(
+            {
+                "train-loss": sum(g["loss"] * g["num_examples"] for g in good) / n,
+                "train-acc": sum(g["acc"] * g["num_examples"] for g in good) / n,
+                "num-examples": n,
+            }
+        )
+        return ArrayRecord(new), metrics
+
+    def _check(self, tensors: dict[str, torch.Tensor]) -> str:
+        for key, t in tensors.items():
+            if key not in self.current or self.current[key].shape != t.shape:
+                return f"sent an unexpected tensor {key} {tuple(t.shape)}"
+            if not torch.isfinite(t).all():
+                return f"sent non-finite values in {key}"
+        return ""
+
+    def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
+        return []  # evaluation is central (the server's evaluate_fn on the global test split)
+
+    def aggregate_evaluate(self, server_round, replies) -> MetricRecord | None:
+        return None

@@ -1,0 +1,221 @@
+"""What server and clients share: config checks, data, partition, features, methods, evaluation.
+
+Nothing here imports Flower. Both sides call the same functions with the same config, so a
+client computes exactly the partition and features the server expects (`Partition.digest`).
+
+    promptfl        `coop.methods.CoOp`: CoOp's prompt (any position, csc, depth), averaged
+    latent_domains  `coop.federated.latent_domains.LatentDomains`: G + D_1..D_K + queries
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from coop.config import ConfigError, model_tag, run_name
+from coop.data import CLIP_MEAN, CLIP_STD, build_dataset, build_transforms, subsample_classes
+from coop.data.images import derive_seed
+from coop.data.multidomain import build_multidomain, domain_of
+from coop.features import cached_features, resolve_precision
+from coop.federated.latent_domains import LatentDomains
+from coop.federated.partition import Partition, partition
+from coop.methods import CoOp, Method
+from coop.model import CLIP
+
+log = logging.getLogger(__name__)
+
+FL_METHODS: dict[str, type[Method]] = {"promptfl": CoOp, "latent_domains": LatentDomains}
+
+
+def check_config(cfg: DictConfig) -> None:
+    """One-line ConfigError, naming the key, for `fl.*` values that cannot run."""
+    fl = cfg.fl
+    for key in ("clients", "rounds", "local_epochs", "domains"):
+        value = fl[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"fl.{key} must be an integer >= 1, got {value!r}")
+    checks = {
+        "fraction": (0 < _num(fl.fraction) <= 1, "a number in (0, 1]"),
+        "alpha": (_num(fl.alpha) > 0, "a number > 0"),
+        "mu": (_num(fl.mu) >= 0, "a number >= 0"),
+        "beta": (0 <= _num(fl.beta) <= 1, "a number in [0, 1]"),
+        "ensemble_weight": (0 <= _num(fl.ensemble_weight) <= 1, "a number in [0, 1]"),
+    }
+    for key, (ok, what) in checks.items():
+        if not ok:
+            raise ConfigError(f"fl.{key} must be {what}, got {fl[key]!r}")
+    if not isinstance(fl.classes_per_client, int) or fl.classes_per_client < 1:
+        raise ConfigError(f"fl.classes_per_client must be an integer >= 1, got {fl.classes_per_client!r}")
+    if int(cfg.train.aug_views) == 0:
+        raise ConfigError(
+            "train.aug_views=0 re-encodes images every step; federated clients train on cached "
+            "features: set train.aug_views=1 (or K > 1 augmented views)"
+        )
+    if cfg.data.target_domain is not None and cfg.data.name != "multidomain":
+        raise ConfigError(f"data.target_domain needs data.name=multidomain, not {cfg.data.name}")
+    if cfg.fl.partition == "domain" and cfg.data.name != "multidomain":
+        raise ConfigError("fl.partition=domain needs data.name=multidomain")
+
+
+def _num(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan  # every comparison fails
+    return float(value)
+
+
+def fl_run_name(cfg: DictConfig) -> str:
+    """federated/<method>/<run_name with the partition, aggregation and round settings>."""
+    fl = cfg.fl
+    head, _, seed = run_name(cfg).rpartition("/")
+    dataset, _, rest = head.partition("/")
+    if cfg.data.target_domain is not None:
+        dataset += f"-to-{cfg.data.target_domain}"
+    part = {"dirichlet": f"dirichlet{fl.alpha}", "pathological": f"pathological{fl.classes_per_client}"}
+    agg = f"fedprox{fl.mu}" if fl.aggregation == "fedprox" else fl.aggregation
+    extra = f"_{part.get(fl.partition, fl.partition)}_{agg}_c{fl.clients}_r{fl.rounds}_e{fl.local_epochs}"
+    if fl.fraction != 1.0:
+        extra += f"_f{fl.fraction}"
+    if fl.method == "latent_domains":
+        extra += f"_k{fl.domains}_b{fl.beta}_w{fl.ensemble_weight}"
+    return f"federated/{fl.method}/{dataset}/{rest}{extra}/{seed}"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_data(cfg: DictConfig):
+    """The run's few-shot dataset; multi-domain data honour `data.target_domain`."""
+    if cfg.data.name == "multidomain":
+        ds = build_multidomain(cfg.data.root, cfg.data.target_domain, int(cfg.data.shots), int(cfg.data.seed))
+    else:
+        ds = build_dataset(cfg.data.name, cfg.data.root, shots=int(cfg.data.shots), seed=int(cfg.data.seed))
+    return subsample_classes(ds, cfg.data.subsample_classes)
+
+
+def item_domains(ds, items) -> list[str] | None:
+    return [domain_of(d, ds.image_dir) for d in items] if ds.name == "multidomain" else None
+
+
+def client_partition(cfg: DictConfig, ds) -> Partition:
+    """The partition of `ds.train` among `fl.clients` clients (deterministic in the config)."""
+    fl = cfg.fl
+    keys = [f"{os.path.relpath(d.path, ds.image_dir)}\t{d.label}" for d in ds.train]
+    return partition(
+        [d.label for d in ds.train],
+        item_domains(ds, ds.train),
+        scheme=fl.partition,
+        clients=int(fl.clients),
+        seed=int(cfg.data.seed),
+        alpha=float(fl.alpha),
+        classes_per_client=int(fl.classes_per_client),
+        item_keys=keys,
+    )
+
+
+def transforms(clip: CLIP):
+    """CoOp's (train, test) transforms at the image tower's size and normalisation."""
+    pre = clip.preprocess_cfg
+    return build_transforms(
+        pre.get("size", clip.image_size), pre.get("mean", CLIP_MEAN), pre.get("std", CLIP_STD)
+    )
+
+
+def features(cfg: DictConfig, clip: CLIP, items, device, *, train: bool, what: str):
+    """Image features ((V, N, E), labels) of `items`: V = train.aug_views for training, else 1."""
+    train_tf, test_tf = transforms(clip)
+    views = int(cfg.train.aug_views) if train else 1
+    tf, seed = (train_tf, int(cfg.data.seed)) if train and views > 1 else (test_tf, None)
+    return cached_features(
+        clip,
+        items,
+        tf,
+        views=views,
+        seed=seed,
+        device=device,
+        precision=resolve_precision(cfg.train.precision, device),
+        skip_corrupt=bool(cfg.data.skip_corrupt),
+        use_disk=bool(cfg.train.cache_features),
+        batch_size=int(cfg.train.eval_batch_size),
+        num_workers=int(cfg.data.num_workers),
+        desc=what,
+        what=what,
+    )
+
+
+def build_method(clip: CLIP, classnames: list[str], cfg: DictConfig) -> Method:
+    """The `fl.method`'s model, its learnable tensors drawn from `data.seed` (the server's start)."""
+    torch.manual_seed(int(cfg.data.seed))
+    return FL_METHODS[cfg.fl.method](clip, classnames, cfg)
+
+
+def round_lr(rnd: int, rounds: int, lr: float) -> float:
+    """Round r (1-based) trains at lr * (1 + cos(pi (r - 1) / rounds)) / 2: a cosine over rounds."""
+    return lr * 0.5 * (1 + math.cos(math.pi * (rnd - 1) / rounds))
+
+
+def local_seed(seed: int, rnd: int, client: int) -> int:
+    """The seed of client `client`'s batches in round `rnd`: the same in every process and run."""
+    return derive_seed(seed, rnd, client)
+
+
+@torch.no_grad()
+def evaluate(method: Method, feats: torch.Tensor, labels: torch.Tensor, device, domains=None) -> dict:
+    """Accuracy (%), macro F1, per-class accuracy (and per-domain accuracy) on features (N, E)."""
+    method.eval()
+    prepared = method.prepare()
+    preds = torch.cat([method.logits(f.to(device), prepared).argmax(-1).cpu() for f in feats.split(1000)])
+    n_cls = method.n_cls
+    conf = torch.bincount(labels * n_cls + preds, minlength=n_cls * n_cls).reshape(n_cls, n_cls).double()
+    tp, support, predicted = conf.diag(), conf.sum(1), conf.sum(0)
+    f1 = 2 * tp / (support + predicted).clamp(min=1)
+    out = {
+        "accuracy": float(100.0 * tp.sum() / conf.sum()),
+        "macro_f1": float(100.0 * f1[support > 0].mean()),
+        "per_class_accuracy": [
+            round(100.0 * float(tp[c] / support[c]), 4) if support[c] > 0 else None for c in range(n_cls)
+        ],
+        "n_test": int(labels.numel()),
+    }
+    if domains is not None:
+        correct = (preds == labels).tolist()
+        out["per_domain_accuracy"] = {
+            d: round(
+                100.0 * sum(c for c, e in zip(correct, domains, strict=True) if e == d) / domains.count(d), 4
+            )
+            for d in sorted(set(domains))
+        }
+    return out
+
+
+def run_fields(cfg: DictConfig, method: Method) -> dict:
+    """The metrics.json fields that describe the run (as tools/train.py writes them, plus fl.*)."""
+    return {
+        "shots": int(cfg.data.shots),
+        "seed": int(cfg.data.seed),
+        "dataset": cfg.data.name,
+        "target_domain": cfg.data.target_domain,
+        "model": model_tag(cfg.model.name),
+        "pretrained": cfg.model.pretrained,
+        **method.describe(),
+        "method": cfg.fl.method,
+        "fl": OmegaConf.to_container(cfg.fl, resolve=True),
+    }
+
+
+def absolute_paths(cfg: DictConfig) -> DictConfig:
+    """A copy whose data.root and model config path are absolute (clients may run elsewhere)."""
+    out = cfg.copy()
+    if out.data.root is not None:
+        out.data.root = str(Path(str(out.data.root)).expanduser().resolve())
+    name = str(out.model.name)
+    if name.endswith(".json") and Path(name).is_file():
+        out.model.name = str(Path(name).resolve())
+    return out
