@@ -2,8 +2,8 @@
 
     cfg = load_config("configs/coop/vit_b16.yaml", ["data.shots=4", "prompt.position=middle"])
 
-Unknown keys are errors that name the key. `train.epochs: null` applies CoOp's epoch-by-shots
-rule (DESIGN.md §4).
+Unknown keys are errors that name the key, and invalid values are errors that name the key and
+the value. `train.epochs: null` applies CoOp's epoch-by-shots rule (`epochs_for_shots`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ DEFAULTS = {
         "skip_corrupt": False,
         "subsample_classes": "all",
         "num_workers": 2,
+        "target_domain": None,
     },
     "train": {
         "epochs": None,
@@ -40,14 +41,34 @@ DEFAULTS = {
         "cache_features": True,
         "grad_checkpointing": False,
     },
+    "fl": {
+        "method": "promptfl",
+        "clients": 10,
+        "rounds": 20,
+        "local_epochs": 1,
+        "fraction": 1.0,
+        "partition": "iid",
+        "alpha": 0.5,
+        "classes_per_client": 2,
+        "aggregation": "fedavg",
+        "mu": 0.01,
+        "domains": 3,
+        "beta": 0.5,
+        "ensemble_weight": 0.5,
+        "on_client_failure": "continue",
+    },
     "output_dir": None,
     "device": "auto",
 }
 
 CHOICES = {
     "prompt.position": ("end", "middle", "mid", "front"),
-    "train.precision": ("fp32", "amp"),
+    "train.precision": ("amp", "fp32", "fp16"),
     "data.subsample_classes": ("all", "base", "new"),
+    "fl.method": ("promptfl", "latent_domains"),
+    "fl.partition": ("iid", "dirichlet", "pathological", "domain"),
+    "fl.aggregation": ("fedavg", "uniform", "fedprox"),
+    "fl.on_client_failure": ("continue", "stop"),
 }
 
 
@@ -124,23 +145,45 @@ def _key_from_message(message: str) -> str:
     return m.group(1) if m else message.splitlines()[0]
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def validate(cfg: DictConfig) -> None:
+    """Raise a one-line ConfigError, naming the key and its value, for a config that cannot run."""
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    for key in ("data.shots", "train.batch_size", "train.aug_views", "prompt.depth"):
+    for key in ("data.shots", "train.aug_views", "prompt.depth", "train.warmup_epochs", "data.num_workers"):
         value = OmegaConf.select(cfg, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not _is_int(value) or value < 0:
             raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
-    if cfg.train.batch_size < 1:
-        raise ConfigError("train.batch_size must be >= 1")
+    for key in ("train.batch_size", "train.eval_batch_size"):
+        value = OmegaConf.select(cfg, key)
+        if not _is_int(value) or value < 1:
+            raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    lr, warmup_lr = cfg.train.lr, cfg.train.warmup_lr
+    if not _is_number(lr) or not lr > 0:  # `not >` also rejects NaN
+        raise ConfigError(f"train.lr must be a number > 0, got {lr!r}")
+    if not _is_number(warmup_lr) or not warmup_lr >= 0:
+        raise ConfigError(f"train.warmup_lr must be a number >= 0, got {warmup_lr!r}")
     epochs = cfg.train.epochs
-    if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0):
+    if epochs is not None and (not _is_int(epochs) or epochs < 0):
         raise ConfigError(f"train.epochs must be a non-negative integer or null, got {epochs!r}")
     if epochs == 0 and not cfg.prompt.ctx_init:
         raise ConfigError(
             "train.epochs=0 evaluates untrained prompts: set prompt.ctx_init (e.g. 'a photo of a')"
+        )
+    epochs, warmup = resolved_epochs(cfg), cfg.train.warmup_epochs
+    if epochs > 0 and warmup >= epochs:
+        raise ConfigError(
+            f"train.warmup_epochs={warmup} must be less than the {epochs} training epochs "
+            f"(train.epochs={cfg.train.epochs}), or the cosine schedule never starts"
         )
 
 
