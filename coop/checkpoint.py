@@ -2,40 +2,105 @@
 
 A `checkpoint.pt` is a plain dict that loads with `torch.load(path, weights_only=True)`:
 
-    prompt      {"ctx": Tensor, "deep_ctx": Tensor (only when depth > 1)}
-    optimizer   optimizer.state_dict()          scheduler   scheduler.state_dict()
-    epoch       completed epochs                finished    bool
-    rng         {"torch": ByteTensor, "python": tuple}   (epochs also reseed from (seed, epoch))
-    history     [{"epoch", "loss", "train_acc", "lr", "time_s"}, ...]
-    config      the resolved run config (plain dict)
-    classnames  list[str]                       n_ctx       int (resolved M)
+    prompt       {"ctx": Tensor, "deep_ctx": Tensor (only when depth > 1)}
+    optimizer    optimizer.state_dict()         lr_schedule  the schedule's name (LR_SCHEDULE)
+    epoch        completed epochs               finished     bool
+    rng          {"torch": ByteTensor, "python": tuple}   (epochs also reseed from (seed, epoch))
+    history      [{"epoch", "loss", "train_acc", "lr", "time_s"}, ...]
+    config       the resolved run config (plain dict)
+    classnames   list[str]                      n_ctx        int (resolved M)
+
+`load_checkpoint` turns every unusable file (missing, not a torch.save file, truncated, or a
+torch.save of something else) into a one-line `CheckpointError` that names the file.
 """
 
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import torch
 
 from coop.io import atomic_write
+from coop.methods.base import TransferError
 from coop.model import CLIP, load_clip
 from coop.prompt import PromptLearner
+
+# What evaluation needs, and what resuming a run needs on top of it.
+REQUIRED_KEYS = ("prompt", "config", "classnames", "n_ctx")
+TRAINING_KEYS = ("optimizer", "epoch", "history", "rng")
+CONFIG_SECTIONS = ("model", "prompt", "data", "train")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be used; the one-line message names the file and what is wrong."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint file does not exist."""
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
-def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint safely (`weights_only=True`); a clear error for a missing/corrupt file."""
+def load_checkpoint(
+    path: str | os.PathLike, device: str | torch.device = "cpu", training_state: bool = False
+) -> dict:
+    """Load a checkpoint safely (`weights_only=True`) and check that it is a coop checkpoint.
+
+    Args:
+        path: the `checkpoint.pt`.
+        device: where its tensors go.
+        training_state: also require what resuming needs (optimizer, epoch, history, RNG state).
+
+    Raises:
+        CheckpointError: (CheckpointNotFoundError for a missing file) naming `path`.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise CheckpointNotFoundError(f"checkpoint not found: {path}")
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path}: {str(e).splitlines()[0]}") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {_load_failure(path, e)}") from None
+    check_checkpoint(ckpt, path, training_state)
+    return ckpt
+
+
+def _load_failure(path: Path, error: Exception) -> str:
+    """Why torch.load failed, in words: empty, truncated, not a torch.save file, or refused."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        return "the file is empty"
+    if head == b"PK\x03\x04":  # torch.save writes a zip archive
+        if not zipfile.is_zipfile(path):
+            return "the torch.save file is truncated or corrupt"
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"not a loadable torch.save file ({reason})"
+    return "not a torch.save file"
+
+
+def check_checkpoint(ckpt, path: str | os.PathLike, training_state: bool = False) -> None:
+    """Raise CheckpointError unless `ckpt` has the entries of a coop checkpoint (see module doc)."""
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(
+            f"{path} is not a coop checkpoint: it holds a {type(ckpt).__name__}, not a dict"
+        )
+    required = REQUIRED_KEYS + (TRAINING_KEYS if training_state else ())
+    missing = [k for k in required if k not in ckpt]
+    if missing:
+        names = ", ".join(repr(k) for k in missing)
+        raise CheckpointError(f"{path} is not a coop checkpoint: missing keys {names}")
+    prompt, config = ckpt["prompt"], ckpt["config"]
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("ctx"), torch.Tensor):
+        raise CheckpointError(f"{path} is not a coop checkpoint: 'prompt' holds no 'ctx' tensor")
+    if not isinstance(config, dict) or not all(isinstance(config.get(k), dict) for k in CONFIG_SECTIONS):
+        raise CheckpointError(
+            f"{path} is not a coop checkpoint: 'config' lacks sections {', '.join(CONFIG_SECTIONS)}"
+        )
 
 
 def learner_from_checkpoint(clip: CLIP, ckpt: dict, classnames: list[str] | None = None) -> PromptLearner:
@@ -46,7 +111,7 @@ def learner_from_checkpoint(clip: CLIP, ckpt: dict, classnames: list[str] | None
     p = ckpt["config"]["prompt"]
     names = list(ckpt["classnames"]) if classnames is None else list(classnames)
     if p["csc"] and names != list(ckpt["classnames"]):
-        raise ValueError("class-specific context (csc=true) cannot be transferred to other classes")
+        raise TransferError("class-specific context (csc=true) cannot be transferred to other classes")
     learner = PromptLearner(
         clip, names, n_ctx=int(ckpt["n_ctx"]), position=p["position"], csc=p["csc"], depth=p["depth"]
     )
