@@ -5,10 +5,14 @@
                         collate_fn=collate_skip_none)
 
 Each item is `(image, label, index)`; the index lets callers key feature caches by position.
+With `seed`, image i's random transform draws from torch's RNG seeded by `derive_seed(seed, i)`,
+so an augmentation depends on (seed, index) alone: never on the DataLoader worker that loads it,
+the number of workers, or the order of loading.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -74,6 +78,12 @@ def load_image(path: str) -> Image.Image:
         raise DataError(f"cannot read image {path}: {reason}") from e
 
 
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, e.g. (seed, epoch, index); the same on every machine and run."""
+    text = ",".join(str(int(p)) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
 class ImageDataset(Dataset):
     """A torch Dataset over `Datum`s returning `(transform(image), label, index)`.
 
@@ -82,12 +92,22 @@ class ImageDataset(Dataset):
         transform: applied to the RGB PIL image; None returns the PIL image.
         skip_corrupt: if True, an unreadable image logs a warning and yields None (drop it with
             `collate_skip_none`); if False it raises DataError.
+        seed: if given, item i is transformed with torch's RNG seeded by `derive_seed(seed, i)`
+            (torchvision's random transforms draw from it); the caller's RNG state is restored.
+            None leaves the RNG alone (fine for deterministic transforms).
     """
 
-    def __init__(self, items: Sequence[Datum], transform: Callable | None = None, skip_corrupt: bool = False):
+    def __init__(
+        self,
+        items: Sequence[Datum],
+        transform: Callable | None = None,
+        skip_corrupt: bool = False,
+        seed: int | None = None,
+    ):
         self.items = list(items)
         self.transform = transform
         self.skip_corrupt = skip_corrupt
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.items)
@@ -101,9 +121,13 @@ class ImageDataset(Dataset):
                 raise
             logger.warning("skipping %s", e)
             return None
-        if self.transform is not None:
-            img = self.transform(img)
-        return img, item.label, i
+        if self.transform is None:
+            return img, item.label, i
+        if self.seed is None:
+            return self.transform(img), item.label, i
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.seed, i))
+            return self.transform(img), item.label, i
 
 
 def collate_skip_none(batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
