@@ -1,12 +1,19 @@
 """Image-feature caching: the frozen image tower runs once per image, not once per step.
 
-Image features do not depend on the prompt, so test features are computed once per run (and kept
-on disk, keyed by model weights, images and transform, so the seeds and ablation points of a
-sweep share them). Training can use them too (`train.aug_views`, see README):
+Image features do not depend on the prompt, so test features are computed once per run and kept
+on disk, so that the seeds and ablation points of a sweep share them. Training can use them too
+(`train.aug_views`, see README):
 
     0  re-augment and re-encode every step, exactly like CoOp (slow, faithful);
     1  encode each training image once with the test transform (no augmentation);
     K  encode K random augmented views per image once and sample one view per step.
+
+A cache file is named by `cache_key`, which holds everything the features depend on: the image
+tower's weights, the image list, the transform, the precision that really ran (`resolve_precision`),
+the number of views and their seed, and `skip_corrupt`. The file also records which images it
+kept, and a cache that skipped unreadable images is never served to a run that may not skip any.
+Augmented views are seeded per image (`ImageDataset(seed=...)`), so they do not depend on the
+number of DataLoader workers.
 """
 
 from __future__ import annotations
@@ -22,20 +29,33 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from coop.data import Datum, ImageDataset, collate_skip_none
+from coop.data import DataError, Datum, ImageDataset, collate_skip_none
+from coop.data.images import derive_seed
 from coop.io import atomic_write
 from coop.model import CLIP
 
 log = logging.getLogger(__name__)
 
+CACHE_FORMAT = 2  # bump when what a cache file holds, or how views are seeded, changes
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """The precision that really runs for `train.precision` on `device`.
+
+    "amp" (bf16 autocast, fp32 prompts) needs a GPU with bf16 and "fp16" (CoOp's half-precision
+    model and prompts) a GPU; everything else runs "fp32". GPUs without bf16 run fp32 rather than
+    autocast fp16, which would need loss scaling to keep the small prompt gradients from underflowing.
+    """
+    if device.type != "cuda":
+        return "fp32"
+    if precision == "amp" and not torch.cuda.is_bf16_supported():
+        return "fp32"
+    return precision
+
 
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast on a GPU when precision is amp; fp32 elsewhere.
-
-    GPUs without bf16 run fp32 rather than fp16: fp16 would need loss scaling to keep the small
-    prompt gradients from underflowing, and the text side is cheap enough after trimming.
-    """
-    if precision != "amp" or device.type != "cuda" or not torch.cuda.is_bf16_supported():
+    """bf16 autocast where `precision` resolves to amp; no autocast otherwise (fp32 and fp16)."""
+    if resolve_precision(precision, device) != "amp":
         return nullcontext()
     return torch.autocast("cuda", dtype=torch.bfloat16)
 
@@ -49,16 +69,35 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
     h = hashlib.sha1()
     for name, t in sorted(module.state_dict().items()):
         h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
+        h.update(f"{tuple(t.shape)} {t.dtype}".encode())
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-def cache_key(clip: CLIP, items: Sequence[Datum], transform: Callable, views: int, seed: int | None) -> str:
+def cache_key(
+    clip: CLIP,
+    items: Sequence[Datum],
+    transform: Callable,
+    views: int,
+    seed: int | None,
+    precision: str,
+    skip_corrupt: bool,
+) -> str:
+    """The cache file name: a hash of everything the features depend on.
+
+    Args:
+        clip: its image tower's weights (and their dtype) are hashed.
+        items: the images, by path and label, in order.
+        transform: hashed by its repr (sizes, interpolation, normalisation).
+        views: how many passes; `seed` seeds their augmentations.
+        precision: the precision that really ran, from `resolve_precision` (fp32, amp, fp16).
+        skip_corrupt: whether unreadable images were skipped (a strict run never shares a cache).
+    """
     h = hashlib.sha1()
+    h.update(f"format={CACHE_FORMAT}\n".encode())
     h.update(weights_fingerprint(clip.visual).encode())
     h.update(repr(transform).encode())
-    h.update(f"views={views} seed={seed}".encode())
+    h.update(f"views={views} seed={seed} precision={precision} skip_corrupt={skip_corrupt}\n".encode())
     for d in items:
         h.update(f"{d.path}\t{d.label}\n".encode())
     return h.hexdigest()[:24]
@@ -74,34 +113,52 @@ def encode_images(
     num_workers: int = 0,
     skip_corrupt: bool = False,
     precision: str = "fp32",
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
     desc: str = "encode",
+    what: str = "the images",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Image features of `items`: (features (N', E) fp32 on CPU, labels (N',), kept indices (N',)).
 
-    Unreadable images raise, or are skipped with `skip_corrupt` (then N' < N).
+    Unreadable images raise, or are skipped with `skip_corrupt` (then N' < N); a DataError naming
+    `what` (e.g. "the train split of dtd") when none is readable. With `seed`, image i's random
+    transform is seeded by (seed, i), whatever `num_workers` is.
     """
-    dataset = ImageDataset(items, transform, skip_corrupt=skip_corrupt)
+    dataset = ImageDataset(items, transform, skip_corrupt=skip_corrupt, seed=seed)
     loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        collate_fn=collate_skip_none,
-        generator=generator,
+        dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate_skip_none
     )
+    dtype = clip.logit_scale.dtype  # half when the model was cast to fp16
     feats, labels, index = [], [], []
     with torch.no_grad(), autocast(device, precision):
         for batch in tqdm(loader, desc=desc, leave=False, dynamic_ncols=True):
             if batch is None:
                 continue
             images, y, i = batch
-            feats.append(clip.encode_image(images.to(device, non_blocking=True)).float().cpu())
+            feats.append(clip.encode_image(images.to(device, dtype, non_blocking=True)).float().cpu())
             labels.append(y)
             index.append(i)
+    if not items:
+        raise DataError(f"{what} has no images")
     if not feats:
-        raise ValueError(f"no readable images among {len(items)} ({desc})")
+        raise DataError(f"no readable images in {what}: all {len(items)} were skipped as unreadable")
     return torch.cat(feats), torch.cat(labels), torch.cat(index)
+
+
+def _load_cache(path: Path, n_items: int, skip_corrupt: bool):
+    """A cache file's (features, labels, kept indices), or None if it is unreadable or unusable."""
+    try:
+        data = torch.load(path, weights_only=True)
+        features, labels, index = data["features"], data["labels"], data["index"]
+    except Exception as e:  # a broken cache file is recomputed, never fatal
+        log.warning("ignoring unreadable feature cache %s (%s)", path, e)
+        return None
+    if not features.shape[1] == len(labels) == len(index):
+        log.warning("ignoring inconsistent feature cache %s", path)
+        return None
+    if len(index) < n_items and not skip_corrupt:
+        log.warning("ignoring feature cache %s: it skipped unreadable images", path)
+        return None
+    return features, labels, index
 
 
 def cached_features(
@@ -109,6 +166,9 @@ def cached_features(
     items: Sequence[Datum],
     transform: Callable,
     *,
+    device: torch.device,
+    precision: str = "fp32",
+    skip_corrupt: bool = False,
     views: int = 1,
     seed: int | None = None,
     use_disk: bool = True,
@@ -116,37 +176,41 @@ def cached_features(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Features of `views` passes over `items` through `transform`: ((V, N, E), labels (N,)).
 
-    With a random transform each view is a fresh augmentation; `seed` makes them reproducible.
-    Deterministic results are stored in the disk cache (`$COOP_CACHE_DIR/features`).
+    With a random transform each view is a fresh augmentation, view v seeded by (seed, v) per
+    image. Results go to the disk cache (`$COOP_CACHE_DIR/features`) under `cache_key`. Other
+    keyword arguments go to `encode_images` (batch_size, num_workers, desc, what).
     """
-    key = cache_key(clip, items, transform, views, seed)
+    ran = resolve_precision(precision, device)
+    key = cache_key(clip, items, transform, views, seed, ran, skip_corrupt)
     path = cache_dir() / f"{key}.pt"
-    if use_disk and path.is_file():
-        try:
-            data = torch.load(path, weights_only=True)
-            log.info("image features from cache %s", path)
-            return data["features"], data["labels"]
-        except Exception as e:  # a broken cache file is recomputed, never fatal
-            log.warning("ignoring unreadable feature cache %s (%s)", path, e)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    per_view, kept = [], None
-    with torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(seed)
+    cached = _load_cache(path, len(items), skip_corrupt) if use_disk and path.is_file() else None
+    if cached is not None:
+        log.info("image features from cache %s", path)
+        features, labels, index = cached
+    else:
+        per_view = []
         for v in range(views):
             desc = kwargs.pop("desc", "encode") if v == 0 else f"view {v + 1}/{views}"
+            view_seed = None if seed is None else derive_seed(seed, v)
             feats, labels, index = encode_images(
-                clip, items, transform, generator=generator, desc=desc, **kwargs
+                clip,
+                items,
+                transform,
+                device=device,
+                precision=precision,
+                skip_corrupt=skip_corrupt,
+                seed=view_seed,
+                desc=desc,
+                **kwargs,
             )
             per_view.append(feats)
-            kept = labels, index
-    labels, index = kept
+        features = torch.stack(per_view)  # (V, N', E)
+        if use_disk:
+            state = {"features": features, "labels": labels, "index": index}
+            try:
+                atomic_write(path, lambda tmp: torch.save(state, tmp))
+            except OSError as e:
+                log.warning("could not write feature cache %s (%s)", path, e)
     if len(index) < len(items):
         log.warning("%d of %d images were skipped as unreadable", len(items) - len(index), len(items))
-    features = torch.stack(per_view)  # (V, N', E)
-    if use_disk:
-        try:
-            atomic_write(path, lambda tmp: torch.save({"features": features, "labels": labels}, tmp))
-        except OSError as e:
-            log.warning("could not write feature cache %s (%s)", path, e)
     return features, labels
