@@ -4,9 +4,18 @@
 
 `run` writes a run folder (config.yaml, log.txt, history.csv, checkpoint.pt, metrics.json),
 resumes from `checkpoint.pt` when the folder already holds an unfinished run, and returns the
-finished run's metrics without training again. Every epoch draws its randomness from
-(seed, epoch) alone, so a run killed at any moment and resumed ends bit-identical (on CPU) to an
-uninterrupted one.
+finished run's metrics without training again.
+
+CoOp's recipe, as Dassl runs it:
+- the lr schedule (`epoch_lr`): a constant warm-up, then a cosine that restarts after it
+  (Dassl's WARMUP_RECOUNT=True), so the first epoch after warm-up trains at exactly the base lr;
+- `train.precision=fp16` (`use_fp16`): CoOp's PREC=fp16, the whole CLIP model and the prompts in
+  half precision, trained by plain SGD; the default `amp` keeps fp32 prompts under bf16 autocast.
+
+Every epoch draws its randomness from (seed, epoch) alone: the order of the images comes from a
+generator seeded by (seed, epoch), and image i's augmentation from (seed, epoch, i), whatever the
+number of DataLoader workers. A run killed at any moment and resumed, with any `data.num_workers`,
+therefore ends bit-identical (on CPU) to an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -28,17 +37,22 @@ from coop.config import run_name
 from coop.data import (
     CLIP_MEAN,
     CLIP_STD,
+    DataError,
     ImageDataset,
     build_dataset,
     build_transforms,
     collate_skip_none,
     subsample_classes,
 )
-from coop.features import autocast, cached_features
+from coop.data.images import derive_seed
+from coop.features import autocast, cached_features, resolve_precision
 from coop.model import CLIP, load_clip
 from coop.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
 
 log = logging.getLogger(__name__)
+
+# Stored in checkpoints; a run trained under another schedule is not resumed under this one.
+LR_SCHEDULE = "constant warm-up, then cosine restarted after warm-up (Dassl WARMUP_RECOUNT)"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -54,6 +68,7 @@ class Setup:
     classifier: PromptClassifier
     train_tf: object
     test_tf: object
+    precision: str  # what really runs on `device`: fp32, amp or fp16 (`resolve_precision`)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,6 +100,17 @@ def clip_transforms(clip: CLIP):
     )
 
 
+def use_fp16(clip: CLIP, learner: PromptLearner) -> None:
+    """CoOp's PREC=fp16: cast the whole CLIP model and the prompt learner to half precision.
+
+    As in CoOp, the prompt vectors themselves become fp16 and plain SGD updates them: no loss
+    scaling, no fp32 master copy. Images and cached features are fed in the same dtype; only the
+    cosine logits (`coop.model.cosine_logits`) are formed in fp32 from the fp16 features.
+    """
+    clip.half()
+    learner.half()
+
+
 def setup(cfg: DictConfig, ckpt: dict | None = None) -> Setup:
     """Dataset, CLIP and classifier of a run; with `ckpt`, the saved prompts on the full test set."""
     device = resolve_device(cfg.device)
@@ -99,15 +125,27 @@ def setup(cfg: DictConfig, ckpt: dict | None = None) -> Setup:
         learner = build_learner(clip, cfg, dataset.classnames)
     else:
         learner = learner_from_checkpoint(clip, ckpt, dataset.classnames)
+    precision = resolve_precision(cfg.train.precision, device)
+    if precision != cfg.train.precision:
+        log.info(
+            "train.precision=%s is not available on %s; running %s", cfg.train.precision, device, precision
+        )
+    if precision == "fp16":
+        use_fp16(clip, learner)
     classifier = PromptClassifier(clip, learner.to(device))
-    return Setup(cfg, device, clip, dataset, classifier, train_tf, test_tf)
+    return Setup(cfg, device, clip, dataset, classifier, train_tf, test_tf, precision)
 
 
-def lr_factor(epoch: int, epochs: int, warmup_epochs: int, warmup_ratio: float) -> float:
-    """CoOp's schedule as a multiplier of the base lr: constant warm-up, then cosine over `epochs`."""
+def epoch_lr(epoch: int, *, lr: float, epochs: int, warmup_epochs: int, warmup_lr: float) -> float:
+    """The learning rate of 0-based `epoch` under CoOp's schedule, as Dassl runs it.
+
+    Epochs e < W = `warmup_epochs` train at the constant `warmup_lr`. Then Dassl's
+    CosineAnnealingLR(T_max=epochs) starts counting from zero (WARMUP_RECOUNT=True): epoch e >= W
+    trains at lr * 0.5 (1 + cos(pi (e - W) / epochs)), so epoch W trains at exactly `lr`.
+    """
     if epoch < warmup_epochs:
-        return warmup_ratio
-    return 0.5 * (1 + math.cos(math.pi * epoch / max(epochs, 1)))
+        return warmup_lr
+    return lr * 0.5 * (1 + math.cos(math.pi * (epoch - warmup_epochs) / max(epochs, 1)))
 
 
 def seed_epoch(seed: int, epoch: int) -> torch.Generator:
@@ -121,14 +159,24 @@ def seed_epoch(seed: int, epoch: int) -> torch.Generator:
 def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str) -> dict:
     """One epoch of CoOp; `train_feats` = ((V, N, E), labels) from the cache, or None to re-encode."""
     cfg, classifier, device = s.cfg, s.classifier, s.device
+    dtype = s.clip.logit_scale.dtype  # half under fp16, where images and features go in as half
     batch_size = int(cfg.train.batch_size)
     gen = seed_epoch(int(cfg.data.seed), epoch)
+    n = len(s.dataset.train) if train_feats is None else train_feats[0].shape[1]
+    if n == 0:
+        raise DataError(f"the train split of {cfg.data.name} has no images")
+    order = torch.randperm(n, generator=gen)
     if train_feats is None:
-        n = len(s.dataset.train)
+        images = ImageDataset(
+            s.dataset.train,
+            s.train_tf,
+            skip_corrupt=bool(cfg.data.skip_corrupt),
+            seed=derive_seed(int(cfg.data.seed), epoch),  # image i's crop and flip: (seed, epoch, i)
+        )
         loader = DataLoader(
-            ImageDataset(s.dataset.train, s.train_tf, skip_corrupt=bool(cfg.data.skip_corrupt)),
+            images,
             batch_size=batch_size,
-            shuffle=True,
+            sampler=order.tolist(),
             drop_last=n >= batch_size,  # as Dassl does for few-shot loaders
             num_workers=int(cfg.data.num_workers),
             collate_fn=collate_skip_none,
@@ -136,12 +184,11 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str
             persistent_workers=False,
         )
         batches = (b for b in loader if b is not None)
-        n_batches = len(loader)
+        # the slow, re-encoding path gets a progress bar of its own
+        batches = tqdm(batches, total=len(loader), desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
     else:
         feats, labels = train_feats
-        views, n = feats.shape[0], feats.shape[1]
-        order = torch.randperm(n, generator=gen)
-        view = torch.randint(views, (n,), generator=gen)
+        view = torch.randint(feats.shape[0], (n,), generator=gen)
         n_batches = n // batch_size if n >= batch_size else 1
         batches = (
             (feats[view[idx], idx], labels[idx], None)
@@ -149,16 +196,14 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str
         )
     classifier.train()
     total_loss, correct, seen = 0.0, 0, 0
-    if train_feats is None:  # the slow, re-encoding path gets a progress bar of its own
-        batches = tqdm(batches, total=n_batches, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
     for step, (x, y, _) in enumerate(batches):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, precision):
             if train_feats is None:
                 with torch.no_grad():
                     x = s.clip.encode_image(x)
             logits = classifier.logits(x)
-            loss = F.cross_entropy(logits.float(), y)
+            loss = F.cross_entropy(logits, y)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"non-finite loss ({loss.item()}) at epoch {epoch + 1}, step {step + 1}")
         optimizer.zero_grad(set_to_none=True)
@@ -167,7 +212,11 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str
         total_loss += loss.item() * len(y)
         correct += int((logits.argmax(-1) == y).sum())
         seen += len(y)
-    return {"loss": total_loss / max(seen, 1), "train_acc": 100.0 * correct / max(seen, 1)}
+    if seen == 0:
+        raise DataError(
+            f"no readable images in the train split of {cfg.data.name}: all {n} were skipped as unreadable"
+        )
+    return {"loss": total_loss / seen, "train_acc": 100.0 * correct / seen}
 
 
 @torch.no_grad()
@@ -176,10 +225,11 @@ def evaluate(
 ):
     """Top-1 accuracy (%), macro F1 and per-class accuracy from cached image features (N, E)."""
     classifier.eval()
+    dtype = classifier.clip.logit_scale.dtype
     with autocast(device, precision):
         text = classifier.text_features()
         preds = torch.cat(
-            [classifier.logits(f.to(device), text).argmax(-1).cpu() for f in features.split(1000)]
+            [classifier.logits(f.to(device, dtype), text).argmax(-1).cpu() for f in features.split(1000)]
         )
     n_cls = classifier.prompt_learner.n_cls
     conf = torch.bincount(labels * n_cls + preds, minlength=n_cls * n_cls).reshape(n_cls, n_cls).double()
@@ -196,11 +246,11 @@ def evaluate(
     }
 
 
-def _features(s: Setup, items, transform, desc: str, views: int = 1, seed: int | None = None):
+def _features(s: Setup, split: str, transform, desc: str, views: int = 1, seed: int | None = None):
     cfg = s.cfg
     return cached_features(
         s.clip,
-        items,
+        getattr(s.dataset, split),
         transform,
         views=views,
         seed=seed,
@@ -208,15 +258,16 @@ def _features(s: Setup, items, transform, desc: str, views: int = 1, seed: int |
         batch_size=int(cfg.train.eval_batch_size),
         num_workers=int(cfg.data.num_workers),
         skip_corrupt=bool(cfg.data.skip_corrupt),
-        precision=cfg.train.precision,
+        precision=s.precision,
         use_disk=bool(cfg.train.cache_features),
         desc=desc,
+        what=f"the {split} split of {cfg.data.name}",
     )
 
 
 def eval_features(s: Setup):
     """Test-split features ((1, N, E), labels), computed once and kept in the disk cache."""
-    return _features(s, s.dataset.test, s.test_tf, "test features")
+    return _features(s, "test", s.test_tf, "test features")
 
 
 def training_features(s: Setup):
@@ -225,8 +276,8 @@ def training_features(s: Setup):
     if views == 0:
         return None
     if views == 1:  # one deterministic pass with the test transform
-        return _features(s, s.dataset.train, s.test_tf, "train features")
-    return _features(s, s.dataset.train, s.train_tf, "train features", views, int(s.cfg.data.seed))
+        return _features(s, "train", s.test_tf, "train features")
+    return _features(s, "train", s.train_tf, "train features", views, int(s.cfg.data.seed))
 
 
 def default_output_dir(cfg: DictConfig) -> str:

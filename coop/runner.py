@@ -4,9 +4,14 @@
     from coop.runner import train_run
     metrics = train_run(load_config(None, ["model.pretrained=none", "data.shots=4"]))
 
-Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv`, `checkpoint.pt`
-(prompt tensors + optimizer/scheduler/epoch/RNG state, written atomically after every epoch) and,
-when finished, `metrics.json`.
+Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one row per epoch;
+`lr` is the rate that epoch trained at), `checkpoint.pt` (prompt tensors + optimizer/epoch/RNG
+state and the lr schedule's name, written atomically after every epoch) and, when finished,
+`metrics.json`.
+
+The lr of an epoch is a function of the epoch alone (`coop.engine.epoch_lr`), set before the epoch
+starts, so a resumed run needs no scheduler state beyond the epoch it resumes at. A checkpoint that
+is missing, corrupt or not a coop checkpoint stops the run with a one-line `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
-from coop.checkpoint import load_checkpoint, save_checkpoint
+from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from coop.config import RESULT_FREE_KEYS, flatten, model_tag, resolved_epochs, to_yaml
 from coop.engine import (
+    LR_SCHEDULE,
     NonFiniteLossError,
+    Setup,
     default_output_dir,
+    epoch_lr,
     eval_features,
     evaluate,
-    lr_factor,
     setup,
     train_one_epoch,
     training_features,
@@ -86,10 +93,20 @@ def train_run(cfg: DictConfig) -> dict:
         handler.close()
 
 
+def read_resume_checkpoint(path: Path) -> dict | None:
+    """The checkpoint to resume from, None if there is none; CheckpointError if it is unusable."""
+    if not path.is_file():
+        return None
+    try:
+        return load_checkpoint(path, training_state=True)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot resume: {e}; delete it or use another output_dir") from None
+
+
 def _train_run(cfg: DictConfig, folder: Path) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     ckpt_path, metrics_path = folder / "checkpoint.pt", folder / "metrics.json"
-    ckpt = load_checkpoint(ckpt_path) if ckpt_path.is_file() else None
+    ckpt = read_resume_checkpoint(ckpt_path)
     if ckpt is not None:
         check_same_config(ckpt["config"], config, folder)
         if ckpt.get("finished") and metrics_path.is_file():
@@ -98,33 +115,15 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
 
     s = setup(cfg)
-    epochs = resolved_epochs(cfg)
     learner = s.classifier.prompt_learner
-    precision = cfg.train.precision if s.device.type == "cuda" else "fp32"
-    if cfg.train.precision == "amp" and s.device.type != "cuda":
-        log.info("train.precision=amp applies on GPU only; running fp32 on %s", s.device)
-    base_lr = float(cfg.train.lr)
     optimizer = torch.optim.SGD(
         learner.parameters(),
-        lr=base_lr,
+        lr=float(cfg.train.lr),
         momentum=float(cfg.train.momentum),
         weight_decay=float(cfg.train.weight_decay),
     )
-    warmup = int(cfg.train.warmup_epochs)
-    ratio = float(cfg.train.warmup_lr) / base_lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: lr_factor(e, epochs, warmup, ratio))
-    start, history = 0, []
-    if ckpt is not None:
-        with torch.no_grad():
-            for name, tensor in ckpt["prompt"].items():
-                getattr(learner, name).copy_(tensor)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        start, history = int(ckpt["epoch"]), list(ckpt["history"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        random.setstate(ckpt["rng"]["python"])
-        log.info("resuming %s from epoch %d/%d", folder, start, epochs)
-    n_params = sum(p.numel() for p in learner.parameters())
+    start, history = restore(ckpt, s, optimizer, folder) if ckpt is not None else (0, [])
+    epochs = resolved_epochs(cfg)
     log.info(
         "%s | %s (%s) | %d classes, %d shots, seed %d | %d epochs | %d prompt parameters | %s %s",
         cfg.data.name,
@@ -134,12 +133,10 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
         cfg.data.shots,
         cfg.data.seed,
         epochs,
-        n_params,
+        sum(p.numel() for p in learner.parameters()),
         s.device,
-        precision,
+        s.precision,
     )
-
-    train_feats = training_features(s)
     state = {"config": config, "classnames": list(s.dataset.classnames), "n_ctx": learner.n_ctx}
 
     def checkpoint(epoch: int, finished: bool) -> None:
@@ -149,7 +146,7 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
                 **state,
                 "prompt": {k: v.detach().cpu() for k, v in learner.prompt_tensors().items()},
                 "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
+                "lr_schedule": LR_SCHEDULE,
                 "epoch": epoch,
                 "finished": finished,
                 "history": history,
@@ -157,21 +154,61 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
             },
         )
 
+    fit(s, optimizer, start, epochs, history, checkpoint, folder)
+    metrics = finalize(s, epochs, history, metrics_path)
+    checkpoint(epochs, finished=True)
+    return metrics
+
+
+def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[dict]]:
+    """Load a checkpoint's prompts, optimizer and RNG state; returns (start epoch, history).
+
+    Checkpoints written before the lr schedule restarted its cosine after warm-up trained every
+    epoch >= W at another rate; such a run can only be resumed while it is still in warm-up.
+    """
+    start, warmup = int(ckpt["epoch"]), int(s.cfg.train.warmup_epochs)
+    if ckpt.get("lr_schedule") != LR_SCHEDULE and warmup > 0 and start > warmup:
+        raise RunError(
+            f"{folder} was trained for {start} epochs under an older lr schedule (its cosine did not "
+            "restart after warm-up); use another output_dir"
+        )
+    learner = s.classifier.prompt_learner
+    with torch.no_grad():
+        for name, tensor in ckpt["prompt"].items():
+            getattr(learner, name).copy_(tensor)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    random.setstate(ckpt["rng"]["python"])
+    log.info("resuming %s from epoch %d", folder, start)
+    return start, list(ckpt["history"])
+
+
+def fit(s: Setup, optimizer, start: int, epochs: int, history: list[dict], checkpoint, folder: Path) -> None:
+    """Train epochs start..epochs-1, appending to `history` and checkpointing after each."""
+    cfg, learner = s.cfg, s.classifier.prompt_learner
+    train_feats = training_features(s) if start < epochs else None
     log_every = max(1, epochs // 10)
     bar = trange(start, epochs, initial=start, total=epochs, desc="epochs", dynamic_ncols=True)
     for epoch in bar:
         t0 = time.perf_counter()
-        lr = optimizer.param_groups[0]["lr"]
+        lr = epoch_lr(
+            epoch,
+            lr=float(cfg.train.lr),
+            epochs=epochs,
+            warmup_epochs=int(cfg.train.warmup_epochs),
+            warmup_lr=float(cfg.train.warmup_lr),
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         kept = (
-            f"the last good checkpoint is {ckpt_path} (epoch {epoch})"
+            f"the last good checkpoint is {folder / 'checkpoint.pt'} (epoch {epoch})"
             if epoch
             else "no checkpoint was written"
         )
         try:
-            stats = train_one_epoch(s, optimizer, epoch, train_feats, precision)
+            stats = train_one_epoch(s, optimizer, epoch, train_feats, s.precision)
         except NonFiniteLossError as e:
             raise NonFiniteLossError(f"{e}; {kept}") from None
-        scheduler.step()
         if not all(torch.isfinite(p).all() for p in learner.parameters()):
             raise NonFiniteLossError(f"prompt parameters became non-finite in epoch {epoch + 1}; {kept}")
         row = {"epoch": epoch + 1, **{k: round(v, 6) for k, v in stats.items()}, "lr": lr}
@@ -189,8 +226,12 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
                 lr,
             )
 
+
+def finalize(s: Setup, epochs: int, history: list[dict], metrics_path: Path) -> dict:
+    """Evaluate on the test split and write `metrics.json`."""
+    cfg, learner = s.cfg, s.classifier.prompt_learner
     feats, labels = eval_features(s)
-    metrics = evaluate(s.classifier, feats[0], labels, s.device, precision)
+    metrics = evaluate(s.classifier, feats[0], labels, s.device, s.precision)
     metrics.update(
         epochs=epochs,
         shots=int(cfg.data.shots),
@@ -205,7 +246,6 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
         final_train_loss=history[-1]["loss"] if history else None,
     )
     write_json(metrics_path, metrics)
-    checkpoint(epochs, finished=True)
     log.info(
         "test accuracy %.2f%% (macro F1 %.2f) on %d images -> %s",
         metrics["accuracy"],
@@ -222,15 +262,17 @@ def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...]
     Args:
         path: a `checkpoint.pt`.
         overrides: `key=value` changes to the run's config, e.g. "data.name=dtd", "data.root=...".
+
+    Raises:
+        CheckpointError: `path` is missing, corrupt, truncated or not a coop checkpoint.
     """
     from coop.config import load_config
 
     ckpt = load_checkpoint(path)
     cfg = load_config(None, overrides, base=ckpt["config"])
     s = setup(cfg, ckpt)
-    precision = cfg.train.precision if s.device.type == "cuda" else "fp32"
     feats, labels = eval_features(s)
-    metrics = evaluate(s.classifier, feats[0], labels, s.device, precision)
+    metrics = evaluate(s.classifier, feats[0], labels, s.device, s.precision)
     metrics.update(
         checkpoint=str(path),
         dataset=cfg.data.name,
