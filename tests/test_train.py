@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -12,10 +11,10 @@ import time
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, TINY_CONFIG, make_image_folder
 
 from coop.config import ConfigError, epochs_for_shots, load_config, run_name
-from coop.engine import lr_factor
 
 TRAIN = [sys.executable, str(REPO / "tools" / "train.py")]
 EVAL = [sys.executable, str(REPO / "tools" / "eval.py")]
@@ -67,8 +66,6 @@ def test_train_writes_run_folder(image_folder, tmp_path):
     assert cfg.prompt.depth == 2 and cfg.data.root == str(image_folder)
     rows = (out / "history.csv").read_text().splitlines()
     assert rows[0] == "epoch,loss,train_acc,lr,time_s" and len(rows) == 5
-    lrs = [float(r.split(",")[3]) for r in rows[1:]]
-    assert lrs[0] == pytest.approx(1e-5) and lrs[1] == pytest.approx(0.05 * 0.5 * (1 + math.cos(math.pi / 4)))
     assert "test accuracy" in (out / "log.txt").read_text()
 
     # a finished run is not trained again
@@ -110,6 +107,7 @@ def test_resume_after_sigkill_is_exact(image_folder, tmp_path, aug_views):
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (ref, out))
     assert ma["accuracy"] == mb["accuracy"] and ma["final_train_loss"] == mb["final_train_loss"]
     assert [r["loss"] for r in a["history"]] == [r["loss"] for r in b["history"]]
+    assert [r["lr"] for r in a["history"]] == [r["lr"] for r in b["history"]]
 
 
 def test_eval_same_and_other_dataset(image_folder, tmp_path):
@@ -139,7 +137,7 @@ def test_eval_same_and_other_dataset(image_folder, tmp_path):
 def test_eval_refuses_csc_transfer(image_folder, tmp_path):
     out = tmp_path / "run"
     assert (
-        run(TRAIN + tiny_args(image_folder, out, **{"prompt.csc": "true", "train.epochs": 1})).returncode == 0
+        run(TRAIN + tiny_args(image_folder, out, **{"prompt.csc": "true", "train.epochs": 2})).returncode == 0
     )
     other = make_image_folder(tmp_path / "other", classes=("a_thing", "b_thing"), n_test=2)
     res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), f"data.root={other}"])
@@ -160,7 +158,9 @@ def test_non_finite_loss_stops_with_last_good_checkpoint(image_folder, tmp_path)
     "args, message",
     [
         (["data.nope=1"], "unknown or invalid config key 'data.nope'"),
-        (["train.precision=fp16"], "train.precision='fp16' is not one of"),
+        (["train.precision=fp8"], "train.precision='fp8' is not one of"),
+        (["train.lr=0"], "train.lr must be a number > 0, got 0"),
+        (["train.epochs=1"], "train.warmup_epochs=1 must be less than the 1 training epochs"),
         (["data.root=/no/such/folder"], "/no/such/folder"),
         (["--config", "/no/such.yaml"], "config file not found: /no/such.yaml"),
     ],
@@ -176,13 +176,9 @@ def test_bad_input_is_one_line(image_folder, tmp_path, args, message):
 def test_recipe_rules_and_shipped_configs():
     assert [epochs_for_shots(k, "dtd") for k in (1, 2, 4, 8, 16)] == [50, 100, 100, 200, 200]
     assert epochs_for_shots(16, "imagenet") == 50
-    # Dassl's ConstantWarmupScheduler + CosineAnnealingLR(T_max=epochs), stepped per epoch
-    assert lr_factor(0, 200, 1, 0.005) == 0.005
-    assert lr_factor(1, 200, 1, 0.005) == pytest.approx(0.5 * (1 + math.cos(math.pi / 200)))
-    assert lr_factor(100, 200, 1, 0.005) == pytest.approx(0.5)
     for path in sorted((REPO / "configs").rglob("*.yaml")):
-        if "ablations" in path.parts:
-            continue
+        if any("." in key for key in yaml.safe_load(path.read_text())):
+            continue  # a sweep grid of dotted keys (ablations, protocols), not a run config
         cfg = load_config(str(path))
         assert run_name(cfg).count("/") == 4
     with pytest.raises(ConfigError, match="'prompt.size'"):
@@ -194,7 +190,7 @@ def test_corrupt_image_is_named_or_skipped(tmp_path, workers):
     folder = make_image_folder(tmp_path / "data", n_train=3, n_test=2)
     bad = folder / "train" / "red_thing" / "1.png"
     bad.write_bytes(b"not a png at all")
-    extra = {"data.num_workers": workers, "train.epochs": 1}
+    extra = {"data.num_workers": workers, "train.epochs": 1, "train.warmup_epochs": 0}
     res = run(TRAIN + tiny_args(folder, tmp_path / "run", **extra))
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
@@ -246,7 +242,7 @@ def test_base_to_new(tmp_path):
     assert len(base.test) + len(new.test) == len(full.test)
 
     out = tmp_path / "run"
-    res = run(TRAIN + tiny_args(folder, out, **{"data.subsample_classes": "base", "train.epochs": 1}))
+    res = run(TRAIN + tiny_args(folder, out, **{"data.subsample_classes": "base", "train.epochs": 2}))
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((out / "metrics.json").read_text())["n_test"] == 4
     assert load_ckpt(out / "checkpoint.pt")["classnames"] == ["a_thing", "b_thing"]
