@@ -41,29 +41,43 @@ def coop_layout(learner: PromptLearner, embeds: torch.Tensor, ctx: torch.Tensor,
     return torch.cat(rows, dim=0)
 
 
-def coop_text_features(openclip_model: nn.Module, learner: PromptLearner) -> torch.Tensor:
+def reference_inputs(openclip_model: nn.Module, learner: PromptLearner) -> tuple:
+    """What the reference computes before any prompt is assembled: (ids, name_lens, slots).
+
+    ids are the full-length token ids (n_cls, 77) of "X .. X {name}.", name_lens the BPE length
+    of each class name, slots (n_cls, 77) marks the context positions (used by deep prompts).
+    They depend on the class names and layout only, so a benchmark prepares them once.
+    """
+    tokenizer_prefix = learner.ctx_init or " ".join(["X"] * learner.n_ctx)
+    names = learner.classnames
+    tokenizer = SimpleTokenizer(context_length=openclip_model.context_length)
+    device = learner.ctx.device
+    ids = tokenizer([f"{tokenizer_prefix} {n}." for n in names]).to(device)  # (n_cls, 77)
+    name_lens = [len(tokenizer.encode(n)) for n in names]
+    # Which positions hold context vectors: push a marker through the same layout.
+    n_cls = len(names)
+    marker = torch.zeros(n_cls, ids.shape[1], 1, device=device)
+    is_ctx = coop_layout(learner, marker, torch.ones(n_cls, learner.n_ctx, 1, device=device), name_lens)
+    return ids, name_lens, is_ctx.squeeze(-1).bool()
+
+
+def coop_text_features(openclip_model: nn.Module, learner: PromptLearner, inputs=None) -> torch.Tensor:
     """Text features (n_cls, E) of `learner`'s prompts, computed the CoOp way on the OpenCLIP model.
 
     Deep prompts replace the hidden states at the context slots before blocks 1..J-1; the slots are
     found by pushing position markers through the same `torch.cat` layout.
+
+    Args:
+        inputs: `reference_inputs(openclip_model, learner)`, computed here when None.
     """
     oc = openclip_model
-    tokenizer_prefix = learner.ctx_init or " ".join(["X"] * learner.n_ctx)
-    names = learner.classnames
-    tokenizer = SimpleTokenizer(context_length=oc.context_length)
-    ids = tokenizer([f"{tokenizer_prefix} {n}." for n in names]).to(learner.ctx.device)  # (n_cls, 77)
-    name_lens = [len(tokenizer.encode(n)) for n in names]
-    n_cls = len(names)
+    ids, name_lens, slots = inputs if inputs is not None else reference_inputs(oc, learner)
+    n_cls = len(learner.classnames)
     width = oc.token_embedding.weight.shape[1]
     embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
     ctx = learner.ctx if learner.csc else learner.ctx.unsqueeze(0).expand(n_cls, -1, -1)
     x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
     x = x + oc.positional_embedding
-
-    # Which positions hold context vectors: push a marker through the same layout.
-    marker = torch.zeros(n_cls, ids.shape[1], 1, device=x.device)
-    is_ctx = coop_layout(learner, marker, torch.ones(n_cls, learner.n_ctx, 1, device=x.device), name_lens)
-    slots = is_ctx.squeeze(-1).bool()  # (n_cls, 77)
 
     for i, block in enumerate(oc.transformer.resblocks):
         if learner.deep_ctx is not None and 1 <= i < learner.depth:
@@ -72,6 +86,6 @@ def coop_text_features(openclip_model: nn.Module, learner: PromptLearner) -> tor
             x = x.masked_scatter(slots.unsqueeze(-1).expand(-1, -1, width), deep.reshape(-1, width))
         x = block(x, attn_mask=oc.attn_mask)
     x = oc.ln_final(x)
-    pooled = x[torch.arange(n_cls), ids.argmax(dim=-1)]  # (n_cls, W)
+    pooled = x[torch.arange(n_cls, device=x.device), ids.argmax(dim=-1)]  # (n_cls, W)
     proj = oc.text_projection
     return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj

@@ -1,0 +1,97 @@
+"""Shared pieces of the benchmarks (bench_text.py, bench_train.py, gpu_check.py).
+
+Models are built with random weights (offline, seeded), prompts use the first N ImageNet class
+names, and every timing waits for the device (CUDA kernels run asynchronously) and follows
+warm-up calls, so both sides of a comparison are measured the same way in the same process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import open_clip
+import torch
+from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
+
+import coop
+from coop.model import resolve_model_name
+from coop.reference import coop_text_features, reference_inputs
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def precision_context(device: torch.device, precision: str):
+    """bf16 autocast for "bf16" (on CPU too, for smoke runs); nothing for "fp32"."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision != "fp32":
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    return nullcontext()
+
+
+def build_models(model: str, device: torch.device, seed: int = 0):
+    """(open_clip model, coop.CLIP) with the same random weights on `device`, frozen.
+
+    Args:
+        model: an open_clip model name (e.g. "ViT-B-16") or a model-config JSON path.
+    """
+    torch.manual_seed(seed)
+    oc = open_clip.create_model(resolve_model_name(model), pretrained=None).eval().to(device)
+    oc.requires_grad_(False)
+    return oc, coop.CLIP.from_openclip(oc)
+
+
+def imagenet_prompts(clip: coop.CLIP, n_classes: int, n_ctx: int, position: str = "end", seed: int = 0):
+    """(PromptLearner, PromptClassifier) for the first `n_classes` ImageNet class names."""
+    if not 1 <= n_classes <= len(IMAGENET_CLASSNAMES):
+        raise ValueError(f"classes must be in 1..{len(IMAGENET_CLASSNAMES)}, got {n_classes}")
+    torch.manual_seed(seed)
+    names = list(IMAGENET_CLASSNAMES[:n_classes])
+    device = clip.logit_scale.device
+    learner = coop.PromptLearner(clip, names, n_ctx=n_ctx, position=position).to(device)
+    return learner, coop.PromptClassifier(clip, learner)
+
+
+def text_sides(oc, classifier: coop.PromptClassifier) -> dict[str, Callable[[], torch.Tensor]]:
+    """{"coop": ours, "reference": CoOp's full-77 computation}; the reference's tokenisation is
+    done here, once, outside anything that is timed."""
+    learner = classifier.prompt_learner
+    inputs = reference_inputs(oc, learner)
+    return {"coop": classifier.text_features, "reference": lambda: coop_text_features(oc, learner, inputs)}
+
+
+def time_text(
+    compute: Callable[[], torch.Tensor],
+    learner: coop.PromptLearner,
+    device: torch.device,
+    precision: str = "fp32",
+    repeats: int = 3,
+    warmup: int = 1,
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Best wall time (s) of forward + backward after `warmup` untimed calls.
+
+    Returns:
+        (seconds, text features of the last call (float32), ctx gradient of the last call).
+    """
+    best = float("inf")
+    for i in range(warmup + repeats):
+        learner.zero_grad(set_to_none=True)
+        sync(device)
+        start = time.perf_counter()
+        with precision_context(device, precision):
+            out = compute()
+        out.float().square().sum().backward()
+        sync(device)
+        if i >= warmup:
+            best = min(best, time.perf_counter() - start)
+    return best, out.detach().float(), learner.ctx.grad.detach().clone()
+
+
+def max_rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref|."""
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
