@@ -1,11 +1,12 @@
 # Quick start:  make demo   (few-shot CoOp on the bundled textile images)
 #               make test   (the test suite, offline)
+#               make gpu-check  (parity, speed and memory on one CUDA GPU)
 # Each target creates .venv and installs the package first when needed.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench gpu-check install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,11 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) tools/bench_text.py
 	$(PY) tools/bench_train.py
+
+# Parity, text speed-up, peak memory and epoch time on one CUDA GPU (~5 min); writes gpu_check.json.
+# Without CUDA it says so and exits 0. ARGS="--quick" uses fewer images for the epoch.
+gpu-check: $(VENV)/.installed
+	$(PY) tools/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

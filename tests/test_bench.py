@@ -1,0 +1,84 @@
+"""The benchmark tools and the GPU check, run end to end on the tiny model (CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+
+import torch
+from conftest import REPO, TINY_CONFIG
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(f"coop_tool_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert load_tool("gpu_check").main(["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines() == ["gpu_check: no CUDA device available; nothing checked"]
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
+    assert load_tool("gpu_check").main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] and report["model"] == "coop-tiny" and report["device"] == "cpu"
+    parity = {(r["position"], r["precision"]): r for r in report["parity"]}
+    assert set(parity) == {(p, q) for p in ("end", "middle") for q in ("fp32", "bf16")}
+    assert parity["end", "fp32"]["features"] < 1e-5 and parity["middle", "fp32"]["grad"] < 1e-4
+    # bf16 really ran in bf16: both sides differ from fp32 by far more than fp32 rounding
+    assert parity["end", "bf16"]["reference_features"] > 1e-4 and parity["end", "bf16"]["features"] > 1e-4
+    speed = report["text_speed"]
+    assert [(r["classes"], r["precision"]) for r in speed] == [
+        (10, "fp32"),
+        (10, "bf16"),
+        (20, "fp32"),
+        (20, "bf16"),
+    ]
+    assert all(r["coop_ms"] > 0 and r["reference_ms"] > 0 for r in speed)
+    assert [r["side"] for r in report["memory"]] == ["coop", "coop, grad checkpointing", "reference"]
+    assert all(r["peak_mib"] is None for r in report["memory"])  # no CUDA: not measured
+    epoch = report["epoch"]
+    assert epoch["images"] == 64 and epoch["aug_views0_steps"] == epoch["cached_steps"] == 2
+    assert epoch["cache_s"] > 0 and epoch["aug_views0_s"] > 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "no decoding/augmentation" in out
+
+
+def test_bench_text_compares_both_sides(capsys):
+    assert (
+        load_tool("bench_text").main(["--model", str(TINY_CONFIG), "--classes", "5", "--repeats", "1"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "speed-up:" in out and "after 1 warm-up call(s) each" in out
+    diff = float(re.search(r"max \|diff\| output: (\S+)", out).group(1))
+    assert diff < 1e-5
+
+
+def test_bench_train_counts_steps(capsys):
+    # 2 shots x 3 textile classes = 6 images; batch 4 drops the last partial batch: 1 step per epoch
+    args = [
+        "--model",
+        str(TINY_CONFIG),
+        "--shots",
+        "2",
+        "--batch-size",
+        "4",
+        "--epochs",
+        "2",
+        "--workers",
+        "0",
+    ]
+    assert load_tool("bench_train").main(args) == 0
+    out = capsys.readouterr().out
+    assert "(2 steps in 2 epochs," in out.split("aug_views=0")[1].splitlines()[0]
+    cached = next(line for line in out.splitlines() if line.startswith("epoch on cached"))
+    assert "(2 steps in 2 epochs," in cached

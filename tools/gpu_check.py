@@ -1,0 +1,296 @@
+"""GPU check: parity with the reference, text speed-up, peak memory and epoch time on one GPU.
+
+    python tools/gpu_check.py [--out DIR] [--quick] [--device cuda:0]      # or: make gpu-check
+
+One script, about 5 minutes on one H100/H200-class GPU, everything on the same device and with
+random weights (offline). It checks, against the reference CoOp computation (`coop.reference`):
+
+  parity     ViT-B/16, 100 ImageNet classes, M = 16, class at the end and in the middle (shared
+             context): text features and ctx gradients in fp32 (tolerance: max |diff| / max |ref|
+             <= 1e-4 for features, <= 1e-3 for gradients; TF32 is switched off) and under bf16
+             autocast (ours and the reference both in bf16, each against the fp32 reference;
+             ours must stay within 3x the reference's own bf16 error, floor 2e-2);
+  text speed forward + backward of the text side, ours vs reference, at 100 and 1,000 classes,
+             M = 4 and 16, class at the end, shared context, fp32 and bf16 (best of 3 after a
+             warm-up call);
+  memory     peak GPU memory (torch.cuda.max_memory_allocated) of one 1,000-class training step,
+             M = 16, batch 32: ours, ours with grad checkpointing, and the reference;
+  epoch      one 16-shot ImageNet-sized epoch: 16,000 synthetic 224x224 images (tensors already
+             on the GPU), batch 32, 1,000 classes, bf16 autocast; the aug_views=0 path (image tower
+             forward every step + prompt step) and the cached-features path (prompt step on
+             precomputed features), plus the one-off cost of the cache. Image decoding,
+             augmentation and host-to-device copies are NOT included: the images are synthetic.
+
+Writes `gpu_check.json` into --out (default: the current folder) and prints a table. Without
+CUDA it prints one line and exits 0. `--quick` uses 3,200 images for the epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import (  # noqa: E402
+    build_models,
+    imagenet_prompts,
+    max_rel_diff,
+    precision_context,
+    sync,
+    text_sides,
+    time_text,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {  # --tiny: the test suite's model, so that the whole script runs on a CPU in seconds
+    "full": {"model": "ViT-B-16", "parity": 100, "speed": (100, 1000), "n_ctx": (4, 16), "memory": 1000,
+             "images": 16000, "repeats": 3},
+    "tiny": {"model": str(REPO / "configs/models/coop-tiny.json"), "parity": 10, "speed": (10, 20),
+             "n_ctx": (4,), "memory": 20, "images": 64, "repeats": 1},
+}  # fmt: skip
+BATCH = 32
+TOL = {"fp32_features": 1e-4, "fp32_grad": 1e-3, "bf16_factor": 3.0, "bf16_floor": 2e-2}
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_parity(oc, clip, n_classes: int, device) -> list[dict]:
+    """Features and ctx gradients of ours vs the reference, fp32 and bf16, end and middle."""
+    rows = []
+    for position in ("end", "middle"):
+        learner, classifier = imagenet_prompts(clip, n_classes, 16, position)
+        sides = text_sides(oc, classifier)
+        res = {(s, p): time_text(f, learner, device, p, repeats=1, warmup=0) for s, f in sides.items()
+               for p in PRECISIONS}  # fmt: skip
+        _, ref_out, ref_grad = res["reference", "fp32"]
+        f32 = {"features": max_rel_diff(res["coop", "fp32"][1], ref_out),
+               "grad": max_rel_diff(res["coop", "fp32"][2], ref_grad)}  # fmt: skip
+        rows.append({"position": position, "precision": "fp32", "classes": n_classes, **f32,
+                     "ok": f32["features"] <= TOL["fp32_features"] and f32["grad"] <= TOL["fp32_grad"]})  # fmt: skip
+        row = {"position": position, "precision": "bf16", "classes": n_classes}
+        for what, i in (("features", 1), ("grad", 2)):
+            row[what] = max_rel_diff(res["coop", "bf16"][i], (ref_out, ref_grad)[i - 1])
+            row[f"reference_{what}"] = max_rel_diff(res["reference", "bf16"][i], (ref_out, ref_grad)[i - 1])
+        limit = {
+            w: max(TOL["bf16_factor"] * row[f"reference_{w}"], TOL["bf16_floor"])
+            for w in ("features", "grad")
+        }
+        row["ok"] = all(row[w] <= limit[w] for w in limit)
+        rows.append(row)
+    return rows
+
+
+def check_speed(oc, clip, classes, n_ctxs, device, repeats: int) -> list[dict]:
+    """Forward + backward time of the text side, ours vs reference (end, shared context)."""
+    rows = []
+    for n in classes:
+        for n_ctx in n_ctxs:
+            learner, classifier = imagenet_prompts(clip, n, n_ctx, "end")
+            sides = text_sides(oc, classifier)
+            for precision in PRECISIONS:
+                t = {s: time_text(f, learner, device, precision, repeats)[0] for s, f in sides.items()}
+                rows.append({"classes": n, "n_ctx": n_ctx, "precision": precision,
+                             "reference_ms": 1000 * t["reference"], "coop_ms": 1000 * t["coop"],
+                             "speedup": t["reference"] / t["coop"]})  # fmt: skip
+            del learner, classifier, sides
+            free(device)
+    return rows
+
+
+def train_step(classifier, optimizer, x, y, device, encode: bool = False, text=None) -> float:
+    """One CoOp step under bf16 autocast: (image tower), logits, cross-entropy, SGD.
+
+    `text`: a callable giving the text features (default: ours). The loss is read back every
+    step, as the training loop does (its NaN guard and running loss), so timings include that sync.
+    """
+    with precision_context(device, "bf16"):
+        if encode:
+            with torch.no_grad():
+                x = classifier.clip.encode_image(x)
+        logits = classifier.logits(x, None if text is None else text())
+        loss = F.cross_entropy(logits.float(), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def check_memory(oc, clip, n_classes: int, device) -> list[dict]:
+    """Peak memory of one training step (after one warm-up step) on precomputed image features."""
+    learner, classifier = imagenet_prompts(clip, n_classes, 16, "end")
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(BATCH, clip.embed_dim, device=device, generator=gen)
+    y = torch.randint(n_classes, (BATCH,), device=device, generator=gen)
+    opt = torch.optim.SGD(learner.parameters(), lr=0.002, momentum=0.9)
+    reference = text_sides(oc, classifier)["reference"]
+    rows = []
+    for name, checkpointing, text in (("coop", False, None), ("coop, grad checkpointing", True, None),
+                                      ("reference", False, reference)):  # fmt: skip
+        clip.text.grad_checkpointing = checkpointing
+        train_step(classifier, opt, x, y, device, text=text)
+        sync(device)
+        row = {"side": name, "classes": n_classes, "n_ctx": 16, "batch": BATCH, "precision": "bf16"}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+        train_step(classifier, opt, x, y, device, text=text)
+        sync(device)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            row |= {"peak_mib": peak / 2**20, "step_mib": (peak - start) / 2**20}
+        else:
+            row |= {"peak_mib": None, "step_mib": None}
+        rows.append(row)
+    clip.text.grad_checkpointing = False
+    return rows
+
+
+def run_epoch(classifier, optimizer, inputs, labels, device, encode: bool, max_steps: int | None = None):
+    """(seconds, steps) of one shuffled epoch over `inputs` (images, or features when not encode)."""
+    order = torch.randperm(len(inputs), device=device)
+    steps = len(inputs) // BATCH if max_steps is None else min(max_steps, len(inputs) // BATCH)
+    sync(device)
+    start = time.perf_counter()
+    for b in range(steps):
+        idx = order[b * BATCH : (b + 1) * BATCH]
+        train_step(classifier, optimizer, inputs[idx], labels[idx], device, encode)
+    sync(device)
+    return time.perf_counter() - start, steps
+
+
+def check_epoch(clip, n_classes: int, n_images: int, device) -> dict:
+    """One epoch of `n_images` synthetic images: encoding every step vs cached features."""
+    learner, classifier = imagenet_prompts(clip, n_classes, 16, "end")
+    opt = torch.optim.SGD(learner.parameters(), lr=0.002, momentum=0.9)
+    gen = torch.Generator(device).manual_seed(0)
+    size = clip.image_size
+    images = torch.empty(n_images, 3, size, size, device=device)
+    for chunk in images.split(1000):
+        chunk.normal_(generator=gen)  # normalised pixels: what the transform would hand over
+    labels = torch.randint(n_classes, (n_images,), device=device, generator=gen)
+
+    run_epoch(classifier, opt, images, labels, device, encode=True, max_steps=3)  # warm-up
+    t_images, steps_images = run_epoch(classifier, opt, images, labels, device, encode=True)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad(), precision_context(device, "bf16"):
+        feats = torch.cat([clip.encode_image(chunk).float() for chunk in images.split(250)])
+    sync(device)
+    t_cache = time.perf_counter() - start
+    del images
+    run_epoch(classifier, opt, feats, labels, device, encode=False, max_steps=3)  # warm-up
+    t_feats, steps_feats = run_epoch(classifier, opt, feats, labels, device, encode=False)
+    free(device)
+    return {
+        "images": n_images, "image_size": size, "classes": n_classes, "n_ctx": 16, "batch": BATCH,
+        "precision": "bf16",
+        "aug_views0_s": t_images, "aug_views0_steps": steps_images,
+        "cache_s": t_cache,
+        "cached_s": t_feats, "cached_steps": steps_feats,
+        "speedup": t_images / t_feats,
+    }  # fmt: skip
+
+
+def free(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['device_name']} | torch {report['torch']} | {report['model']} (random weights)")
+    print("\nparity vs reference (max |diff| / max |ref|)")
+    for r in report["parity"]:
+        extra = (
+            f"  [reference bf16: {r['reference_features']:.1e} / {r['reference_grad']:.1e}]"
+            if "reference_grad" in r
+            else ""
+        )
+        print(f"  {r['position']:<6} {r['precision']}: features {r['features']:.1e}, ctx grad {r['grad']:.1e}"
+              f"{extra}  {'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
+    print("\ntext forward+backward (end, shared context)")
+    print(f"  {'classes':>7} {'M':>3} {'precision':>9} {'reference':>11} {'coop':>9} {'speed-up':>8}")
+    for r in report["text_speed"]:
+        print(f"  {r['classes']:>7} {r['n_ctx']:>3} {r['precision']:>9} {r['reference_ms']:>8.1f} ms"
+              f" {r['coop_ms']:>6.1f} ms {r['speedup']:>7.1f}x")  # fmt: skip
+    print("\npeak memory of one training step (bf16 autocast)")
+    for r in report["memory"]:
+        mem = (
+            "n/a (no CUDA)"
+            if r["peak_mib"] is None
+            else f"{r['peak_mib']:.0f} MiB (step: +{r['step_mib']:.0f} MiB)"
+        )
+        print(f"  {r['side']:<25} {r['classes']} classes, M {r['n_ctx']}, batch {r['batch']}: {mem}")
+    e = report["epoch"]
+    print(f"\none epoch: {e['images']} synthetic {e['image_size']}px images (no decoding/augmentation), "
+          f"batch {e['batch']}, {e['classes']} classes, bf16")  # fmt: skip
+    print(f"  aug_views=0 (image tower every step): {e['aug_views0_s']:.1f} s, {e['aug_views0_steps']} steps")
+    print(f"  feature cache (one-off):              {e['cache_s']:.1f} s")
+    print(f"  cached features:                      {e['cached_s']:.1f} s, {e['cached_steps']} steps"
+          f"  ({e['speedup']:.1f}x per epoch)")  # fmt: skip
+    print(f"\nall checks {'passed' if report['ok'] else 'FAILED'}; total {report['total_s']:.0f} s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".", help="folder for gpu_check.json (default: current folder)")
+    ap.add_argument("--quick", action="store_true", help="3,200 images for the epoch instead of 16,000")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: tiny model, any device
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device available; nothing checked")
+        return 0
+    sizes = dict(SIZES["tiny" if args.tiny else "full"])
+    if args.quick:
+        sizes["images"] = min(sizes["images"], 3200)
+    # Exact fp32 for the fp32 parity and timings: no TF32 matmuls or convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    start = time.perf_counter()
+    oc, clip = build_models(sizes["model"], device)
+    report = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model": Path(sizes["model"]).stem if args.tiny else sizes["model"],
+        "weights": "random (seed 0)",
+        "tolerances": TOL,
+        "notes": "epoch images are synthetic tensors on the device: no decoding, augmentation or copies",
+    }  # fmt: skip
+    timings = {}
+    for name, fn in (
+        ("parity", lambda: check_parity(oc, clip, sizes["parity"], device)),
+        (
+            "text_speed",
+            lambda: check_speed(oc, clip, sizes["speed"], sizes["n_ctx"], device, sizes["repeats"]),
+        ),
+        ("memory", lambda: check_memory(oc, clip, sizes["memory"], device)),
+        ("epoch", lambda: check_epoch(clip, sizes["memory"], sizes["images"], device)),
+    ):
+        t0 = time.perf_counter()
+        report[name] = fn()
+        timings[name] = time.perf_counter() - t0
+        print(f"{name}: done in {timings[name]:.1f} s", flush=True)
+    report["section_s"] = timings
+    report["total_s"] = time.perf_counter() - start
+    report["ok"] = all(r["ok"] for r in report["parity"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
+    print_table(report)
+    print(f"wrote {out / 'gpu_check.json'}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
