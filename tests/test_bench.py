@@ -7,6 +7,7 @@ import json
 import re
 import sys
 
+import pytest
 import torch
 from conftest import REPO, TINY_CONFIG
 
@@ -27,6 +28,7 @@ def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
+@pytest.mark.slow  # bf16 autocast on a CPU is slow even for the tiny model
 def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     assert load_tool("gpu_check").main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -37,12 +39,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     # bf16 really ran in bf16: both sides differ from fp32 by far more than fp32 rounding
     assert parity["end", "bf16"]["reference_features"] > 1e-4 and parity["end", "bf16"]["features"] > 1e-4
     speed = report["text_speed"]
-    assert [(r["classes"], r["precision"]) for r in speed] == [
-        (10, "fp32"),
-        (10, "bf16"),
-        (20, "fp32"),
-        (20, "bf16"),
-    ]
+    assert [(r["classes"], r["n_ctx"], r["precision"]) for r in speed] == [(10, 4, "fp32"), (10, 4, "bf16")]
     assert all(r["coop_ms"] > 0 and r["reference_ms"] > 0 for r in speed)
     assert [r["side"] for r in report["memory"]] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["peak_mib"] is None for r in report["memory"])  # no CUDA: not measured
