@@ -50,6 +50,26 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     assert "all checks passed" in out and "no decoding/augmentation" in out
 
 
+def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, capsys):
+    gpu_check = load_tool("gpu_check")
+
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB\nmore details")
+
+    monkeypatch.setattr(gpu_check, "check_parity", out_of_memory)
+    monkeypatch.setattr(gpu_check, "check_speed", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_memory", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_epoch", out_of_memory)
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["errors"] == {
+        "parity": "RuntimeError: CUDA out of memory. Tried to allocate 80.00 GiB",
+        "epoch": "RuntimeError: CUDA out of memory. Tried to allocate 80.00 GiB",
+    }
+    assert report["text_speed"] == [] and report["memory"] == [] and not report["ok"]
+    assert "all checks FAILED" in capsys.readouterr().out
+
+
 def test_bench_text_compares_both_sides(capsys):
     assert (
         load_tool("bench_text").main(["--model", str(TINY_CONFIG), "--classes", "5", "--repeats", "1"]) == 0

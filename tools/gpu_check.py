@@ -203,38 +203,47 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def print_table(report: dict) -> None:
-    print(f"\n{report['device_name']} | torch {report['torch']} | {report['model']} (random weights)")
-    print("\nparity vs reference (max |diff| / max |ref|)")
-    for r in report["parity"]:
-        extra = (
+def print_parity(rows: list[dict]) -> None:
+    print("parity vs reference (max |diff| / max |ref|)")
+    for r in rows:
+        ref = (
             f"  [reference bf16: {r['reference_features']:.1e} / {r['reference_grad']:.1e}]"
             if "reference_grad" in r
             else ""
         )
         print(f"  {r['position']:<6} {r['precision']}: features {r['features']:.1e}, ctx grad {r['grad']:.1e}"
-              f"{extra}  {'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
-    print("\ntext forward+backward (end, shared context)")
+              f"{ref}  {'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
+
+
+def print_speed(rows: list[dict]) -> None:
+    print("text forward+backward (end, shared context)")
     print(f"  {'classes':>7} {'M':>3} {'precision':>9} {'reference':>11} {'coop':>9} {'speed-up':>8}")
-    for r in report["text_speed"]:
+    for r in rows:
         print(f"  {r['classes']:>7} {r['n_ctx']:>3} {r['precision']:>9} {r['reference_ms']:>8.1f} ms"
               f" {r['coop_ms']:>6.1f} ms {r['speedup']:>7.1f}x")  # fmt: skip
-    print("\npeak memory of one training step (bf16 autocast)")
-    for r in report["memory"]:
+
+
+def print_memory(rows: list[dict]) -> None:
+    print("peak memory of one training step (bf16 autocast)")
+    for r in rows:
         mem = (
             "n/a (no CUDA)"
             if r["peak_mib"] is None
             else f"{r['peak_mib']:.0f} MiB (step: +{r['step_mib']:.0f} MiB)"
         )
         print(f"  {r['side']:<25} {r['classes']} classes, M {r['n_ctx']}, batch {r['batch']}: {mem}")
-    e = report["epoch"]
-    print(f"\none epoch: {e['images']} synthetic {e['image_size']}px images (no decoding/augmentation), "
+
+
+def print_epoch(e: dict) -> None:
+    print(f"one epoch: {e['images']} synthetic {e['image_size']}px images (no decoding/augmentation), "
           f"batch {e['batch']}, {e['classes']} classes, bf16")  # fmt: skip
     print(f"  aug_views=0 (image tower every step): {e['aug_views0_s']:.1f} s, {e['aug_views0_steps']} steps")
     print(f"  feature cache (one-off):              {e['cache_s']:.1f} s")
     print(f"  cached features:                      {e['cached_s']:.1f} s, {e['cached_steps']} steps"
           f"  ({e['speedup']:.1f}x per epoch)")  # fmt: skip
-    print(f"\nall checks {'passed' if report['ok'] else 'FAILED'}; total {report['total_s']:.0f} s")
+
+
+PRINTERS = {"parity": print_parity, "text_speed": print_speed, "memory": print_memory, "epoch": print_epoch}
 
 
 def main(argv=None) -> int:
@@ -255,39 +264,42 @@ def main(argv=None) -> int:
     # Exact fp32 for the fp32 parity and timings: no TF32 matmuls or convolutions.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
 
     start = time.perf_counter()
     oc, clip = build_models(sizes["model"], device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     report = {
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "model": Path(sizes["model"]).stem if args.tiny else sizes["model"],
-        "weights": "random (seed 0)",
+        "device": str(device), "device_name": name, "torch": torch.__version__,
+        "model": Path(sizes["model"]).stem if args.tiny else sizes["model"], "weights": "random (seed 0)",
         "tolerances": TOL,
         "notes": "epoch images are synthetic tensors on the device: no decoding, augmentation or copies",
+        "section_s": {}, "errors": {},
     }  # fmt: skip
-    timings = {}
-    for name, fn in (
-        ("parity", lambda: check_parity(oc, clip, sizes["parity"], device)),
-        (
-            "text_speed",
-            lambda: check_speed(oc, clip, sizes["speed"], sizes["n_ctx"], device, sizes["repeats"]),
-        ),
-        ("memory", lambda: check_memory(oc, clip, sizes["memory"], device)),
-        ("epoch", lambda: check_epoch(clip, sizes["memory"], sizes["images"], device)),
-    ):
+    print(f"{name} | torch {torch.__version__} | {report['model']} (random weights)\n", flush=True)
+    sections = {
+        "parity": lambda: check_parity(oc, clip, sizes["parity"], device),
+        "text_speed": lambda: check_speed(oc, clip, sizes["speed"], sizes["n_ctx"], device, sizes["repeats"]),
+        "memory": lambda: check_memory(oc, clip, sizes["memory"], device),
+        "epoch": lambda: check_epoch(clip, sizes["memory"], sizes["images"], device),
+    }
+    for section, run in sections.items():
         t0 = time.perf_counter()
-        report[name] = fn()
-        timings[name] = time.perf_counter() - t0
-        print(f"{name}: done in {timings[name]:.1f} s", flush=True)
-    report["section_s"] = timings
-    report["total_s"] = time.perf_counter() - start
-    report["ok"] = all(r["ok"] for r in report["parity"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
-    print_table(report)
+        try:  # a failing section (e.g. out of memory) must not cost the others' results
+            report[section] = run()
+        except Exception as e:
+            report["errors"][section] = f"{type(e).__name__}: {(str(e).strip() or '-').splitlines()[0]}"
+            print(f"{section}: ERROR {report['errors'][section]}\n", flush=True)
+            free(device)
+        else:
+            PRINTERS[section](report[section])
+            print(f"  ({time.perf_counter() - t0:.1f} s)\n", flush=True)
+        report["section_s"][section] = time.perf_counter() - t0
+        report["total_s"] = time.perf_counter() - start
+        report["ok"] = not report["errors"] and all(r["ok"] for r in report["parity"])
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")  # after every section
+    print(f"all checks {'passed' if report['ok'] else 'FAILED'}; total {report['total_s']:.0f} s")
     print(f"wrote {out / 'gpu_check.json'}")
     return 0 if report["ok"] else 1
 
