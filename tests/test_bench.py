@@ -7,7 +7,6 @@ import json
 import re
 import sys
 
-import pytest
 import torch
 from conftest import REPO, TINY_CONFIG
 
@@ -28,7 +27,6 @@ def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-@pytest.mark.slow  # bf16 autocast on a CPU is slow even for the tiny model
 def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     assert load_tool("gpu_check").main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
