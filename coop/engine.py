@@ -1,10 +1,12 @@
 """Few-shot CoOp training and evaluation, as plain functions over a run config.
 
-    result = run(load_config("configs/coop/vit_b16.yaml", ["data.shots=4"]))
+    s = setup(load_config("configs/coop/vit_b16.yaml", ["data.shots=4"]))
+    feats = training_features(s)           # None for aug_views=0: re-encode at every step
+    stats = train_one_epoch(s, optimizer, epoch, feats, s.precision)
+    test, labels = eval_features(s)
+    metrics = evaluate(s.classifier, test[0], labels, s.device, s.precision)
 
-`run` writes a run folder (config.yaml, log.txt, history.csv, checkpoint.pt, metrics.json),
-resumes from `checkpoint.pt` when the folder already holds an unfinished run, and returns the
-finished run's metrics without training again.
+`coop.runner.train_run` strings these together into a run folder with resuming and checkpoints.
 
 CoOp's recipe, as Dassl runs it:
 - the lr schedule (`epoch_lr`): a constant warm-up, then a cosine that restarts after it
@@ -33,7 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from coop.checkpoint import learner_from_checkpoint
-from coop.config import run_name
+from coop.config import ConfigError, run_name
 from coop.data import (
     CLIP_MEAN,
     CLIP_STD,
@@ -75,7 +77,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name} requested but CUDA is not available")
+        raise ConfigError(f"device={name!r} requested but CUDA is not available")
     return torch.device(name)
 
 

@@ -13,7 +13,8 @@ tower's weights, the image list, the transform, the precision that really ran (`
 the number of views and their seed, and `skip_corrupt`. The file also records which images it
 kept, and a cache that skipped unreadable images is never served to a run that may not skip any.
 Augmented views are seeded per image (`ImageDataset(seed=...)`), so they do not depend on the
-number of DataLoader workers.
+number of DataLoader workers: view v of image i is seeded by (seed, v, i), the same crop and flip
+that `aug_views=0` gives image i in epoch v.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ state and the lr schedule's name, written atomically after every epoch) and, whe
 
 The lr of an epoch is a function of the epoch alone (`coop.engine.epoch_lr`), set before the epoch
 starts, so a resumed run needs no scheduler state beyond the epoch it resumes at. A checkpoint that
-is missing, corrupt or not a coop checkpoint stops the run with a one-line `CheckpointError`.
+is unreadable, truncated or not a coop checkpoint stops the run with a one-line `CheckpointError`.
 """
 
 from __future__ import annotations
