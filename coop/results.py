@@ -158,9 +158,16 @@ def config_keys(df: pd.DataFrame) -> list[str]:
 
 
 def _hashable(v):
+    """None for None/NaN, a tuple for a list value (e.g. eval.targets), else the value."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return None
-    return v
+    return tuple(v) if isinstance(v, list | tuple) else v
+
+
+def _group_value(v):
+    """A groupable cell: "null" for None/NaN (they group together), lists as tuples."""
+    v = _hashable(v)
+    return "null" if v is None else v
 
 
 def varying_keys(df: pd.DataFrame, exclude=IGNORED_KEYS) -> list[str]:
@@ -208,8 +215,8 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
     metrics = [m for m in metrics if m in done.columns or (m == "hm" and has_hm)]
     if not metrics:
         raise ValueError(f"no metric columns ({', '.join(METRICS)}) in the finished runs")
-    for key in by:  # None and NaN group together; booleans and numbers stay as they are
-        done[key] = done[key].map(lambda v: "null" if _hashable(v) is None else v)
+    for key in by:
+        done[key] = done[key].map(_group_value)
     pooled = [k for k in varying_keys(done) if k not in by]
     if pooled:
         log.warning("each row pools runs that differ in %s (not grouped by)", ", ".join(pooled))
@@ -319,11 +326,6 @@ def _per_dataset(done: pd.DataFrame, metric: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _dataset_columns(names) -> list[str]:
-    known = [d for d in DATASET_ORDER if d in set(names)]
-    return known + sorted(set(names) - set(known))
-
-
 def dataset_table(
     df: pd.DataFrame, metric: str = "accuracy", by: list[str] | None = None, ddof: int = 1
 ) -> pd.DataFrame:
@@ -357,15 +359,16 @@ def dataset_table(
     if missing:
         known = ", ".join(sorted(config_keys(done)))
         raise ValueError(f"unknown grouping key '{missing[0]}' (known: {known})")
-    for key in keys:  # None and NaN group together, as in summarize
-        long[key] = long[key].map(lambda v: "null" if _hashable(v) is None else v)
+    for key in keys:
+        long[key] = long[key].map(_group_value)
     if "data.name" not in keys and long.groupby([*keys, "dataset"])["data.name"].nunique().gt(1).any():
         log.info("some datasets are both trained on and transfer targets: rows split by data.name")
         keys.append("data.name")
     pooled = [k for k in varying_keys(done) if k not in keys and k != "data.name"]
     if pooled:
         log.warning("each cell pools runs that differ in %s (not grouped by)", ", ".join(pooled))
-    columns = _dataset_columns(long["dataset"].unique())
+    names = set(long["dataset"])
+    columns = [d for d in DATASET_ORDER if d in names] + sorted(names - set(DATASET_ORDER))
     rows = []
     for values, group in long.groupby(keys, sort=False, dropna=False):
         row = dict(zip(keys, values if isinstance(values, tuple) else (values,), strict=True))

@@ -55,6 +55,17 @@ def test_result_free_keys_never_split_seeds(tmp_path):
     assert varying_keys(load_runs(tmp_path)) == ["train.lr"]
 
 
+def test_list_valued_config_keys_group(tmp_path):
+    for seed, targets in ((1, ["dtd"]), (2, ["dtd"]), (3, ["dtd", "eurosat"])):
+        write_run(tmp_path / f"s{seed}", [f"data.seed={seed}"], extra={"eval": {"targets": targets}},
+                  metrics={"accuracy": 50.0 + seed})  # fmt: skip
+    table = summarize(load_runs(tmp_path), by=["eval.targets"])
+    assert dict(zip(table["eval.targets"], table["n_seeds"], strict=True)) == {
+        ("dtd",): 2,
+        ("dtd", "eurosat"): 1,
+    }
+
+
 def test_base_to_new_hm_is_of_seed_averages(tmp_path):
     # seed 1: base 80, new 40; seed 2: base 40, new 80. Per-seed HMs are 53.33 each, but the
     # seed-averaged accuracies are 60 and 60, whose HM (CoCoOp's headline number) is 60.
