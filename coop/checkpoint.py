@@ -1,14 +1,17 @@
-"""Checkpoints that hold only prompt tensors (+ training state), written atomically.
+"""Checkpoints that hold only what a method learned (+ training state), written atomically.
 
 A `checkpoint.pt` is a plain dict that loads with `torch.load(path, weights_only=True)`:
 
-    prompt       {"ctx": Tensor, "deep_ctx": Tensor (only when depth > 1)}
+    prompt       the method's learned tensors (`Method.learnable()`): for CoOp {"ctx": Tensor,
+                 "deep_ctx": Tensor (only when depth > 1)}, for the linear probe {"weight",
+                 "bias", "C"}, for zero-shot {}
     optimizer    optimizer.state_dict()         lr_schedule  the schedule's name (LR_SCHEDULE)
     epoch        completed epochs               finished     bool
     rng          {"torch": ByteTensor, "python": tuple}   (epochs also reseed from (seed, epoch))
     history      [{"epoch", "loss", "train_acc", "lr", "time_s"}, ...]
     config       the resolved run config (plain dict)
-    classnames   list[str]                      n_ctx        int (resolved M)
+    classnames   list[str]
+    ...          the method's `describe()` fields (e.g. n_ctx, position; the linear probe's C)
 
 `load_checkpoint` turns every unusable file (missing, not a torch.save file, truncated, or a
 torch.save of something else) into a one-line `CheckpointError` that names the file.
@@ -28,7 +31,7 @@ from coop.model import CLIP, load_clip
 from coop.prompt import PromptLearner
 
 # What evaluation needs, and what resuming a run needs on top of it.
-REQUIRED_KEYS = ("prompt", "config", "classnames", "n_ctx")
+REQUIRED_KEYS = ("prompt", "config", "classnames")
 TRAINING_KEYS = ("optimizer", "epoch", "history", "rng")
 CONFIG_SECTIONS = ("model", "prompt", "data", "train")
 
@@ -95,8 +98,8 @@ def check_checkpoint(ckpt, path: str | os.PathLike, training_state: bool = False
         names = ", ".join(repr(k) for k in missing)
         raise CheckpointError(f"{path} is not a coop checkpoint: missing keys {names}")
     prompt, config = ckpt["prompt"], ckpt["config"]
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("ctx"), torch.Tensor):
-        raise CheckpointError(f"{path} is not a coop checkpoint: 'prompt' holds no 'ctx' tensor")
+    if not isinstance(prompt, dict) or not all(isinstance(t, torch.Tensor) for t in prompt.values()):
+        raise CheckpointError(f"{path} is not a coop checkpoint: 'prompt' is not a dict of tensors")
     if not isinstance(config, dict) or not all(isinstance(config.get(k), dict) for k in CONFIG_SECTIONS):
         raise CheckpointError(
             f"{path} is not a coop checkpoint: 'config' lacks sections {', '.join(CONFIG_SECTIONS)}"
@@ -108,12 +111,20 @@ def learner_from_checkpoint(clip: CLIP, ckpt: dict, classnames: list[str] | None
 
     Other class names work only for shared context (csc=False): the same context is reused.
     """
+    method = ckpt["config"].get("method", "coop")
+    if "ctx" not in ckpt["prompt"]:
+        raise CheckpointError(f"a method={method} checkpoint holds no prompt (ctx) to rebuild")
     p = ckpt["config"]["prompt"]
     names = list(ckpt["classnames"]) if classnames is None else list(classnames)
     if p["csc"] and names != list(ckpt["classnames"]):
         raise TransferError("class-specific context (csc=true) cannot be transferred to other classes")
     learner = PromptLearner(
-        clip, names, n_ctx=int(ckpt["n_ctx"]), position=p["position"], csc=p["csc"], depth=p["depth"]
+        clip,
+        names,
+        n_ctx=ckpt["prompt"]["ctx"].shape[-2],
+        position=p["position"],
+        csc=p["csc"],
+        depth=p["depth"],
     )
     learner.ctx_init = p.get("ctx_init")
     with torch.no_grad():

@@ -8,13 +8,17 @@ the value. `train.epochs: null` applies CoOp's epoch-by-shots rule (`epochs_for_
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+METHODS = ("coop", "zeroshot", "linear_probe")  # see coop.methods
+
 DEFAULTS = {
+    "method": "coop",
     "model": {"name": "ViT-B-16", "pretrained": "openai"},
     "prompt": {"n_ctx": None, "ctx_init": None, "position": "end", "csc": False, "depth": 1},
     "data": {
@@ -41,6 +45,8 @@ DEFAULTS = {
         "cache_features": True,
         "grad_checkpointing": False,
     },
+    "zeroshot": {"templates": "coop"},
+    "eval": {"targets": []},
     "fl": {
         "method": "promptfl",
         "clients": 10,
@@ -62,6 +68,7 @@ DEFAULTS = {
 }
 
 CHOICES = {
+    "method": METHODS,
     "prompt.position": ("end", "middle", "mid", "front"),
     "train.precision": ("amp", "fp32", "fp16"),
     "data.subsample_classes": ("all", "base", "new"),
@@ -82,6 +89,8 @@ RESULT_FREE_KEYS = frozenset(
         "data.num_workers",
         "train.eval_batch_size",
         "train.cache_features",
+        "train.grad_checkpointing",  # recomputes activations: the same gradients, less memory
+        "eval.targets",  # adds eval_<dataset>.json files; a finished run evaluates new ones
     }
 )
 
@@ -175,10 +184,13 @@ def validate(cfg: DictConfig) -> None:
     epochs = cfg.train.epochs
     if epochs is not None and (not _is_int(epochs) or epochs < 0):
         raise ConfigError(f"train.epochs must be a non-negative integer or null, got {epochs!r}")
-    if epochs == 0 and not cfg.prompt.ctx_init:
+    if epochs == 0 and cfg.method == "coop" and not cfg.prompt.ctx_init:
         raise ConfigError(
             "train.epochs=0 evaluates untrained prompts: set prompt.ctx_init (e.g. 'a photo of a')"
         )
+    targets = cfg.eval.targets
+    if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
+        raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")
     epochs, warmup = resolved_epochs(cfg), cfg.train.warmup_epochs
     if epochs > 0 and warmup >= epochs:
         raise ConfigError(
@@ -209,18 +221,36 @@ def model_tag(name: str) -> str:
     return name.replace("/", "-")
 
 
-def run_name(cfg: DictConfig) -> str:
-    """CoOp-style run folder: <dataset>/<model>/shots<K>/nctx<M>_csc<C>_pos<P>_depth<J>/seed<S>.
+def method_settings(cfg: DictConfig) -> str:
+    """The settings part of a run name: what the method's results depend on.
 
-    Base-to-new runs (data.subsample_classes base/new) add "_base"/"_new" to the settings part.
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; zeroshot: zeroshot_<templates> (a literal template by
+    its hash); linear_probe: linear_probe.
     """
+    if cfg.method == "zeroshot":
+        templates = str(cfg.zeroshot.templates)
+        if templates not in ("coop", "ensemble"):
+            templates = "template-" + hashlib.sha1(templates.encode()).hexdigest()[:8]
+        return f"zeroshot_{templates}"
+    if cfg.method == "linear_probe":
+        return "linear_probe"
     p = cfg.prompt
     n_ctx = p.n_ctx if p.n_ctx is not None else ("init" if p.ctx_init else 4)
     pos = "middle" if p.position == "mid" else p.position
+    prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
+    return f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
+
+
+def run_name(cfg: DictConfig) -> str:
+    """CoOp-style run folder: <dataset>/<model>/shots<K>/<settings>/seed<S>.
+
+    The settings part is `method_settings` (for CoOp nctx<M>_csc<C>_pos<P>_depth<J>); base-to-new
+    runs (data.subsample_classes base/new) add "_base"/"_new" to it.
+    """
     classes = "" if cfg.data.subsample_classes == "all" else f"_{cfg.data.subsample_classes}"
     return (
         f"{cfg.data.name}/{model_tag(cfg.model.name)}/shots{cfg.data.shots}/"
-        f"nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}{classes}/seed{cfg.data.seed}"
+        f"{method_settings(cfg)}{classes}/seed{cfg.data.seed}"
     )
 
 

@@ -1,10 +1,10 @@
-"""Few-shot CoOp training and evaluation, as plain functions over a run config.
+"""Few-shot training and evaluation of any method (`coop.methods`), as plain functions over a run config.
 
     s = setup(load_config("configs/coop/vit_b16.yaml", ["data.shots=4"]))
     feats = training_features(s)           # None for aug_views=0: re-encode at every step
-    stats = train_one_epoch(s, optimizer, epoch, feats, s.precision)
+    stats = train_one_epoch(s, optimizer, epoch, feats)
     test, labels = eval_features(s)
-    metrics = evaluate(s.classifier, test[0], labels, s.device, s.precision)
+    metrics = evaluate(s.method, test[0], labels, s.device, s.precision)
 
 `coop.runner.train_run` strings these together into a run folder with resuming and checkpoints.
 
@@ -29,12 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from coop.checkpoint import learner_from_checkpoint
 from coop.config import ConfigError, run_name
 from coop.data import (
     CLIP_MEAN,
@@ -44,12 +42,13 @@ from coop.data import (
     build_dataset,
     build_transforms,
     collate_skip_none,
+    require_train_split,
     subsample_classes,
 )
 from coop.data.images import derive_seed
 from coop.features import autocast, cached_features, resolve_precision
+from coop.methods import Method, build_method
 from coop.model import CLIP, load_clip
-from coop.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class Setup:
     device: torch.device
     clip: CLIP
     dataset: object
-    classifier: PromptClassifier
+    method: Method
     train_tf: object
     test_tf: object
     precision: str  # what really runs on `device`: fp32, amp or fp16 (`resolve_precision`)
@@ -81,19 +80,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_learner(clip: CLIP, cfg: DictConfig, classnames: list[str]) -> PromptLearner:
-    p = cfg.prompt
-    return PromptLearner(
-        clip,
-        classnames,
-        n_ctx=N_CTX_DEFAULT if p.n_ctx is None else int(p.n_ctx),
-        ctx_init=p.ctx_init,
-        position=p.position,
-        csc=bool(p.csc),
-        depth=int(p.depth),
-    )
-
-
 def clip_transforms(clip: CLIP):
     """CoOp's (train, test) transforms at the image tower's size and normalisation."""
     pre = clip.preprocess_cfg
@@ -102,40 +88,49 @@ def clip_transforms(clip: CLIP):
     )
 
 
-def use_fp16(clip: CLIP, learner: PromptLearner) -> None:
-    """CoOp's PREC=fp16: cast the whole CLIP model and the prompt learner to half precision.
+def use_fp16(clip: CLIP, method: Method) -> None:
+    """CoOp's PREC=fp16: cast the whole CLIP model and the method's tensors to half precision.
 
     As in CoOp, the prompt vectors themselves become fp16 and plain SGD updates them: no loss
     scaling, no fp32 master copy. Images and cached features are fed in the same dtype; only the
     cosine logits (`coop.model.cosine_logits`) are formed in fp32 from the fp16 features.
     """
     clip.half()
-    learner.half()
+    method.half()
 
 
-def setup(cfg: DictConfig, ckpt: dict | None = None) -> Setup:
-    """Dataset, CLIP and classifier of a run; with `ckpt`, the saved prompts on the full test set."""
+def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -> Setup:
+    """Dataset, CLIP and method of a run.
+
+    Args:
+        cfg: the run config.
+        ckpt: a checkpoint whose learned tensors are loaded into the method, which is built for
+            `cfg`'s dataset (all its images, no few-shot sampling): evaluation, also on other
+            datasets where the method can transfer (`Method.load_learnable`).
+        clip: an already loaded CLIP of `cfg.model` to reuse (evaluating several datasets).
+    """
     device = resolve_device(cfg.device)
     shots = 0 if ckpt is not None else int(cfg.data.shots)
     dataset = build_dataset(cfg.data.name, cfg.data.root, shots=shots, seed=int(cfg.data.seed))
+    if ckpt is None:
+        require_train_split(dataset)  # test-only datasets (ImageNet-V2/-Sketch/-A/-R) do not train
     dataset = subsample_classes(dataset, cfg.data.subsample_classes)
-    clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
+    if clip is None:
+        clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
     train_tf, test_tf = clip_transforms(clip)
-    if ckpt is None:
-        torch.manual_seed(int(cfg.data.seed))  # prompt initialisation
-        learner = build_learner(clip, cfg, dataset.classnames)
-    else:
-        learner = learner_from_checkpoint(clip, ckpt, dataset.classnames)
     precision = resolve_precision(cfg.train.precision, device)
     if precision != cfg.train.precision:
         log.info(
             "train.precision=%s is not available on %s; running %s", cfg.train.precision, device, precision
         )
+    torch.manual_seed(int(cfg.data.seed))  # initialisation of learnable tensors
+    method = build_method(clip.float(), dataset.classnames, cfg)
+    if ckpt is not None:
+        method.load_learnable(ckpt["prompt"], ckpt["classnames"])
     if precision == "fp16":
-        use_fp16(clip, learner)
-    classifier = PromptClassifier(clip, learner.to(device))
-    return Setup(cfg, device, clip, dataset, classifier, train_tf, test_tf, precision)
+        use_fp16(clip, method)
+    return Setup(cfg, device, clip, dataset, method.to(device), train_tf, test_tf, precision)
 
 
 def epoch_lr(epoch: int, *, lr: float, epochs: int, warmup_epochs: int, warmup_lr: float) -> float:
@@ -158,9 +153,9 @@ def seed_epoch(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(s)
 
 
-def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str) -> dict:
-    """One epoch of CoOp; `train_feats` = ((V, N, E), labels) from the cache, or None to re-encode."""
-    cfg, classifier, device = s.cfg, s.classifier, s.device
+def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats) -> dict:
+    """One epoch of SGD on `s.method.loss`; `train_feats` = ((V, N, E), labels) cached, or None to re-encode."""
+    cfg, method, device, precision = s.cfg, s.method, s.device, s.precision
     dtype = s.clip.logit_scale.dtype  # half under fp16, where images and features go in as half
     batch_size = int(cfg.train.batch_size)
     gen = seed_epoch(int(cfg.data.seed), epoch)
@@ -196,7 +191,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str
             (feats[view[idx], idx], labels[idx], None)
             for idx in (order[b * batch_size : (b + 1) * batch_size] for b in range(n_batches))
         )
-    classifier.train()
+    method.train()
     total_loss, correct, seen = 0.0, 0, 0
     for step, (x, y, _) in enumerate(batches):
         x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
@@ -204,8 +199,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str
             if train_feats is None:
                 with torch.no_grad():
                     x = s.clip.encode_image(x)
-            logits = classifier.logits(x)
-            loss = F.cross_entropy(logits, y)
+            loss, logits = method.loss(x, y)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"non-finite loss ({loss.item()}) at epoch {epoch + 1}, step {step + 1}")
         optimizer.zero_grad(set_to_none=True)
@@ -222,18 +216,16 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, precision: str
 
 
 @torch.no_grad()
-def evaluate(
-    classifier: PromptClassifier, features: torch.Tensor, labels: torch.Tensor, device, precision="fp32"
-):
+def evaluate(method: Method, features: torch.Tensor, labels: torch.Tensor, device, precision="fp32"):
     """Top-1 accuracy (%), macro F1 and per-class accuracy from cached image features (N, E)."""
-    classifier.eval()
-    dtype = classifier.clip.logit_scale.dtype
+    method.eval()
+    dtype = method.clip.logit_scale.dtype
     with autocast(device, precision):
-        text = classifier.text_features()
+        prepared = method.prepare()  # e.g. the class text features, once for all images
         preds = torch.cat(
-            [classifier.logits(f.to(device, dtype), text).argmax(-1).cpu() for f in features.split(1000)]
+            [method.logits(f.to(device, dtype), prepared).argmax(-1).cpu() for f in features.split(1000)]
         )
-    n_cls = classifier.prompt_learner.n_cls
+    n_cls = method.n_cls
     conf = torch.bincount(labels * n_cls + preds, minlength=n_cls * n_cls).reshape(n_cls, n_cls).double()
     tp = conf.diag()
     support, predicted = conf.sum(1), conf.sum(0)
@@ -272,9 +264,19 @@ def eval_features(s: Setup):
     return _features(s, "test", s.test_tf, "test features")
 
 
-def training_features(s: Setup):
-    """Cached training features for aug_views >= 1, None for aug_views == 0 (CoOp's way)."""
-    views = int(s.cfg.train.aug_views)
+def val_features(s: Setup):
+    """Val-split features ((1, N, E), labels) under the test transform."""
+    return _features(s, "val", s.test_tf, "val features")
+
+
+def training_features(s: Setup, views: int | None = None):
+    """Cached training features for aug_views >= 1, None for aug_views == 0 (CoOp's way).
+
+    Args:
+        s: the run.
+        views: overrides `train.aug_views` (the linear probe takes 1: the test transform).
+    """
+    views = int(s.cfg.train.aug_views) if views is None else views
     if views == 0:
         return None
     if views == 1:  # one deterministic pass with the test transform

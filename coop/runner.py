@@ -4,10 +4,14 @@
     from coop.runner import train_run
     metrics = train_run(load_config(None, ["model.pretrained=none", "data.shots=4"]))
 
+The runner never branches on the method (`cfg.method`, see `coop.methods`): it trains what the
+method's `trainer` says (SGD epochs, a closed-form fit, or nothing), then evaluates.
+
 Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one row per epoch;
-`lr` is the rate that epoch trained at), `checkpoint.pt` (prompt tensors + optimizer/epoch/RNG
-state and the lr schedule's name, written atomically after every epoch) and, when finished,
-`metrics.json`.
+`lr` is the rate that epoch trained at), `checkpoint.pt` (the method's learned tensors +
+optimizer/epoch/RNG state and the lr schedule's name, written atomically after every epoch),
+when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
+`eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`.
 
 The lr of an epoch is a function of the epoch alone (`coop.engine.epoch_lr`), set before the epoch
 starts, so a resumed run needs no scheduler state beyond the epoch it resumes at. A checkpoint that
@@ -29,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
 from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from coop.config import RESULT_FREE_KEYS, flatten, model_tag, resolved_epochs, to_yaml
+from coop.config import RESULT_FREE_KEYS, flatten, load_config, model_tag, resolved_epochs, to_yaml
+from coop.data import DataError
 from coop.engine import (
     LR_SCHEDULE,
     NonFiniteLossError,
@@ -41,8 +46,10 @@ from coop.engine import (
     setup,
     train_one_epoch,
     training_features,
+    val_features,
 )
 from coop.io import atomic_write, write_json
+from coop.model import CLIP
 
 log = logging.getLogger(__name__)
 
@@ -111,40 +118,45 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
         check_same_config(ckpt["config"], config, folder)
         if ckpt.get("finished") and metrics_path.is_file():
             log.info("%s is finished; not training again", folder)
-            return json.loads(metrics_path.read_text())
+            metrics = json.loads(metrics_path.read_text())
+            if pending_evaluations(cfg, folder):  # e.g. killed while evaluating eval.targets
+                evaluate_targets(cfg, ckpt, folder)
+            return metrics
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
 
     s = setup(cfg)
-    learner = s.classifier.prompt_learner
+    method = s.method
+    trained = [p for p in method.learnable().values() if p.requires_grad]
     optimizer = torch.optim.SGD(
-        learner.parameters(),
+        trained or [torch.zeros(1, requires_grad=True)],  # methods without parameters never step
         lr=float(cfg.train.lr),
         momentum=float(cfg.train.momentum),
         weight_decay=float(cfg.train.weight_decay),
     )
     start, history = restore(ckpt, s, optimizer, folder) if ckpt is not None else (0, [])
-    epochs = resolved_epochs(cfg)
+    epochs = resolved_epochs(cfg) if method.trainer == "sgd" else 0
     log.info(
-        "%s | %s (%s) | %d classes, %d shots, seed %d | %d epochs | %d prompt parameters | %s %s",
+        "%s | %s | %s (%s) | %d classes, %d shots, seed %d | %d epochs | %d learnable parameters | %s %s",
         cfg.data.name,
+        cfg.method,
         cfg.model.name,
         cfg.model.pretrained,
-        learner.n_cls,
+        method.n_cls,
         cfg.data.shots,
         cfg.data.seed,
         epochs,
-        sum(p.numel() for p in learner.parameters()),
+        sum(p.numel() for p in trained),
         s.device,
         s.precision,
     )
-    state = {"config": config, "classnames": list(s.dataset.classnames), "n_ctx": learner.n_ctx}
+    state = {"config": config, "classnames": list(s.dataset.classnames), **method.describe()}
 
     def checkpoint(epoch: int, finished: bool) -> None:
         save_checkpoint(
             ckpt_path,
             {
                 **state,
-                "prompt": {k: v.detach().cpu() for k, v in learner.prompt_tensors().items()},
+                "prompt": {k: v.detach().cpu() for k, v in method.learnable().items()},
                 "optimizer": optimizer.state_dict(),
                 "lr_schedule": LR_SCHEDULE,
                 "epoch": epoch,
@@ -154,9 +166,16 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
             },
         )
 
-    fit(s, optimizer, start, epochs, history, checkpoint, folder)
-    metrics = finalize(s, epochs, history, metrics_path)
+    extra = {}
+    if method.trainer == "sgd":
+        fit(s, optimizer, start, epochs, history, checkpoint, folder)
+    elif method.trainer == "fit":
+        extra = fit_closed_form(s)
+    metrics = finalize(s, epochs, history, metrics_path, extra)
+    state.update(method.describe())  # what the fit chose, e.g. the linear probe's C
     checkpoint(epochs, finished=True)
+    if pending_evaluations(cfg, folder):
+        evaluate_targets(cfg, read_resume_checkpoint(ckpt_path), folder, s.clip)
     return metrics
 
 
@@ -172,10 +191,7 @@ def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[di
             f"{folder} was trained for {start} epochs under an older lr schedule (its cosine did not "
             "restart after warm-up); use another output_dir"
         )
-    learner = s.classifier.prompt_learner
-    with torch.no_grad():
-        for name, tensor in ckpt["prompt"].items():
-            getattr(learner, name).copy_(tensor)
+    s.method.load_learnable(ckpt["prompt"], ckpt["classnames"])
     optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
@@ -185,7 +201,7 @@ def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[di
 
 def fit(s: Setup, optimizer, start: int, epochs: int, history: list[dict], checkpoint, folder: Path) -> None:
     """Train epochs start..epochs-1, appending to `history` and checkpointing after each."""
-    cfg, learner = s.cfg, s.classifier.prompt_learner
+    cfg, tensors = s.cfg, list(s.method.learnable().values())
     train_feats = training_features(s) if start < epochs else None
     log_every = max(1, epochs // 10)
     bar = trange(start, epochs, initial=start, total=epochs, desc="epochs", dynamic_ncols=True)
@@ -206,10 +222,10 @@ def fit(s: Setup, optimizer, start: int, epochs: int, history: list[dict], check
             else "no checkpoint was written"
         )
         try:
-            stats = train_one_epoch(s, optimizer, epoch, train_feats, s.precision)
+            stats = train_one_epoch(s, optimizer, epoch, train_feats)
         except NonFiniteLossError as e:
             raise NonFiniteLossError(f"{e}; {kept}") from None
-        if not all(torch.isfinite(p).all() for p in learner.parameters()):
+        if not all(torch.isfinite(p).all() for p in tensors):
             raise NonFiniteLossError(f"prompt parameters became non-finite in epoch {epoch + 1}; {kept}")
         row = {"epoch": epoch + 1, **{k: round(v, 6) for k, v in stats.items()}, "lr": lr}
         history.append({**row, "time_s": round(time.perf_counter() - t0, 3)})
@@ -227,24 +243,39 @@ def fit(s: Setup, optimizer, start: int, epochs: int, history: list[dict], check
             )
 
 
-def finalize(s: Setup, epochs: int, history: list[dict], metrics_path: Path) -> dict:
+def fit_closed_form(s: Setup) -> dict:
+    """A closed-form fit (the linear probe) on train and val features under the test transform."""
+    if not s.dataset.val:
+        raise DataError(
+            f"method={s.cfg.method} chooses its hyper-parameter on the val split, and {s.cfg.data.name} has none"
+        )
+    train, train_labels = training_features(s, views=1)
+    val, val_labels = val_features(s)
+    return s.method.fit((train[0], train_labels), (val[0], val_labels))
+
+
+def run_fields(cfg: DictConfig, method, epochs: int, history: list[dict]) -> dict:
+    """The fields that describe a run in `metrics.json` and every `eval_*.json` it writes."""
+    return {
+        "method": cfg.method,
+        "epochs": epochs,
+        "shots": int(cfg.data.shots),
+        "seed": int(cfg.data.seed),
+        "dataset": cfg.data.name,
+        "model": model_tag(cfg.model.name),
+        "pretrained": cfg.model.pretrained,
+        **method.describe(),
+        "final_train_loss": history[-1]["loss"] if history else None,
+    }
+
+
+def finalize(
+    s: Setup, epochs: int, history: list[dict], metrics_path: Path, extra: dict | None = None
+) -> dict:
     """Evaluate on the test split and write `metrics.json`."""
-    cfg, learner = s.cfg, s.classifier.prompt_learner
     feats, labels = eval_features(s)
-    metrics = evaluate(s.classifier, feats[0], labels, s.device, s.precision)
-    metrics.update(
-        epochs=epochs,
-        shots=int(cfg.data.shots),
-        seed=int(cfg.data.seed),
-        dataset=cfg.data.name,
-        model=model_tag(cfg.model.name),
-        pretrained=cfg.model.pretrained,
-        n_ctx=learner.n_ctx,
-        position=learner.position,
-        csc=learner.csc,
-        depth=learner.depth,
-        final_train_loss=history[-1]["loss"] if history else None,
-    )
+    metrics = evaluate(s.method, feats[0], labels, s.device, s.precision)
+    metrics.update(run_fields(s.cfg, s.method, epochs, history), **(extra or {}))
     write_json(metrics_path, metrics)
     log.info(
         "test accuracy %.2f%% (macro F1 %.2f) on %d images -> %s",
@@ -256,8 +287,72 @@ def finalize(s: Setup, epochs: int, history: list[dict], metrics_path: Path) -> 
     return metrics
 
 
+def targets_of(cfg: DictConfig) -> list[tuple[str, str]]:
+    """(dataset, classes) a finished run is also evaluated on: `eval.targets`, and the new classes
+    of a base-to-new run (`data.subsample_classes=base`)."""
+    targets = [(str(name), "all") for name in cfg.eval.targets]
+    if cfg.data.subsample_classes == "base":
+        targets.append((cfg.data.name, "new"))
+    return targets
+
+
+def eval_file(dataset: str, classes: str = "all") -> str:
+    """`eval_<dataset>.json`, or `eval_<dataset>_new.json` for the new classes of base-to-new."""
+    return f"eval_{dataset}{'' if classes == 'all' else '_' + classes}.json"
+
+
+def pending_evaluations(cfg: DictConfig, folder: Path) -> list[tuple[str, str]]:
+    return [t for t in targets_of(cfg) if not (folder / eval_file(*t)).is_file()]
+
+
+def evaluate_on(
+    cfg: dict, ckpt: dict, dataset: str, classes: str = "all", clip: CLIP | None = None
+) -> tuple[dict, CLIP]:
+    """Metrics of a checkpoint's learned tensors on `dataset`'s test split (its own class list).
+
+    Args:
+        cfg: the run's config (plain dict); `dataset` and `classes` replace its data.name and
+            data.subsample_classes.
+        ckpt: the run's checkpoint (its learned tensors and class names).
+        dataset, classes: what to evaluate on.
+        clip: an already loaded CLIP of the run's model, reused across targets.
+
+    Returns:
+        (metrics with the same fields as `metrics.json` plus `trained_on`, the CLIP used).
+    """
+    target = load_config(None, [f"data.name={dataset}", f"data.subsample_classes={classes}"], base=cfg)
+    s = setup(target, ckpt, clip=clip)
+    feats, labels = eval_features(s)
+    metrics = evaluate(s.method, feats[0], labels, s.device, s.precision)
+    history = ckpt.get("history") or []
+    metrics.update(
+        run_fields(target, s.method, int(ckpt.get("epoch", 0)), history),
+        subsample_classes=classes,
+        trained_on=ckpt["config"]["data"]["name"],
+    )
+    return metrics, s.clip
+
+
+def evaluate_targets(cfg: DictConfig, ckpt: dict, folder: Path, clip: CLIP | None = None) -> dict[str, dict]:
+    """Evaluate every pending target of a finished run; writes `eval_<dataset>.json` into `folder`.
+
+    Feature caches are shared between runs, so each target's test set is encoded once per model.
+    """
+    config = OmegaConf.to_container(cfg, resolve=True)
+    results = {}
+    for dataset, classes in pending_evaluations(cfg, folder):
+        metrics, clip = evaluate_on(config, ckpt, dataset, classes, clip)
+        path = folder / eval_file(dataset, classes)
+        write_json(path, metrics)
+        log.info(
+            "%s: accuracy %.2f%% on %d images -> %s", dataset, metrics["accuracy"], metrics["n_test"], path
+        )
+        results[path.name] = metrics
+    return results
+
+
 def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    """Test accuracy of a saved prompt, on its own dataset or (shared context) on another one.
+    """Test accuracy of a saved run on its own dataset or, where the method transfers, another one.
 
     Args:
         path: a `checkpoint.pt`.
@@ -265,18 +360,22 @@ def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...]
 
     Raises:
         CheckpointError: `path` is missing, corrupt, truncated or not a coop checkpoint.
+        TransferError: the learned tensors cannot score the requested classes (csc context).
     """
-    from coop.config import load_config
-
     ckpt = load_checkpoint(path)
     cfg = load_config(None, overrides, base=ckpt["config"])
-    s = setup(cfg, ckpt)
-    feats, labels = eval_features(s)
-    metrics = evaluate(s.classifier, feats[0], labels, s.device, s.precision)
-    metrics.update(
-        checkpoint=str(path),
-        dataset=cfg.data.name,
-        subsample_classes=cfg.data.subsample_classes,
-        trained_on=ckpt["config"]["data"]["name"],
+    metrics, _ = evaluate_on(
+        OmegaConf.to_container(cfg, resolve=True), ckpt, cfg.data.name, cfg.data.subsample_classes
     )
+    metrics["checkpoint"] = str(path)
     return metrics
+
+
+def evaluate_checkpoint_targets(path: str | Path, targets: list[str], overrides=()) -> dict[str, dict]:
+    """`eval.targets` for a saved run: each target's metrics, written beside the checkpoint."""
+    ckpt = load_checkpoint(path)
+    cfg = load_config(None, [*overrides, f"eval.targets=[{','.join(targets)}]"], base=ckpt["config"])
+    folder = Path(path).parent
+    for dataset in targets:  # re-evaluate on request, even where a file exists
+        (folder / eval_file(dataset)).unlink(missing_ok=True)
+    return evaluate_targets(cfg, ckpt, folder)

@@ -38,7 +38,7 @@ log = logging.getLogger("coop.sweep")
 
 # keys that coop.config.run_name spells out
 NAMED_KEYS = {"data.name", "model.name", "data.shots", "prompt.n_ctx", "prompt.csc", "prompt.position",
-              "prompt.depth", "data.seed", "data.subsample_classes"}  # fmt: skip
+              "prompt.depth", "data.seed", "data.subsample_classes", "method", "zeroshot.templates"}  # fmt: skip
 ROOTLESS = {"textile"}  # datasets bundled with a package: no data.root
 
 

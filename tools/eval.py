@@ -1,11 +1,15 @@
-"""Evaluate a saved prompt on a dataset's test split.
+"""Evaluate a saved run (any method) on a dataset's test split.
 
     python tools/eval.py --checkpoint output/.../checkpoint.pt [key=value ...] [--out FILE]
+    python tools/eval.py --checkpoint output/.../checkpoint.pt eval.targets=[imagenetv2,imagenet_a]
 
 Overrides change the run's saved config, e.g. `data.name=dtd data.root=$DATA` evaluates a shared
 context on another dataset (class-specific context cannot be transferred). The metrics are printed
 as JSON and written to --out (default: eval_<dataset>.json beside the checkpoint, or
 eval_<dataset>_new.json for `data.subsample_classes=new`: the base-to-new protocol).
+
+With `eval.targets=[...]` every listed dataset is evaluated, each into eval_<dataset>.json beside
+the checkpoint, as a training run does after it finishes.
 """
 
 from __future__ import annotations
@@ -28,9 +32,17 @@ def main() -> int:
     args = ap.parse_args()
     setup_logging(args.verbose)
 
+    from coop.config import load_config
     from coop.io import write_json
-    from coop.runner import evaluate_checkpoint
+    from coop.runner import evaluate_checkpoint, evaluate_checkpoint_targets
 
+    targets = [o for o in args.overrides if o.split("=", 1)[0].strip() == "eval.targets"]
+    if targets:
+        names = list(load_config(None, targets[-1:]).eval.targets)
+        rest = [o for o in args.overrides if o not in targets]
+        for name, metrics in evaluate_checkpoint_targets(args.checkpoint, names, rest).items():
+            print(json.dumps({"file": name, **{k: metrics[k] for k in ("dataset", "accuracy", "n_test")}}))
+        return 0
     metrics = evaluate_checkpoint(args.checkpoint, args.overrides)
     classes = "" if metrics["subsample_classes"] == "all" else f"_{metrics['subsample_classes']}"
     name = f"eval_{metrics['dataset']}{classes}.json"

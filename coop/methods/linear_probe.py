@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from coop.data import DataError
 from coop.methods.base import Method, TransferError
 from coop.model import CLIP
 
@@ -100,7 +101,7 @@ class LinearProbe(Method):
     def fit(self, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor]) -> dict:
         (tx, ty), (vx, vy) = train, val
         if len(vy) == 0:
-            raise ValueError("linear_probe chooses C on the validation split, and this dataset has none")
+            raise DataError("linear_probe chooses C on the val split, and it is empty")
         to_np = lambda t: t.detach().cpu().double().numpy()  # noqa: E731
         clf, c, val_acc = search_c(to_np(tx), ty.numpy(), to_np(vx), vy.numpy())
         coef = torch.from_numpy(clf.coef_)

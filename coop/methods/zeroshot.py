@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from coop.config import ConfigError
 from coop.methods.base import Method
 from coop.model import CLIP, cosine_logits
 
@@ -51,7 +52,7 @@ def resolve_templates(choice: str, dataset: str) -> list[str]:
     if choice == "ensemble":
         return [t("{}") for t in open_clip.OPENAI_IMAGENET_TEMPLATES]
     if "{}" not in str(choice):
-        raise ValueError(
+        raise ConfigError(
             f"zeroshot.templates={choice!r} is not 'coop', 'ensemble' or a template containing '{{}}'"
         )
     return [str(choice)]
