@@ -105,6 +105,8 @@ def format_value(value) -> str:
         text = str(value).lower()
     elif isinstance(value, int | float):
         text = repr(value)
+    elif isinstance(value, list | tuple):  # a list-valued key, e.g. eval.targets: [[a, b]]
+        text = "[" + ",".join(format_value(v) for v in value) + "]"
     else:
         text = str(value)
         if _parse_dotlist_value(text) != text:
