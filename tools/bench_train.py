@@ -36,7 +36,7 @@ def timed_epochs(s, optimizer, feats, first: int, n: int, steps: list[int]) -> t
     before = steps[0]
     start = time.perf_counter()
     for epoch in range(first, first + n):
-        train_one_epoch(s, optimizer, epoch, feats, "fp32")
+        train_one_epoch(s, optimizer, epoch, feats)
     return time.perf_counter() - start, steps[0] - before
 
 
@@ -64,10 +64,12 @@ def main(argv=None) -> int:
         f"train.batch_size={args.batch_size}",
         f"train.aug_views={args.views}",
         "train.cache_features=false",
+        "train.precision=fp32",
         "device=cpu",
     ]
     s = setup(load_config(None, overrides))
-    opt = torch.optim.SGD(s.classifier.prompt_learner.parameters(), lr=0.002, momentum=0.9)
+    trained = [p for p in s.method.learnable().values() if p.requires_grad]  # CoOp's prompts
+    opt = torch.optim.SGD(trained, lr=0.002, momentum=0.9)
     steps = [0]
     opt.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
     n = len(s.dataset.train)
