@@ -29,6 +29,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from coop.config import CHOICES, DEFAULTS, RESULT_FREE_KEYS, flatten
+from coop.data import TEST_ONLY_DATASETS
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,7 @@ SUBSAMPLE_SUFFIXES = tuple(f"_{c}" for c in CHOICES["data.subsample_classes"] if
 # ImageNet variants of the domain-generalisation table; other datasets follow alphabetically.
 DATASET_ORDER = (
     "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
-    "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101",
-    "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r",
+    "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101", *TEST_ONLY_DATASETS,
 )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from coop.config import load_config
-from coop.results import dataset_table, load_runs, summarize, varying_keys
+from coop.results import dataset_table, format_dataset_markdown, load_runs, summarize, varying_keys
 
 
 def collect(*args) -> int:
@@ -25,10 +25,15 @@ def collect(*args) -> int:
     return module.main([str(a) for a in args])
 
 
-def write_run(folder, overrides=(), extra=None, metrics=None, evals=None):
-    """A run folder as train.py/eval.py leave it: config.yaml, metrics.json, eval_*.json."""
+def write_run(folder, overrides=(), extra=None, metrics=None, evals=None, legacy=False):
+    """A run folder as train.py/eval.py leave it: config.yaml, metrics.json, eval_*.json.
+
+    `extra`: keys added to the config as they are; `legacy`: a config from before the `method` key.
+    """
     cfg = OmegaConf.to_container(load_config(None, list(overrides)))
-    cfg.update(extra or {})  # e.g. the `method` key, not yet in the defaults
+    cfg.update(extra or {})
+    if legacy:
+        cfg.pop("method", None)
     cfg["output_dir"] = str(folder)
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -94,14 +99,15 @@ def synthetic_study(root):
             value = {"dtd": 60, "eurosat": 80, "imagenet": 70}[ds] + seed
             evals = {}
             if ds == "imagenet":
-                evals = {"imagenet_sketch": {"accuracy": 40.0 + seed}, "imagenet_v2": {"accuracy": 60.0 + seed},
+                evals = {"imagenet_sketch": {"accuracy": 40.0 + seed}, "imagenetv2": {"accuracy": 60.0 + seed},
                          "imagenet_new": {"accuracy": 1.0}}  # fmt: skip
             over = [f"data.name={ds}", "data.root=/data", f"data.seed={seed}"]
-            write_run(root / f"coop/{ds}/seed{seed}", over, metrics={"accuracy": value}, evals=evals)
+            write_run(
+                root / f"coop/{ds}/seed{seed}", over, metrics={"accuracy": value}, evals=evals, legacy=True
+            )
             acc.setdefault(ds, []).append(value)
     for ds, value in (("dtd", 44.0), ("imagenet", 66.0)):
-        over = [f"data.name={ds}", "data.root=/data", "train.epochs=0", "prompt.ctx_init=a photo of a"]
-        write_run(root / f"zs/{ds}", over, extra={"method": "zeroshot"}, metrics={"accuracy": value})
+        write_run(root / f"zs/{ds}", ["method=zeroshot", f"data.name={ds}"], metrics={"accuracy": value})
     write_run(root / "coop/dtd/seed3", ["data.name=dtd", "data.root=/data", "data.seed=3"])
     return acc
 
@@ -113,13 +119,13 @@ def test_collect_datasets_table(tmp_path):
     table = pd.read_csv(out / "results_datasets.csv").set_index("method")
     assert list(table.index) == ["coop", "zeroshot"]
     columns = [c[: -len("_mean")] for c in table.columns if c.endswith("_mean")]
-    assert columns == ["imagenet", "dtd", "eurosat", "imagenet_v2", "imagenet_sketch"]  # the papers' order
+    assert columns == ["imagenet", "dtd", "eurosat", "imagenetv2", "imagenet_sketch"]  # the papers' order
     coop = table.loc["coop"]
     for ds, values in acc.items():
         assert coop[f"{ds}_mean"] == pytest.approx(statistics.mean(values))
         assert coop[f"{ds}_std"] == pytest.approx(statistics.stdev(values))
         assert coop[f"{ds}_n"] == 2
-    assert coop["imagenet_sketch_mean"] == 41.5 and coop["imagenet_v2_n"] == 2
+    assert coop["imagenet_sketch_mean"] == 41.5 and coop["imagenetv2_n"] == 2
     means = [coop[f"{ds}_mean"] for ds in columns]
     assert coop["average"] == pytest.approx(sum(means) / len(means))
     zs = table.loc["zeroshot"]
@@ -128,7 +134,7 @@ def test_collect_datasets_table(tmp_path):
     assert pd.isna(zs["average"])  # incomplete: never averaged over the cells it has
 
     text = (out / "results_datasets.md").read_text()
-    assert "| method | imagenet | dtd | eurosat | imagenet_v2 | imagenet_sketch | **Average** |" in text
+    assert "| method | imagenet | dtd | eurosat | imagenetv2 | imagenet_sketch | **Average** |" in text
     assert "| coop | 71.50 ± 0.71 (n=2) | 61.50 ± 0.71 (n=2) |" in text
     assert f"| {coop['average']:.2f} |" in text
     zs_line = next(line for line in text.splitlines() if line.startswith("| zeroshot"))
@@ -139,15 +145,20 @@ def test_collect_datasets_table(tmp_path):
 
 def test_datasets_table_rows_follow_varying_settings(tmp_path):
     synthetic_study(tmp_path)
-    # Without --by the zero-shot rows also differ in epochs and ctx_init: part of the row label.
+    assert list(dataset_table(load_runs(tmp_path))["method"]) == ["coop", "zeroshot"]
+    # Another CoOp setting becomes a row of its own, labelled by what differs.
+    write_run(tmp_path / "coop16/dtd", ["data.name=dtd", "prompt.n_ctx=16"], metrics={"accuracy": 65.0})
     table = dataset_table(load_runs(tmp_path))
-    assert list(table["method"]) == ["coop", "zeroshot"]
-    assert {"train.epochs", "prompt.ctx_init"} <= set(table.columns) and "data.root" not in table.columns
+    assert "prompt.n_ctx" in table.columns and "data.root" not in table.columns
+    assert list(zip(table["method"], table["dtd_mean"], strict=True)) == [
+        ("coop", 65.0), ("coop", 61.5), ("zeroshot", 44.0)
+    ]  # fmt: skip
+    assert "| coop (n_ctx=16) | – | 65.00 (n=1) |" in format_dataset_markdown(table)
     # DTD both trained on and reached by transfer from ImageNet: cells must not pool the two.
     write_run(tmp_path / "coop/imagenet/seed9", ["data.name=imagenet", "data.seed=9"],
               metrics={"accuracy": 70.0}, evals={"dtd": {"accuracy": 30.0}})  # fmt: skip
-    split = dataset_table(load_runs(tmp_path), by=["method"])
-    coop = split[split["method"] == "coop"].set_index("data.name")
+    split = dataset_table(load_runs(tmp_path), by=["method", "prompt.n_ctx"])
+    coop = split[(split["method"] == "coop") & (split["prompt.n_ctx"] == "null")].set_index("data.name")
     assert coop.loc["dtd", "dtd_mean"] == 61.5 and coop.loc["imagenet", "dtd_mean"] == 30.0
     with pytest.raises(ValueError, match="unknown grouping key 'prompt.colour'"):
         dataset_table(load_runs(tmp_path), by=["prompt.colour"])
