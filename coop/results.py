@@ -40,7 +40,7 @@ IGNORED_KEYS = frozenset({"data.seed"} | RESULT_FREE_KEYS)  # never grouping key
 KEY_ORDER = ("method", "data.name", "model.name", "model.pretrained", "data.shots")  # leading columns
 DEFAULT_METHOD = "coop"  # runs whose config predates the `method` key
 # Config keys outside any section (device, output_dir, method).
-TOP_LEVEL_KEYS = frozenset({k for k, v in DEFAULTS.items() if not isinstance(v, dict)} | {"method"})
+TOP_LEVEL_KEYS = frozenset(k for k, v in DEFAULTS.items() if not isinstance(v, dict))
 # eval_<dataset>_<half>.json belongs to the base-to-new protocol, not to transfer targets.
 SUBSAMPLE_SUFFIXES = tuple(f"_{c}" for c in CHOICES["data.subsample_classes"] if c != "all")
 # Column order of the per-dataset table: CoOp's 11 datasets as its paper lists them, then the
