@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from coop.config import CHOICES, DEFAULTS, RESULT_FREE_KEYS, flatten
+from coop.config import CHOICES, DEFAULTS, RESULT_FREE_KEYS, ConfigError, flatten
 from coop.data import TEST_ONLY_DATASETS
 
 log = logging.getLogger(__name__)
@@ -210,11 +210,11 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
     missing = [k for k in by if k not in done.columns]
     if missing:
         known = ", ".join(sorted(config_keys(done)))
-        raise ValueError(f"unknown grouping key '{missing[0]}' (known: {known})")
+        raise ConfigError(f"unknown grouping key '{missing[0]}' (known: {known})")
     has_hm = {"accuracy", "new_accuracy"} <= set(done.columns)
     metrics = [m for m in metrics if m in done.columns or (m == "hm" and has_hm)]
     if not metrics:
-        raise ValueError(f"no metric columns ({', '.join(METRICS)}) in the finished runs")
+        raise ConfigError(f"no metric columns ({', '.join(METRICS)}) in the finished runs")
     for key in by:
         done[key] = done[key].map(_group_value)
     pooled = [k for k in varying_keys(done) if k not in by]
@@ -349,16 +349,16 @@ def dataset_table(
     """
     done = df[df["complete"].astype(bool)] if "complete" in df else df
     if "data.name" not in done or not len(done):
-        raise ValueError("no finished runs with a data.name")
+        raise ConfigError("no finished runs with a data.name")
     long = _per_dataset(done, metric)
     if not len(long):
-        raise ValueError(f"metric '{metric}' is in none of the finished runs' metrics files")
+        raise ConfigError(f"metric '{metric}' is in none of the finished runs' metrics files")
     keys = [k for k in (by if by is not None else varying_keys(done)) if k not in ("method", "data.name")]
     keys = ["method", *keys] + (["data.name"] if by is not None and "data.name" in by else [])
     missing = [k for k in keys if k not in long.columns]
     if missing:
         known = ", ".join(sorted(config_keys(done)))
-        raise ValueError(f"unknown grouping key '{missing[0]}' (known: {known})")
+        raise ConfigError(f"unknown grouping key '{missing[0]}' (known: {known})")
     for key in keys:
         long[key] = long[key].map(_group_value)
     if "data.name" not in keys and long.groupby([*keys, "dataset"])["data.name"].nunique().gt(1).any():

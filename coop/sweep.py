@@ -66,24 +66,24 @@ def load_grid(path: str | None, overrides: list[str]) -> dict[str, list]:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"cannot parse grid file {path}: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"cannot parse grid file {path}: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
-            raise ValueError(f"grid file {path} must be a mapping of config keys to values or lists")
+            raise ConfigError(f"grid file {path} must be a mapping of config keys to values or lists")
         grid = flatten(data)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"argument '{item}' is not of the form key=value")
+            raise ConfigError(f"argument '{item}' is not of the form key=value")
         try:
             grid[key.strip()] = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
-            raise ValueError(f"cannot parse the value of '{item}'") from None
+            raise ConfigError(f"cannot parse the value of '{item}'") from None
     values = {k: v if isinstance(v, list) else [v] for k, v in grid.items()}
     for key, v in values.items():
         if key == "output_dir":
-            raise ValueError("output_dir is set by the sweep (--out); remove it from the grid")
+            raise ConfigError("output_dir is set by the sweep (--out); remove it from the grid")
         if not v:
-            raise ValueError(f"grid key {key} has an empty list of values")
+            raise ConfigError(f"grid key {key} has an empty list of values")
     return values
 
 
@@ -112,7 +112,7 @@ def format_value(value) -> str:
         if _parse_dotlist_value(text) != text:
             text = "'" + text.replace("'", "''") + "'"  # YAML single-quoted scalar
     if _parse_dotlist_value(text) != value:
-        raise ValueError(f"grid value {value!r} cannot be passed on the command line")
+        raise ConfigError(f"grid value {value!r} cannot be passed on the command line")
     return text
 
 
@@ -296,7 +296,7 @@ def run_submitit(runs: list[Run], cmds: list[list[str]], args, root: Path) -> No
     try:
         import submitit
     except ImportError:
-        raise ValueError("--executor slurm/local needs submitit: pip install 'coop[slurm]'") from None
+        raise ConfigError("--executor slurm/local needs submitit: pip install 'coop[slurm]'") from None
     cluster = args.executor
     executor = submitit.AutoExecutor(folder=root / ".submitit", cluster=cluster)
     gpus = args.gpus_per_node if args.gpus_per_node is not None else (1 if cluster == "slurm" else 0)

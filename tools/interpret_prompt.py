@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     setup_logging(args.verbose)
     if args.topk < 1:
-        raise ValueError(f"--topk must be >= 1, got {args.topk}")
+        ap.error(f"--topk must be >= 1, got {args.topk}")
 
     clip, learner, ckpt = load_trained(args.checkpoint, args.device, pretrained=args.pretrained)
     rows = nearest_words(learner, clip.text.token_embedding.weight, clip.tokenizer, args.topk)

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
         print(f"no finished runs under {args.root}", file=sys.stderr)
         return 1
     if args.metric not in done:
-        raise ValueError(f"metric '{args.metric}' is not in the runs' metrics.json files")
+        print(f"error: metric '{args.metric}' is not in the runs' metrics.json files", file=sys.stderr)
+        return 2
     written = write_figures(runs, args.out or args.root, args.metric)
     for name in FIGURES:
         path = Path(args.out or args.root) / name
