@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import logging
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -185,7 +186,9 @@ def partition(
         settings = {"client_domains": sorted(by_name)}
     else:
         try:
-            assigned = [sorted(part.load_partition(pid)["index"]) for pid in range(clients)]
+            with warnings.catch_warnings():  # Dirichlet redraws until every client has min_size items
+                warnings.filterwarnings("ignore", message="The specified min_partition_size")
+                assigned = [sorted(part.load_partition(pid)["index"]) for pid in range(clients)]
         except ValueError as e:  # e.g. Dirichlet cannot reach the minimum size
             raise PartitionError(f"fl.partition={scheme}: {str(e).splitlines()[0]}") from None
     empty = [k for k, idx in enumerate(assigned) if not idx]

@@ -153,77 +153,78 @@ def finished_metrics(cfg: DictConfig) -> dict | None:
     return None
 
 
-def _run(grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float) -> dict:
-    done = finished_metrics(cfg)
-    if done is not None:
-        return done
-    config = OmegaConf.to_container(cfg, resolve=True)
-    ckpt_path, metrics_path = folder / "checkpoint.pt", folder / "metrics.json"
-    ckpt = read_checkpoint(ckpt_path)
-    atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
+class ServerRun:
+    """One federated run on the server: what it holds between rounds, and its steps."""
 
-    fl, rounds = cfg.fl, int(cfg.fl.rounds)
-    device = task.resolve_device(cfg.device)
-    clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
-    ds = task.load_data(cfg)
-    part = task.client_partition(cfg, ds)
-    write_json(folder / "partition.json", part.to_json())
-    method = task.build_method(clip, ds.classnames, cfg).to(device)
-    test_feats, test_labels = task.features(cfg, clip, ds.test, device, train=False, what="the test split")
-    test_domains = task.item_domains(ds, ds.test)
-    strategy = PromptStrategy(
-        clients=int(fl.clients),
-        fraction=float(fl.fraction),
-        seed=int(cfg.data.seed),
-        aggregation=fl.aggregation,
-        mu=float(fl.mu),
-        beta=float(fl.beta),
-    )
-    arrays = {k: v.detach().cpu().clone() for k, v in method.learnable().items()}
-    start, history, failures = 0, [], []
-    if ckpt is not None:
-        arrays, start = dict(ckpt["prompt"]), int(ckpt["round"])
-        history, failures = list(ckpt["history"]), list(ckpt["failures"])
-        strategy.load_state_dict(ckpt["strategy"])
-        log.info("resuming %s after round %d", folder, start)
-    log.info(
-        "%s | %s (%s) | %d classes, %d train / %d test images | %s: %d clients (%s partition, sizes %s), "
-        "%d rounds x %d local epochs, %s | %d prompt parameters | %s",
-        cfg.data.name, cfg.model.name, cfg.model.pretrained, len(ds.classnames), len(ds.train), len(ds.test),
-        fl.method, fl.clients, fl.partition, part.sizes(), rounds, fl.local_epochs, fl.aggregation,
-        sum(t.numel() for t in arrays.values()), device,
-    )  # fmt: skip
+    def __init__(self, cfg: DictConfig, folder: Path):
+        self.cfg, self.folder = cfg, folder
+        self.config = OmegaConf.to_container(cfg, resolve=True)
+        self.device = task.resolve_device(cfg.device)
+        clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=self.device)
+        self.ds = task.load_data(cfg)
+        self.part = task.client_partition(cfg, self.ds)
+        self.method = task.build_method(clip, self.ds.classnames, cfg).to(self.device)
+        self.test_feats, self.test_labels = task.features(
+            cfg, clip, self.ds.test, self.device, train=False, what="the test split"
+        )
+        fl = cfg.fl
+        self.strategy = PromptStrategy(
+            clients=int(fl.clients),
+            fraction=float(fl.fraction),
+            seed=int(cfg.data.seed),
+            aggregation=fl.aggregation,
+            mu=float(fl.mu),
+            beta=float(fl.beta),
+        )
+        self.arrays = {k: v.detach().cpu().clone() for k, v in self.method.learnable().items()}
+        self.round, self.history, self.failures = 0, [], []
 
-    def evaluate_fn(server_round: int, record: ArrayRecord) -> MetricRecord:
-        """Flower-style central evaluation of the global tensors on the test split."""
-        method.load_learnable(record.to_torch_state_dict(), ds.classnames)
-        result = task.evaluate(method, test_feats[0], test_labels, device)
+    def restore(self, ckpt: dict) -> None:
+        self.arrays, self.round = dict(ckpt["prompt"]), int(ckpt["round"])
+        self.history, self.failures = list(ckpt["history"]), list(ckpt["failures"])
+        self.strategy.load_state_dict(ckpt["strategy"])
+        log.info("resuming %s after round %d", self.folder, self.round)
+
+    def describe(self) -> None:
+        cfg, fl, ds = self.cfg, self.cfg.fl, self.ds
+        log.info(
+            "%s | %s (%s) | %d classes, %d train / %d test images | %s: %d clients (%s partition, sizes %s), "
+            "%d rounds x %d local epochs, %s | %d prompt parameters | %s",
+            cfg.data.name, cfg.model.name, cfg.model.pretrained, len(ds.classnames), len(ds.train), len(ds.test),
+            fl.method, fl.clients, fl.partition, self.part.sizes(), fl.rounds, fl.local_epochs, fl.aggregation,
+            sum(t.numel() for t in self.arrays.values()), self.device,
+        )  # fmt: skip
+
+    def evaluate_fn(self, server_round: int, record: ArrayRecord) -> MetricRecord:
+        """Flower's central evaluation signature: the global tensors on the global test split."""
+        self.method.load_learnable(record.to_torch_state_dict(), self.ds.classnames)
+        result = task.evaluate(self.method, self.test_feats[0], self.test_labels, self.device)
         return MetricRecord({"accuracy": result["accuracy"], "macro-f1": result["macro_f1"]})
 
-    def checkpoint(rnd: int, finished: bool) -> None:
+    def checkpoint(self, finished: bool = False) -> None:
         state = {
             "format": CHECKPOINT_FORMAT,
-            "config": config,
-            "classnames": list(ds.classnames),
-            "prompt": arrays,
-            "strategy": strategy.state_dict(),
-            "round": rnd,
+            "config": self.config,
+            "classnames": list(self.ds.classnames),
+            "prompt": self.arrays,
+            "strategy": self.strategy.state_dict(),
+            "round": self.round,
             "finished": finished,
-            "history": history,
-            "failures": failures,
-            "partition_digest": part.digest(),
+            "history": self.history,
+            "failures": self.failures,
+            "partition_digest": self.part.digest(),
         }
-        atomic_write(ckpt_path, lambda tmp: torch.save(state, tmp))
+        atomic_write(self.folder / "checkpoint.pt", lambda tmp: torch.save(state, tmp))
 
-    if start < rounds:
-        strategy.set_nodes(discover_clients(grid, int(fl.clients), node_timeout))
-        strategy.summary()
-    client_yaml = to_yaml(task.absolute_paths(cfg))
-    for rnd in range(start + 1, rounds + 1):
-        t0 = time.perf_counter()
+    def play_round(self, grid: Grid, rnd: int, round_timeout: float) -> None:
+        """Train, aggregate, evaluate, then checkpoint and log round `rnd`."""
+        cfg, strategy, t0 = self.cfg, self.strategy, time.perf_counter()
+        rounds = int(cfg.fl.rounds)
         lr = task.round_lr(rnd, rounds, float(cfg.train.lr))
-        train_config = ConfigRecord({"coop-config": client_yaml, "lr": lr, "partition-digest": part.digest()})
-        messages = strategy.configure_train(rnd, ArrayRecord(arrays), train_config, grid)
+        config = ConfigRecord(
+            {"coop-config": self.client_yaml, "lr": lr, "partition-digest": self.part.digest()}
+        )
+        messages = strategy.configure_train(rnd, ArrayRecord(self.arrays), config, grid)
         log.info(
             "round %d/%d: training clients %s at lr %.3g", rnd, rounds, strategy.last_stats["sampled"], lr
         )
@@ -236,54 +237,81 @@ def _run(grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_t
             raise FederatedError(
                 f"round {rnd}: every sampled client failed (first: {strategy.last_failures[0]['error']})"
             )
-        if strategy.last_failures and fl.on_client_failure == "stop":
+        if strategy.last_failures and cfg.fl.on_client_failure == "stop":
             f = strategy.last_failures[0]
             raise FederatedError(
                 f"round {rnd}: client {f['client']} failed ({f['error']}); fl.on_client_failure=stop, "
                 f"the checkpoint keeps round {rnd - 1}"
             )
-        failures += strategy.last_failures
-        arrays = new.to_torch_state_dict()
-        result = evaluate_fn(rnd, new)
-        stats = strategy.last_stats
-        history.append(
-            {
-                "round": rnd,
-                "accuracy": round(result["accuracy"], 4),
-                "macro_f1": round(result["macro-f1"], 4),
-                "train_loss": round(train_metrics["train-loss"], 6),
-                "train_acc": round(train_metrics["train-acc"], 4),
-                "clients": stats["clients"],
-                "sampled": len(stats["sampled"]),
-                "failed": " ".join(str(f["client"]) for f in strategy.last_failures),
-                "bytes_down": stats["bytes_down"],
-                "bytes_up": stats["bytes_up"],
-                "bytes_sent": stats["bytes_down"] + stats["bytes_up"],
-                "lr": lr,
-                "time_s": round(time.perf_counter() - t0, 3),
-            }
-        )
-        checkpoint(rnd, finished=False)
-        write_history(folder, history)
-        row = history[-1]
+        self.failures += strategy.last_failures
+        self.arrays, self.round = new.to_torch_state_dict(), rnd
+        result, stats = self.evaluate_fn(rnd, new), strategy.last_stats
+        row = {
+            "round": rnd,
+            "accuracy": round(result["accuracy"], 4),
+            "macro_f1": round(result["macro-f1"], 4),
+            "train_loss": round(train_metrics["train-loss"], 6),
+            "train_acc": round(train_metrics["train-acc"], 4),
+            "clients": stats["clients"],
+            "sampled": len(stats["sampled"]),
+            "failed": " ".join(str(f["client"]) for f in strategy.last_failures),
+            "bytes_down": stats["bytes_down"],
+            "bytes_up": stats["bytes_up"],
+            "bytes_sent": stats["bytes_down"] + stats["bytes_up"],
+            "lr": lr,
+            "time_s": round(time.perf_counter() - t0, 3),
+        }
+        self.history.append(row)
+        self.checkpoint()
+        write_history(self.folder, self.history)
         log.info(
             "round %d/%d: accuracy %.2f%%, train loss %.4f, %d clients, %d bytes sent (%.1f s)",
             rnd, rounds, row["accuracy"], row["train_loss"], row["clients"], row["bytes_sent"], row["time_s"],
         )  # fmt: skip
 
-    method.load_learnable(arrays, ds.classnames)
-    metrics = task.evaluate(method, test_feats[0], test_labels, device, test_domains)
-    metrics.update(
-        epochs=rounds * int(fl.local_epochs),
-        rounds=rounds,
-        **task.run_fields(cfg, method),
-        final_train_loss=history[-1]["train_loss"] if history else None,
-        bytes_sent=sum(r["bytes_sent"] for r in history),
-        client_failures=failures,
-        domain_usage=strategy.domain_usage or None,
-    )
-    write_json(metrics_path, metrics)
-    checkpoint(rounds, finished=True)
-    log.info("test accuracy %.2f%% (macro F1 %.2f) on %d images -> %s", metrics["accuracy"], metrics["macro_f1"],
-             metrics["n_test"], metrics_path)  # fmt: skip
-    return metrics
+    def fit(self, grid: Grid, node_timeout: float, round_timeout: float) -> None:
+        rounds = int(self.cfg.fl.rounds)
+        if self.round >= rounds:
+            return
+        self.strategy.set_nodes(discover_clients(grid, int(self.cfg.fl.clients), node_timeout))
+        self.strategy.summary()
+        self.client_yaml = to_yaml(task.absolute_paths(self.cfg))
+        for rnd in range(self.round + 1, rounds + 1):
+            self.play_round(grid, rnd, round_timeout)
+
+    def finalize(self) -> dict:
+        """Evaluate the final prompt (per class and per domain), write metrics.json."""
+        cfg, method = self.cfg, self.method
+        method.load_learnable(self.arrays, self.ds.classnames)
+        domains = task.item_domains(self.ds, self.ds.test)
+        metrics = task.evaluate(method, self.test_feats[0], self.test_labels, self.device, domains)
+        metrics.update(
+            epochs=int(cfg.fl.rounds) * int(cfg.fl.local_epochs),
+            rounds=int(cfg.fl.rounds),
+            **task.run_fields(cfg, method),
+            final_train_loss=self.history[-1]["train_loss"] if self.history else None,
+            bytes_sent=sum(r["bytes_sent"] for r in self.history),
+            client_failures=self.failures,
+            domain_usage=self.strategy.domain_usage or None,
+        )
+        path = self.folder / "metrics.json"
+        write_json(path, metrics)
+        self.checkpoint(finished=True)
+        log.info("test accuracy %.2f%% (macro F1 %.2f) on %d images -> %s", metrics["accuracy"],
+                 metrics["macro_f1"], metrics["n_test"], path)  # fmt: skip
+        return metrics
+
+
+def _run(grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float) -> dict:
+    done = finished_metrics(cfg)
+    if done is not None:
+        return done
+    ckpt = read_checkpoint(folder / "checkpoint.pt")
+    atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
+    run = ServerRun(cfg, folder)
+    write_json(folder / "partition.json", run.part.to_json())
+    if ckpt is not None:
+        run.restore(ckpt)
+    run.describe()
+    run.fit(grid, node_timeout, round_timeout)
+    return run.finalize()

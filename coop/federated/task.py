@@ -130,6 +130,7 @@ def transforms(clip: CLIP):
 
 def features(cfg: DictConfig, clip: CLIP, items, device, *, train: bool, what: str):
     """Image features ((V, N, E), labels) of `items`: V = train.aug_views for training, else 1."""
+    device = torch.device(device)
     train_tf, test_tf = transforms(clip)
     views = int(cfg.train.aug_views) if train else 1
     tf, seed = (train_tf, int(cfg.data.seed)) if train and views > 1 else (test_tf, None)

@@ -1,0 +1,266 @@
+"""Federated prompt learning: real Flower simulations (tiny model, generated images) and their parts.
+
+Each simulation starts Ray, which costs 20-30 s on 2 CPU cores, so one PromptFL run (3 clients,
+3 rounds) is shared by the direct-computation, run-folder and resume tests, and one
+latent-domains run also carries the client-failure test.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+pytest.importorskip("flwr_datasets")
+
+from conftest import REPO, TINY_CONFIG, make_image_folder  # noqa: E402
+
+from coop.federated import task  # noqa: E402
+
+ROUNDS = 3
+BASE = [
+    f"model.name={TINY_CONFIG}",
+    "model.pretrained=none",
+    "data.shots=0",
+    "data.num_workers=0",
+    "device=cpu",
+    "train.batch_size=4",
+    "fl.clients=3",
+]
+PROMPTFL = [
+    *BASE,
+    "data.name=imagefolder",
+    f"fl.rounds={ROUNDS}",
+    "fl.local_epochs=2",
+    "train.aug_views=2",
+    "prompt.csc=true",
+    "prompt.depth=2",
+]
+
+
+def command(folder: Path, overrides: list[str]) -> list[str]:
+    # one Ray actor runs the three clients in turn: on 2 cores that starts faster than two
+    tool = [sys.executable, str(REPO / "tools" / "federated.py"), "--cpus-per-client", "2"]
+    return [*tool, *overrides, f"output_dir={folder}"]
+
+
+def run_tool(
+    folder: Path, overrides: list[str], env: dict, timeout: float = 400
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def fl_env(tmp_path_factory):
+    """The runs' environment: one feature cache for this module, never ~/.cache (conftest's autouse
+    cache fixture is function-scoped, too late for the module-scoped reference run)."""
+    return {**os.environ, "COOP_CACHE_DIR": str(tmp_path_factory.mktemp("fl-cache"))}
+
+
+def history(folder: Path) -> list[dict]:
+    path = folder / "history.csv"
+    return list(csv.DictReader(path.open())) if path.is_file() else []
+
+
+def ckpt_round(folder: Path) -> int:
+    return int(torch.load(folder / "checkpoint.pt", weights_only=True)["round"])
+
+
+@pytest.fixture(scope="module")
+def promptfl_data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("fl-images"), n_train=6, n_test=4)
+
+
+@pytest.fixture(scope="module")
+def reference(promptfl_data, fl_env, tmp_path_factory):
+    """An uninterrupted PromptFL simulation: 3 clients, 3 rounds, csc, deep prompts, 2 views."""
+    folder = tmp_path_factory.mktemp("fl-reference") / "run"
+    overrides = [*PROMPTFL, f"data.root={promptfl_data}"]
+    proc = run_tool(folder, overrides, fl_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder, overrides
+
+
+# ---------------------------------------------------------------- simulations
+
+
+def test_promptfl_run_folder(reference, fl_env):
+    folder, overrides = reference
+    for name in ("config.yaml", "log.txt", "history.csv", "checkpoint.pt", "metrics.json", "partition.json"):
+        assert (folder / name).is_file(), name
+    rows = history(folder)
+    assert [int(r["round"]) for r in rows] == list(range(1, ROUNDS + 1))
+    ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
+    payload = sum(t.numel() * t.element_size() for t in ckpt["prompt"].values())
+    assert set(ckpt["prompt"]) == {"ctx", "deep_ctx"}  # only the prompt travels and is stored
+    for r in rows:
+        assert r["clients"] == r["sampled"] == "3" and r["failed"] == ""
+        assert int(r["bytes_down"]) == int(r["bytes_up"]) == 3 * payload
+        assert int(r["bytes_sent"]) == 6 * payload
+        assert 0 <= float(r["accuracy"]) <= 100 and float(r["train_loss"]) > 0
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics["accuracy"] == pytest.approx(float(rows[-1]["accuracy"]), abs=1e-3)
+    assert metrics["method"] == "promptfl" and metrics["rounds"] == ROUNDS and metrics["depth"] == 2
+    assert metrics["client_failures"] == [] and len(metrics["per_class_accuracy"]) == 3
+    part = json.loads((folder / "partition.json").read_text())
+    assert part["scheme"] == "iid" and sorted(i for c in part["clients"] for i in c) == list(range(18))
+    log = (folder / "log.txt").read_text()
+    assert "round 3/3: accuracy" in log
+
+    # a finished run is not repeated: no Ray start, same metrics, checkpoint untouched
+    mtime = (folder / "checkpoint.pt").stat().st_mtime_ns
+    again = run_tool(folder, overrides, fl_env, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["accuracy"] == metrics["accuracy"]
+    assert (folder / "checkpoint.pt").stat().st_mtime_ns == mtime
+    assert "finished; not training again" in again.stderr
+
+
+def test_promptfl_equals_direct_computation(reference, fl_env, monkeypatch):
+    """Each round = every client's local CoOp training outside Flower, then the weighted mean."""
+    from omegaconf import OmegaConf
+
+    from coop.model import load_clip
+
+    monkeypatch.setenv("COOP_CACHE_DIR", fl_env["COOP_CACHE_DIR"])  # the clients' features
+    folder, _ = reference
+    cfg = OmegaConf.load(folder / "config.yaml")
+    clients = json.loads((folder / "partition.json").read_text())["clients"]
+    clip = load_clip(cfg.model.name, pretrained="none")
+    ds = task.load_data(cfg)
+    global_ = {
+        k: v.detach().clone() for k, v in task.build_method(clip, ds.classnames, cfg).learnable().items()
+    }
+    bs, epochs = int(cfg.train.batch_size), int(cfg.fl.local_epochs)
+    for rnd in range(1, ROUNDS + 1):
+        lr = task.round_lr(rnd, ROUNDS, float(cfg.train.lr))
+        results = []
+        for client, idx in enumerate(clients):
+            feats, labels = task.features(cfg, clip, [ds.train[i] for i in idx], "cpu", train=True, what="x")
+            local = task.build_method(clip, ds.classnames, cfg)
+            local.load_learnable(global_, ds.classnames)
+            params = local.learnable()
+            opt = torch.optim.SGD(params.values(), lr=lr, momentum=0.9, weight_decay=5e-4)
+            gen = torch.Generator().manual_seed(task.local_seed(int(cfg.data.seed), rnd, client))
+            n = len(idx)
+            for _ in range(epochs):
+                order, view = (
+                    torch.randperm(n, generator=gen),
+                    torch.randint(feats.shape[0], (n,), generator=gen),
+                )
+                for b in range(max(1, n // bs)):
+                    i = order[b * bs : (b + 1) * bs]
+                    loss, _ = local.loss(feats[view[i], i], labels[i])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+            results.append(({k: v.detach().clone() for k, v in params.items()}, n))
+        total = sum(n for _, n in results)
+        global_ = {k: sum(t[k].double() * n / total for t, n in results).float() for k in global_}
+    final = torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
+    for key, tensor in global_.items():
+        torch.testing.assert_close(final[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+def _start(folder: Path, overrides: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        command(folder, overrides),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # SIGKILL the whole group: the server and its Ray processes
+    )
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before it could be killed"
+        assert time.monotonic() < deadline, "timed out waiting to kill the run"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_resume_after_sigkill_at_round_boundary_and_mid_round(reference, fl_env, tmp_path):
+    ref_folder, overrides = reference
+    folder = tmp_path / "run"
+    # 1. killed as soon as round 1 is checkpointed (the boundary between rounds 1 and 2)
+    _kill_when(_start(folder, overrides, fl_env), lambda: len(history(folder)) >= 1)
+    assert ckpt_round(folder) == 1
+    # 2. resumed, then killed while the clients of round 2 train
+    log = folder / "log.txt"
+    before = log.read_text().count("round 2/3: training")
+    _kill_when(
+        _start(folder, overrides, fl_env), lambda: log.read_text().count("round 2/3: training") > before
+    )
+    assert ckpt_round(folder) == 1, "the kill was meant to land inside round 2"
+    # 3. resumed to the end: the same prompts, history and accuracy as the uninterrupted run
+    proc = run_tool(folder, overrides, fl_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = torch.load(folder / "checkpoint.pt", weights_only=True)
+    ref = torch.load(ref_folder / "checkpoint.pt", weights_only=True)
+    assert ours["round"] == ROUNDS and ours["finished"]
+    for key in ref["prompt"]:
+        assert torch.equal(ours["prompt"][key], ref["prompt"][key]), key
+    assert [r["accuracy"] for r in history(folder)] == [r["accuracy"] for r in history(ref_folder)]
+    a, b = (json.loads((f / "metrics.json").read_text()) for f in (folder, ref_folder))
+    assert a["accuracy"] == b["accuracy"] and a["per_class_accuracy"] == b["per_class_accuracy"]
+    assert "resuming" in log.read_text()
+
+
+def test_latent_domains_on_multidomain_data_with_a_failing_client(fl_env, tmp_path):
+    """Leave-one-domain-out on three generated styles, domains mixed across clients by a Dirichlet
+    partition; one client holds an unreadable image, fails every round and is left out of it."""
+    from omegaconf import OmegaConf
+    from test_federated_parts import make_multidomain
+
+    bad_file = os.path.join("photo", "red_thing", "3.png")
+    root = make_multidomain(tmp_path / "styles", corrupt=bad_file)
+    folder = tmp_path / "run"
+    overrides = [
+        *BASE,
+        "data.name=multidomain",
+        f"data.root={root}",
+        "data.target_domain=sketch",
+        "fl.method=latent_domains",
+        "fl.domains=2",  # neither the number of clients nor of source domains
+        "fl.partition=dirichlet",
+        "fl.rounds=2",
+        "prompt.position=middle",
+        "prompt.depth=2",
+    ]
+    proc = run_tool(folder, overrides, fl_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    ds = task.load_data(OmegaConf.load(folder / "config.yaml"))
+    bad = next(i for i, d in enumerate(ds.train) if d.path.endswith(bad_file))
+    part = json.loads((folder / "partition.json").read_text())
+    culprit = next(c for c, idx in enumerate(part["clients"]) if bad in idx)
+    assert all(set(counts) <= {"photo", "stripes"} for counts in part["domain_counts"])
+
+    rows = history(folder)
+    assert [(r["failed"], r["clients"], r["sampled"]) for r in rows] == [(str(culprit), "2", "3")] * 2
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert [(f["round"], f["client"]) for f in metrics["client_failures"]] == [(1, culprit), (2, culprit)]
+    assert all("3.png" in f["error"] and f["error"].startswith(f"client {culprit}: DataError") for f in
+               metrics["client_failures"])  # fmt: skip
+    assert f"round 1: client {culprit} failed" in (folder / "log.txt").read_text()
+
+    assert metrics["method"] == "latent_domains" and metrics["target_domain"] == "sketch"
+    assert metrics["per_domain_accuracy"] == {"sketch": pytest.approx(metrics["accuracy"], abs=1e-3)}
+    assert metrics["n_test"] == 18 and len(metrics["domain_usage"]) == 2 and sum(metrics["domain_usage"]) > 0
+    prompt = torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
+    assert {"global.deep_ctx", "domain0.deep_ctx", "domain1.deep_ctx", "query"} <= set(prompt)

@@ -1,0 +1,259 @@
+"""Federated parts without a simulation: partitions, sampling, aggregation, latent-domain prompts,
+the multi-domain reader and bad input. Also `make_multidomain`, the generated multi-domain folder
+(the same classes drawn in three visual styles) that the simulation tests use."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from coop.data import DataError
+from coop.data.multidomain import build_multidomain, domain_of, read_multidomain
+
+STYLES = ("photo", "sketch", "stripes")
+COLOURS = {"red_thing": (200, 40, 40), "green_thing": (40, 200, 40), "blue_thing": (40, 40, 200)}
+
+
+def make_multidomain(root: Path, n: int = 6, corrupt: str | None = None) -> Path:
+    """root/<style>/<class>/<i>.png: a colour per class, drawn as a plain patch (photo), an outline
+    on white (sketch) or stripes on grey (stripes). `corrupt`: a relative path to write as garbage."""
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+    for style in STYLES:
+        for name, colour in COLOURS.items():
+            folder = root / style / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                c = torch.tensor(colour).view(1, 1, 3).expand(32, 32, 3).clone()
+                if style == "sketch":
+                    c[4:-4, 4:-4] = 235
+                elif style == "stripes":
+                    c[::4] = 90
+                    c[1::4] = 90
+                noise = torch.randint(-20, 20, (32, 32, 3), generator=gen)
+                pixels = (c + noise).clamp(0, 255).to(torch.uint8)
+                Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
+    if corrupt:
+        (root / corrupt).write_bytes(b"not an image")
+    return root
+
+
+@pytest.fixture(scope="module")
+def multidomain(tmp_path_factory):
+    return make_multidomain(tmp_path_factory.mktemp("multidomain"))
+
+
+# ---------------------------------------------------------------- multi-domain data
+
+
+def test_multidomain_reader(multidomain):
+    src = read_multidomain(multidomain)
+    assert src.classnames == sorted(COLOURS)
+    per_domain = {s: [d for d in src.train if domain_of(d, src.image_dir) == s] for s in STYLES}
+    assert all(len(v) == 3 * 5 for v in per_domain.values())  # 6 per class: 0 val, 1 test, 5 train
+    assert len(src.test) == 9 and not src.val
+
+    held = read_multidomain(multidomain, target_domain="sketch")
+    assert {domain_of(d, held.image_dir) for d in held.test} == {"sketch"} and len(held.test) == 18
+    assert {domain_of(d, held.image_dir) for d in held.train} == {"photo", "stripes"}
+    assert len(held.train) == 36  # the source domains' train and test parts
+    assert not {d.path for d in held.train} & {d.path for d in held.test}
+
+    few = build_multidomain(multidomain, "sketch", shots=2, seed=1)
+    assert len(few.train) == 6 and (multidomain / ".heldout-sketch" / "split_fewshot").is_dir()
+    assert read_multidomain(multidomain).classnames == src.classnames  # caches are not domains
+
+    with pytest.raises(DataError, match="target_domain='clipart' is not a domain"):
+        read_multidomain(multidomain, target_domain="clipart")
+
+
+# ---------------------------------------------------------------- partitions and sampling
+
+
+def test_partitions_are_flower_datasets_partitions_deterministic_in_the_seed():
+    from coop.federated.partition import PartitionError, partition
+
+    rng = random.Random(0)
+    labels = [rng.randrange(5) for _ in range(300)]
+    domains = [rng.choice(STYLES) for _ in range(300)]
+    for scheme, kw in [
+        ("iid", {}),
+        ("dirichlet", {"alpha": 0.1}),
+        ("pathological", {"classes_per_client": 2}),
+    ]:
+        first = partition(labels, domains, scheme=scheme, clients=4, seed=1, **kw)
+        assert first.clients == partition(labels, domains, scheme=scheme, clients=4, seed=1, **kw).clients
+        assert first.clients != partition(labels, domains, scheme=scheme, clients=4, seed=2, **kw).clients
+        assert all(first.clients) and len(set().union(*map(set, first.clients))) == sum(first.sizes())
+        if scheme != "pathological":  # which classes pathological clients draw may leave one out
+            assert sum(first.sizes()) == 300
+    iid = partition(labels, None, scheme="iid", clients=4, seed=1)
+    assert iid.sizes() == [75] * 4
+    patho = partition(labels, None, scheme="pathological", clients=4, seed=1, classes_per_client=2)
+    assert all(len({labels[i] for i in c}) <= 2 for c in patho.clients)
+    skewed = partition(labels, None, scheme="dirichlet", clients=4, seed=1, alpha=0.1)
+    assert max(len({labels[i] for i in c}) for c in skewed.clients) < 5 or max(skewed.sizes()) > 100
+
+    by_domain = partition(labels, domains, scheme="domain", clients=3, seed=1)
+    assert [{domains[i] for i in c} for c in by_domain.clients] == [{s} for s in sorted(STYLES)]
+    assert by_domain.to_json()["client_domains"] == sorted(STYLES)
+    with pytest.raises(PartitionError, match="set fl.clients=3"):
+        partition(labels, domains, scheme="domain", clients=4, seed=1)
+    with pytest.raises(PartitionError, match="more than the 300 training images"):
+        partition(labels, None, scheme="iid", clients=301, seed=1)
+
+
+def test_client_sampling_is_seeded_by_seed_and_round():
+    from coop.federated.strategy import sample_clients
+
+    assert sample_clients(1, 5, 10, 1.0) == list(range(10))
+    picks = [sample_clients(1, r, 10, 0.3) for r in range(1, 6)]
+    assert all(len(p) == 3 and p == sorted(p) for p in picks)
+    assert picks == [sample_clients(1, r, 10, 0.3) for r in range(1, 6)]
+    assert len({tuple(p) for p in picks}) > 1  # rounds differ
+    assert len(sample_clients(1, 1, 3, 0.1)) == 1  # at least one client
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def test_aggregation_rules():
+    from coop.federated.strategy import aggregate
+
+    current = {"ctx": torch.zeros(2), "domain0.ctx": torch.ones(2), "domain1.ctx": torch.full((2,), 5.0)}
+    replies = [
+        {"tensors": {"ctx": torch.full((2,), 1.0), "domain0.ctx": torch.full((2,), 3.0)}, "num_examples": 1,
+         "usage": [4, 0]},
+        {"tensors": {"ctx": torch.full((2,), 4.0), "domain0.ctx": torch.full((2,), 9.0)}, "num_examples": 3,
+         "usage": [2, 0]},
+    ]  # fmt: skip
+    fedavg = aggregate(current, replies, "fedavg", beta=0.5)
+    assert torch.allclose(fedavg["ctx"], torch.full((2,), (1 * 1 + 3 * 4) / 4))
+    # D_0 <- beta * D_0 + (1 - beta) * (mean weighted by routed samples); D_1 unused: unchanged
+    assert torch.allclose(fedavg["domain0.ctx"], torch.full((2,), 0.5 * 1 + 0.5 * (4 * 3 + 2 * 9) / 6))
+    assert torch.equal(fedavg["domain1.ctx"], current["domain1.ctx"])
+    uniform = aggregate(current, replies, "uniform", beta=0.0)
+    assert torch.allclose(uniform["ctx"], torch.full((2,), 2.5))
+    assert torch.allclose(uniform["domain0.ctx"], torch.full((2,), 6.0))
+    assert torch.equal(aggregate(current, replies, "fedprox", beta=0.5)["ctx"], fedavg["ctx"])
+
+
+def test_fedprox_term_pulls_towards_the_global_prompt(tiny_clip):
+    from coop.federated.client import local_train
+    from coop.methods import CoOp
+
+    cfg = OmegaConf.create(
+        {"prompt": {"n_ctx": 2, "ctx_init": None, "position": "end", "csc": False, "depth": 1}}
+    )
+    feats, labels = torch.randn(1, 8, tiny_clip.embed_dim), torch.tensor([0, 1] * 4)
+    moved = {}
+    for mu in (0.0, 5.0):
+        torch.manual_seed(0)
+        method = CoOp(tiny_clip, ["red thing", "blue thing"], cfg)
+        anchor = {k: v.detach().clone() for k, v in method.learnable().items()}
+        kw = {"epochs": 3, "batch_size": 4, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "seed": 1}
+        stats = local_train(method, feats, labels, mu=mu, anchor=anchor, **kw)
+        assert stats["num_examples"] == 8 and stats["loss"] > 0
+        moved[mu] = (method.learnable()["ctx"] - anchor["ctx"]).norm()
+    assert moved[5.0] < 0.8 * moved[0.0]
+
+
+# ---------------------------------------------------------------- latent domains
+
+
+def ld_cfg(position="end", depth=2, k=3, w=0.5):
+    return OmegaConf.create(
+        {
+            "prompt": {"n_ctx": 2, "ctx_init": None, "position": position, "csc": False, "depth": depth},
+            "fl": {"domains": k, "ensemble_weight": w},
+        }
+    )
+
+
+@pytest.mark.parametrize("position", ["end", "middle"])
+def test_latent_domains_rules(tiny_clip, position):
+    import torch.nn.functional as F
+
+    from coop.federated.latent_domains import LatentDomains, domain_of_key
+
+    torch.manual_seed(0)
+    method = LatentDomains(tiny_clip, ["red thing", "green thing", "blue thing"], ld_cfg(position))
+    keys = set(method.learnable())
+    assert keys == {"global.ctx", "global.deep_ctx", "query"} | {f"domain{k}.{n}" for k in range(3) for n in
+                                                                   ("ctx", "deep_ctx")}  # fmt: skip
+    assert [domain_of_key(k) for k in ("global.ctx", "query", "domain2.deep_ctx")] == [None, None, 2]
+    with torch.no_grad():  # distinct queries so that samples route differently
+        method.query.copy_(torch.randn(3, tiny_clip.embed_dim))
+    feats, labels = torch.randn(6, tiny_clip.embed_dim), torch.tensor([0, 1, 2, 0, 1, 2])
+
+    # inference: w * logits_G + (1 - w) * sum_k softmax(scores)_k * logits_D_k
+    text_g, text_d = method.prepare()
+    scale = tiny_clip.logit_scale.exp()
+    img = F.normalize(feats, dim=-1)
+    scores = scale * img @ F.normalize(method.query, dim=-1).T
+    expected = 0.5 * scale * img @ F.normalize(text_g, dim=-1).T + 0.5 * sum(
+        scores.softmax(-1)[:, k : k + 1] * scale * img @ F.normalize(text_d[k], dim=-1).T for k in range(3)
+    )
+    torch.testing.assert_close(method.logits(feats, (text_g, text_d)), expected, rtol=1e-5, atol=1e-5)
+
+    # training: only the routed domain prompts and the query learn from a sample
+    method.train()
+    method.reset_usage()
+    routed = scores.argmax(-1)
+    loss, logits = method.loss(feats, labels)
+    loss.backward()
+    assert logits.shape == (6, 3) and int(method.usage.sum()) == 6
+    assert method.usage.tolist() == torch.bincount(routed, minlength=3).tolist()
+    for k in range(3):
+        grad = method.learnable()[f"domain{k}.ctx"].grad
+        used = bool((routed == k).any())
+        assert (grad is not None and grad.abs().sum() > 0) == used, k
+    assert method.query.grad.abs().sum() > 0 and method.learnable()["global.deep_ctx"].grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fl.partition=domain"], "fl.partition=domain needs data.name=multidomain"),
+        (["data.target_domain=sketch"], "data.target_domain needs data.name=multidomain"),
+        (["fl.clients=0"], "fl.clients must be an integer >= 1"),
+        (["fl.fraction=0"], "fl.fraction must be a number in (0, 1]"),
+        (["train.aug_views=0"], "federated clients train on cached features"),
+    ],
+)
+def test_bad_config_is_one_line(args, message):
+    from coop.config import ConfigError, load_config
+    from coop.federated.task import check_config
+
+    with pytest.raises(ConfigError, match=None) as e:
+        check_config(load_config(None, ["data.name=imagefolder", "train.aug_views=1", *args]))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path):
+    from conftest import REPO, TINY_CONFIG
+
+    cmd = [sys.executable, str(REPO / "tools" / "federated.py"), f"model.name={TINY_CONFIG}", "model.pretrained=none",
+           "data.name=imagefolder", f"data.root={image_folder}", "data.shots=0", f"output_dir={tmp_path}/run",
+           "fl.clients=100", "fl.aggregation=median"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ.copy(), timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: fl.aggregation='median' is not one of fedavg, uniform, fedprox"
+    ]
+    proc = subprocess.run(
+        cmd[:-1], capture_output=True, text=True, cwd=REPO, env=os.environ.copy(), timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: fl.clients=100 is more than the 18 training images"
+    assert not (tmp_path / "run").exists()
