@@ -27,9 +27,6 @@ from _cli import run_cli, setup_logging  # noqa: E402
 
 from coop.config import ConfigError, load_config  # noqa: E402
 
-# Federated runs train on cached image features: one view per image unless the config says more.
-FEDERATED_BASE = {"train": {"aug_views": 1}}
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,8 +41,6 @@ def main() -> int:
     setup_logging(args.verbose)
     if args.cpus_per_client <= 0 or args.clients_per_gpu < 1:
         raise ConfigError("--cpus-per-client must be > 0 and --clients-per-gpu >= 1")
-    cfg = load_config(args.config, args.overrides, base=FEDERATED_BASE)
-
     try:
         from coop.federated import task
         from coop.federated.app import simulate
@@ -53,6 +48,8 @@ def main() -> int:
         from coop.federated.server import FederatedError, finished_metrics
     except ImportError as e:
         raise ConfigError(f"federated runs need Flower: pip install 'coop[federated]' ({e})") from None
+
+    cfg = load_config(args.config, args.overrides, base=task.FEDERATED_BASE)
 
     try:
         task.check_config(cfg)

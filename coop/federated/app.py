@@ -38,7 +38,7 @@ client_app.train()(handle_train)
 def deployment_config(run_config: dict) -> DictConfig:
     """The run config of a deployed ServerApp: `config` file and `overrides` from Flower's run config."""
     path = str(run_config.get("config", "") or "") or None
-    cfg = load_config(path, shlex.split(str(run_config.get("overrides", ""))))
+    cfg = load_config(path, shlex.split(str(run_config.get("overrides", ""))), base=task.FEDERATED_BASE)
     task.check_config(cfg)
     if cfg.output_dir is None:
         cfg.output_dir = f"output/{task.fl_run_name(cfg)}"
@@ -50,6 +50,7 @@ server_app = ServerApp()
 
 @server_app.main()
 def _deployed_main(grid: Grid, context: Context) -> None:
+    logging.getLogger("coop").setLevel(logging.INFO)  # progress lines to log.txt, as tools/federated.py
     run_server(grid, deployment_config(context.run_config))
 
 

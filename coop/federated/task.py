@@ -30,6 +30,9 @@ from coop.model import CLIP
 log = logging.getLogger(__name__)
 
 FL_METHODS: dict[str, type[Method]] = {"promptfl": CoOp, "latent_domains": LatentDomains}
+# Defaults of federated runs that differ from tools/train.py's (a `base` for `load_config`):
+# clients train on cached features, one view per image unless the config asks for more.
+FEDERATED_BASE = {"train": {"aug_views": 1}}
 
 
 def check_config(cfg: DictConfig) -> None:
