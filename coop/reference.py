@@ -1,8 +1,9 @@
-"""The reference CoOp text computation: full 77 tokens through OpenCLIP's own text modules.
+"""Reference CoOp and CoCoOp computations: full 77 tokens through OpenCLIP's own text modules.
 
-This is what the original CoOp code computes (prompt pieces glued with `torch.cat`, every class
-padded to the context length, CLIP's Transformer run on all of it). It is slow on purpose and
-serves as ground truth for the tests and as the baseline of `tools/bench_text.py`.
+This is what the original code computes (prompt pieces glued with `torch.cat`, every class padded
+to the context length, CLIP's Transformer run on all of it; CoCoOp once per image, in a loop). It
+is slow on purpose and serves as ground truth for the tests and as the baseline of
+`tools/bench_text.py` and `tools/bench_cocoop.py`.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def reference_inputs(openclip_model: nn.Module, learner: PromptLearner) -> tuple
     return ids, name_lens, is_ctx.squeeze(-1).bool()
 
 
-def coop_text_features(openclip_model: nn.Module, learner: PromptLearner, inputs=None) -> torch.Tensor:
+def coop_text_features(
+    openclip_model: nn.Module, learner: PromptLearner, inputs=None, ctx: torch.Tensor | None = None
+) -> torch.Tensor:
     """Text features (n_cls, E) of `learner`'s prompts, computed the CoOp way on the OpenCLIP model.
 
     Deep prompts replace the hidden states at the context slots before blocks 1..J-1; the slots are
@@ -69,13 +72,15 @@ def coop_text_features(openclip_model: nn.Module, learner: PromptLearner, inputs
 
     Args:
         inputs: `reference_inputs(openclip_model, learner)`, computed here when None.
+        ctx: context vectors to use instead of `learner.ctx`, same shape (CoCoOp's shifted ones).
     """
     oc = openclip_model
     ids, name_lens, slots = inputs if inputs is not None else reference_inputs(oc, learner)
     n_cls = len(learner.classnames)
     width = oc.token_embedding.weight.shape[1]
     embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
-    ctx = learner.ctx if learner.csc else learner.ctx.unsqueeze(0).expand(n_cls, -1, -1)
+    ctx = learner.ctx if ctx is None else ctx
+    ctx = ctx if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
     x = x + oc.positional_embedding
 
@@ -89,3 +94,37 @@ def coop_text_features(openclip_model: nn.Module, learner: PromptLearner, inputs
     pooled = x[torch.arange(n_cls, device=x.device), ids.argmax(dim=-1)]  # (n_cls, W)
     proj = oc.text_projection
     return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+
+
+def cocoop_logits(
+    openclip_model: nn.Module,
+    learner: PromptLearner,
+    meta_net: nn.Module,
+    image_features: torch.Tensor,
+    inputs=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CoCoOp's forward as its original code runs it: one full-77 text pass per image.
+
+    The meta-net maps the L2-normalised image feature to a shift of every context vector,
+    ctx_b = ctx + meta_net(img_b); image b is scored against the class features of its own prompts.
+
+    Args:
+        learner: the prompt layout and `ctx` (deep prompts, if any, are not shifted).
+        meta_net: (B, E) -> (B, W).
+        image_features: (B, E) image-tower outputs, unnormalised.
+        inputs: `reference_inputs(openclip_model, learner)`, computed here when None.
+    Returns:
+        logits (B, n_cls) and unnormalised text features (B, n_cls, E).
+    """
+    inputs = inputs if inputs is not None else reference_inputs(openclip_model, learner)
+    image_features = image_features / image_features.norm(dim=-1, keepdim=True)
+    bias = meta_net(image_features)  # (B, W)
+    shape = (len(bias),) + (1,) * (learner.ctx.dim() - 1) + (bias.shape[-1],)
+    ctx_shifted = learner.ctx.unsqueeze(0) + bias.view(shape)  # (B, M, W) or (B, n_cls, M, W)
+    logit_scale = openclip_model.logit_scale.exp()
+    logits, texts = [], []
+    for ctx_i, imf_i in zip(ctx_shifted, image_features, strict=True):
+        text = coop_text_features(openclip_model, learner, inputs, ctx=ctx_i)  # (n_cls, E)
+        texts.append(text)
+        logits.append(logit_scale * imf_i @ (text / text.norm(dim=-1, keepdim=True)).t())
+    return torch.stack(logits), torch.stack(texts)

@@ -96,20 +96,30 @@ class CausalSelfAttention(nn.Module):
         return self.merge(weights @ v), weights  # (N, H, L, Dh) -> (N, L, W)
 
     def forward_after_prefix(self, x: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor):
-        """Attention of rows that all follow one shared prefix whose keys/values are given.
+        """Attention of rows that follow a prefix whose keys/values are given.
 
         Args:
-            x: (N, S, W) normalised hidden states at positions P..P+S-1.
-            k_prefix, v_prefix: (1, H, P, Dh) keys and values of the prefix positions 0..P-1.
+            x: (N, S, W) normalised hidden states at positions P..P+S-1; with G prefixes the rows
+                come in G equal groups, group g following prefix g.
+            k_prefix, v_prefix: (G, H, P, Dh) keys and values of the prefix positions 0..P-1
+                (G = 1: one prefix shared by all rows).
         """
         n, length, _ = x.shape
+        g, heads, prefix, dh = k_prefix.shape
         q, k, v = self.qkv(x)  # (N, H, S, Dh)
-        prefix = k_prefix.shape[2]
-        k = torch.cat([k_prefix.expand(n, -1, -1, -1), k], dim=2)  # (N, H, P+S, Dh)
-        v = torch.cat([v_prefix.expand(n, -1, -1, -1), v], dim=2)
+        # (G, N/G, H, P+S, Dh) -> (N, H, P+S, Dh): each row's own prefix, then its own tokens
+        k = torch.cat(
+            [k_prefix.unsqueeze(1).expand(-1, n // g, -1, -1, -1), k.view(g, n // g, heads, length, dh)], 3
+        )
+        v = torch.cat(
+            [v_prefix.unsqueeze(1).expand(-1, n // g, -1, -1, -1), v.view(g, n // g, heads, length, dh)], 3
+        )
         mask = torch.ones(length, prefix + length, dtype=torch.bool, device=x.device)
         mask[:, prefix:] = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # causal
-        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        y = F.scaled_dot_product_attention(
+            q, k.view(n, heads, -1, dh), v.view(n, heads, -1, dh), attn_mask=mask
+        )
+        return self.merge(y)
 
 
 class MLP(nn.Module):
@@ -233,37 +243,92 @@ class TextTransformer(nn.Module):
             deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots.
             slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
         """
-        start, width = prefix.shape[1], prefix.shape[-1]
+        kv = self.prefix_keys_values(prefix, deep_prompts, slots)
+        return self.encode_after_prefixes(kv, x.unsqueeze(0), eos, deep_prompts, slots)[0]
+
+    def prefix_keys_values(
+        self,
+        prefix: torch.Tensor,
+        deep_prompts: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values of G prefixes at every block, for `encode_after_prefixes`.
+
+        Args:
+            prefix: (G, P, W) token embeddings of positions 0..P-1, one prefix per group (CoCoOp:
+                one `[SOS][ctx_b]` per image).
+            deep_prompts: optional (J-1, 1, M, W) deep tokens, the same for every group.
+            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
+        Returns:
+            Per block, the prefix's (keys, values), each (G, H, P, Dh).
+        """
+        start = prefix.shape[1]
         n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
         in_prefix = int((slots[0] < start).sum()) if n_deep else 0  # h slots sit in the prefix
-        p = prefix + self.positional_embedding[:start]  # (1, P, W)
-        kv = []  # per block: the prefix's keys and values, (1, H, P, Dh) each
+        p = prefix + self.positional_embedding[:start]  # (G, P, W)
+        kv = []
         for i, block in enumerate(self.blocks):
             if 1 <= i <= n_deep and in_prefix:
-                deep = deep_prompts[i - 1, :, :in_prefix].to(p.dtype)  # (1, h, W)
+                deep = deep_prompts[i - 1, :, :in_prefix].to(p.dtype).expand(len(p), -1, -1)  # (G, h, W)
                 p = torch.cat([p[:, :1], deep, p[:, 1 + in_prefix :]], dim=1)
-            q, k, v = block.attn.qkv(block.ln_1(p))
+            q, k, v = block.attn.qkv(block.ln_1(p))  # (G, H, P, Dh) each
             kv.append((k, v))
             if i + 1 < len(self.blocks):  # the last block's prefix output is never read
                 p = p + block.attn.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
                 p = p + block.mlp(block.ln_2(p))
+        return kv
+
+    def encode_after_prefixes(
+        self,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        x: torch.Tensor,
+        eos: torch.Tensor,
+        deep_prompts: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Encode N rows after each of G prefixes (`prefix_keys_values`), bucketed by length.
+
+        Row n of group g attends to prefix g and then to its own tokens, so G x N prompts run
+        while every prefix is computed once.
+
+        Args:
+            kv: per block, (G, H, P, Dh) keys and values of the prefixes.
+            x: (G or 1, N, L, W) token embeddings of positions P.. (1: the same for every group),
+                with L > max(eos) - P.
+            eos: (N,) absolute index of each row's [EOS] (>= P).
+            deep_prompts: optional (J-1, 1 or N, M, W) deep tokens, shared by all rows or one set
+                per row (then none may sit in the prefix); the same in every group.
+            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
+        Returns:
+            (G, N, E) projected [EOS] features.
+        """
+        g, start = kv[0][0].shape[0], kv[0][0].shape[2]
+        width = x.shape[-1]
+        n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
+        in_prefix = int((slots[0] < start).sum()) if n_deep else 0
+        deep_after = n_deep and in_prefix < slots.shape[1]  # deep slots in the rows' own tokens
         lengths = eos + 1 - start
         feats, order = [], []
         for length in torch.unique(lengths).tolist():
             rows = (lengths == length).nonzero().squeeze(1)
             n = len(rows)
-            h = x[rows, :length] + self.positional_embedding[start : start + length]  # (n, S, W)
-            if n_deep and in_prefix < slots.shape[1]:
-                index = (slots[rows, in_prefix:] - start).unsqueeze(-1).expand(-1, -1, width)  # (n, M-h, W)
+            h = x[:, rows, :length] + self.positional_embedding[start : start + length]  # (G|1, n, S, W)
+            h = h.expand(g, -1, -1, -1).reshape(g * n, length, width)  # (G n, S, W), group-major
+            if deep_after:
+                index = (slots[rows, in_prefix:] - start).repeat(g, 1)  # (G n, M-h)
+                index = index.unsqueeze(-1).expand(-1, -1, width)  # (G n, M-h, W)
+                shared = deep_prompts.shape[1] == 1
+                deep_rows = deep_prompts[:, :, in_prefix:] if shared else deep_prompts[:, rows, in_prefix:]
             for i, (block, (k, v)) in enumerate(zip(self.blocks, kv, strict=True)):
-                if 1 <= i <= n_deep and in_prefix < slots.shape[1]:
-                    deep = deep_prompts[i - 1, :, in_prefix:].to(h.dtype).expand(n, -1, -1)  # (n, M-h, W)
+                if 1 <= i <= n_deep and deep_after:
+                    deep = deep_rows[i - 1].to(h.dtype)  # (1 or n, M-h, W)
+                    deep = deep.expand(g * n, -1, -1) if shared else deep.repeat(g, 1, 1)  # (G n, M-h, W)
                     h = h.scatter(1, index, deep)
                 h = h + block.attn.forward_after_prefix(block.ln_1(h), k, v)
                 h = h + block.mlp(block.ln_2(h))
-            feats.append(self._project(h, eos[rows] - start))
+            feats.append(self._project(h, (eos[rows] - start).repeat(g)).view(g, n, -1))  # (G, n, E)
             order.append(rows)
-        return torch.cat(feats)[torch.cat(order).argsort()]  # back to row order
+        return torch.cat(feats, dim=1)[:, torch.cat(order).argsort()]  # back to row order
 
     def encode_with_attention(
         self,
