@@ -4,6 +4,9 @@
 
 Unknown keys are errors that name the key, and invalid values are errors that name the key and
 the value. `train.epochs: null` applies CoOp's epoch-by-shots rule (`epochs_for_shots`).
+
+Each method starts from its own paper's recipe where it differs from CoOp's (`METHOD_DEFAULTS`):
+those values replace the defaults for every key that no file, override or saved config sets.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-METHODS = ("coop", "zeroshot", "linear_probe")  # see coop.methods
+METHODS = ("coop", "cocoop", "kgcoop", "zeroshot", "linear_probe")  # see coop.methods
 
 DEFAULTS = {
     "method": "coop",
@@ -46,6 +49,8 @@ DEFAULTS = {
         "grad_checkpointing": False,
     },
     "zeroshot": {"templates": "coop"},
+    "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per block; see coop.methods.cocoop
+    "kgcoop": {"weight": 8.0, "templates": "coop"},
     "eval": {"targets": []},
     "fl": {
         "method": "promptfl",
@@ -66,6 +71,16 @@ DEFAULTS = {
     "output_dir": None,
     "device": "auto",
 }
+
+# The recipes of the original code, applied where no layer sets the key:
+# CoCoOp's vit_b16_c4_ep10_batch1_ctxv1 and KgCoOp's vit_b16_ep100_ctxv1 (both SGD lr 0.002 with
+# CoOp's schedule, as in DEFAULTS). A default context phrase fixes M, so it yields to an explicit
+# prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M random vectors).
+METHOD_DEFAULTS = {
+    "cocoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 10, "train.batch_size": 1},
+    "kgcoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 100, "train.batch_size": 128},
+}
+YIELDS_TO = {"prompt.ctx_init": "prompt.n_ctx"}  # a method default not applied when that key is set
 
 CHOICES = {
     "method": METHODS,
@@ -91,6 +106,7 @@ RESULT_FREE_KEYS = frozenset(
         "train.cache_features",
         "train.grad_checkpointing",  # recomputes activations: the same gradients, less memory
         "eval.targets",  # adds eval_<dataset>.json files; a finished run evaluates new ones
+        "cocoop.chunk_prompts",  # how many prompts run at once: the same results, other memory
     }
 )
 
@@ -113,7 +129,9 @@ def epochs_for_shots(shots: int, dataset: str) -> int:
 def load_config(
     path: str | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None
 ) -> DictConfig:
-    """Defaults <- `base` <- YAML file <- `key=value` overrides; validated and resolved.
+    """Defaults <- method defaults <- `base` <- YAML file <- `key=value` overrides; validated.
+
+    The method defaults (`METHOD_DEFAULTS[method]`) fill only keys that no later layer sets.
 
     Args:
         path: optional YAML file whose keys are a subset of `DEFAULTS`.
@@ -139,6 +157,8 @@ def load_config(
             layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))
         except OmegaConfBaseException as e:
             raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    for key, value in method_defaults(layers).items():
+        OmegaConf.update(cfg, key, value)
     for where, layer in layers:
         try:
             cfg = OmegaConf.merge(cfg, layer)
@@ -147,6 +167,19 @@ def load_config(
             raise ConfigError(f"unknown or invalid config key '{key}' in {where}") from None
     validate(cfg)
     return cfg
+
+
+def method_defaults(layers: list[tuple[str, DictConfig]]) -> dict:
+    """The `METHOD_DEFAULTS` entries of the method the layers choose that none of them sets."""
+    method, given = DEFAULTS["method"], set()
+    for _, layer in layers:
+        tree = OmegaConf.to_container(layer, resolve=False)
+        if not isinstance(tree, dict):
+            continue  # merging reports it
+        method = tree.get("method", method)
+        given |= set(flatten(tree))
+    defaults = METHOD_DEFAULTS.get(method, {}) if isinstance(method, str) else {}
+    return {k: v for k, v in defaults.items() if k not in given and YIELDS_TO.get(k) not in given}
 
 
 def _key_from_message(message: str) -> str:
@@ -184,10 +217,16 @@ def validate(cfg: DictConfig) -> None:
     epochs = cfg.train.epochs
     if epochs is not None and (not _is_int(epochs) or epochs < 0):
         raise ConfigError(f"train.epochs must be a non-negative integer or null, got {epochs!r}")
-    if epochs == 0 and cfg.method == "coop" and not cfg.prompt.ctx_init:
+    if epochs == 0 and cfg.method in ("coop", "kgcoop") and not cfg.prompt.ctx_init:
         raise ConfigError(
             "train.epochs=0 evaluates untrained prompts: set prompt.ctx_init (e.g. 'a photo of a')"
         )
+    chunk = cfg.cocoop.chunk_prompts
+    if not _is_int(chunk) or chunk < 1:
+        raise ConfigError(f"cocoop.chunk_prompts must be an integer >= 1, got {chunk!r}")
+    weight = cfg.kgcoop.weight
+    if not _is_number(weight) or not weight >= 0:
+        raise ConfigError(f"kgcoop.weight must be a number >= 0, got {weight!r}")
     targets = cfg.eval.targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")
@@ -224,8 +263,9 @@ def model_tag(name: str) -> str:
 def method_settings(cfg: DictConfig) -> str:
     """The settings part of a run name: what the method's results depend on.
 
-    coop: nctx<M>_csc<C>_pos<P>_depth<J>; zeroshot: zeroshot_<templates> (a literal template by
-    its hash); linear_probe: linear_probe.
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop and kgcoop: the same after "cocoop_" or
+    "kgcoop_" (M is "init" when the context starts from prompt.ctx_init); zeroshot:
+    zeroshot_<templates> (a literal template by its hash); linear_probe: linear_probe.
     """
     if cfg.method == "zeroshot":
         templates = str(cfg.zeroshot.templates)

@@ -9,12 +9,20 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from coop.methods.base import Method, TransferError
+from coop.methods.cocoop import CoCoOp, MetaNet
 from coop.methods.coop import CoOp, build_learner
+from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model import CLIP
 
-METHODS: dict[str, type[Method]] = {"coop": CoOp, "zeroshot": ZeroShot, "linear_probe": LinearProbe}
+METHODS: dict[str, type[Method]] = {
+    "coop": CoOp,
+    "cocoop": CoCoOp,
+    "kgcoop": KgCoOp,
+    "zeroshot": ZeroShot,
+    "linear_probe": LinearProbe,
+}
 
 
 def build_method(clip: CLIP, classnames: list[str], cfg: DictConfig) -> Method:
@@ -28,9 +36,12 @@ def build_method(clip: CLIP, classnames: list[str], cfg: DictConfig) -> Method:
 __all__ = [
     "COOP_TEMPLATES",
     "METHODS",
+    "CoCoOp",
     "CoOp",
+    "KgCoOp",
     "LinearProbe",
     "Method",
+    "MetaNet",
     "TransferError",
     "ZeroShot",
     "build_learner",

@@ -1,0 +1,180 @@
+"""CoCoOp: context vectors shifted per image by a meta-net, batched through the shared-prefix path.
+
+As in CoCoOp (Zhou et al., CVPR 2022):
+
+    meta_net = Linear(E, E//16) -> ReLU -> Linear(E//16, W)     # input: the L2-normalised image feature
+    ctx_b    = ctx + meta_net(norm(img_b))                       # (M, W), the same shift in every slot
+    logits_b = logit_scale.exp() * norm(img_b) @ norm(text_features(ctx_b)).T     # over all classes
+
+Only `ctx` and the meta-net train. The original runs one image at a time, all classes' full
+77-token prompts per image. Here a batch of B images runs as B x n_cls prompts at once, exactly:
+
+- with shared context and the class at the end or in the middle, image b's `[SOS][ctx_b..]` is a
+  prefix of all its classes' prompts: the B prefixes are computed once each and n_cls suffixes
+  attend to each (`TextTransformer.prefix_keys_values` / `encode_after_prefixes`), cut after
+  [EOS] and bucketed by length;
+- with class-specific context or the class at the front, only [SOS] is shared: the B x n_cls
+  prompts run in full (still cut and bucketed).
+
+Memory: in evaluation, and in training with `train.grad_checkpointing`, the prompts run in blocks
+of at most `cocoop.chunk_prompts` (images x classes); in training each block is recomputed in the
+backward pass (`torch.utils.checkpoint`), so only the blocks' logits stay in memory and one block's
+activations at a time: 1,000 classes x batch 32 fits like 1,000 classes x batch 1.
+
+Deep prompts (`prompt.depth > 1`) replace the hidden states at the context slots as in CoOp; they
+are not shifted by the meta-net.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from coop.methods.base import Method, TransferError
+from coop.methods.coop import build_learner
+from coop.model import CLIP
+
+CHUNK_PROMPTS = 1024  # default prompts per block (`cocoop.chunk_prompts`)
+
+
+class MetaNet(nn.Sequential):
+    """CoCoOp's meta-net: Linear(E, E//16) -> ReLU -> Linear(E//16, W), as in its code."""
+
+    def __init__(self, embed_dim: int, width: int):
+        hidden = embed_dim // 16
+        if hidden < 1:
+            raise ValueError(f"CoCoOp's meta-net needs an image-feature dimension >= 16, got {embed_dim}")
+        super().__init__(
+            OrderedDict(
+                [
+                    ("linear1", nn.Linear(embed_dim, hidden)),
+                    ("relu", nn.ReLU()),
+                    ("linear2", nn.Linear(hidden, width)),
+                ]
+            )
+        )
+
+
+class CoCoOp(Method):
+    """Instance-conditioned prompts; `learnable()` = the prompt tensors plus `meta_net.*`.
+
+    Args:
+        clip, classnames: as for every method.
+        cfg: reads `prompt.*` (as CoOp) and `cocoop.chunk_prompts`.
+    """
+
+    name = "cocoop"
+    trainer = "sgd"
+
+    def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
+        super().__init__(clip, classnames, cfg)
+        self.prompt_learner = build_learner(clip, cfg, classnames)
+        device = self.prompt_learner.ctx.device
+        self.meta_net = MetaNet(clip.embed_dim, clip.width).to(device)
+        self.chunk_prompts = int(OmegaConf.select(cfg, "cocoop.chunk_prompts", default=CHUNK_PROMPTS))
+
+    def learnable(self) -> dict[str, torch.Tensor]:
+        meta = {f"meta_net.{k}": p for k, p in self.meta_net.named_parameters()}
+        return {**self.prompt_learner.prompt_tensors(), **meta}
+
+    def load_learnable(self, tensors: dict[str, torch.Tensor], classnames: list[str]) -> None:
+        if self.prompt_learner.csc and list(classnames) != self.classnames:
+            raise TransferError(
+                "class-specific context (prompt.csc=true) cannot be transferred to other classes; "
+                "only shared context transfers"
+            )
+        super().load_learnable(tensors, classnames)
+
+    def logits(self, image_features: torch.Tensor, prepared=None) -> torch.Tensor:
+        """(B, n_cls) logits, in fp32; image b is scored against the prompts shifted by image b."""
+        scale = self.clip.logit_scale
+
+        def cosine(text: torch.Tensor, img: torch.Tensor) -> torch.Tensor:  # (b, c, E), (b, E) -> (b, c)
+            with torch.autocast(img.device.type, enabled=False):
+                img, text = F.normalize(img.float(), dim=-1), F.normalize(text.float(), dim=-1)
+                return scale.float().exp() * torch.einsum("be,bce->bc", img, text)
+
+        return self._run(image_features, cosine)
+
+    def text_features(self, image_features: torch.Tensor) -> torch.Tensor:
+        """Unnormalised class text features (B, n_cls, E) of each image's prompts."""
+        return self._run(image_features, lambda text, img: text)
+
+    def describe(self) -> dict:
+        pl = self.prompt_learner
+        return {"n_ctx": pl.n_ctx, "position": pl.position, "csc": pl.csc, "depth": pl.depth}
+
+    # -- the batched computation ---------------------------------------------------------------
+
+    def _run(self, image_features: torch.Tensor, head) -> torch.Tensor:
+        """Encode every (image, class) prompt block by block; `head(text (b, c, E), img (b, E))`
+        turns a block's text features into its output, which is all a block keeps."""
+        pl, text = self.prompt_learner, self.clip.text
+        img = F.normalize(image_features, dim=-1)
+        shift = self.meta_net(img.to(self.meta_net.linear1.weight.dtype))  # (B, W)
+        view = (len(shift),) + (1,) * (pl.ctx.dim() - 1) + (shift.shape[-1],)
+        ctx = (pl.ctx.unsqueeze(0) + shift.view(view)).to(pl.token_embeds.dtype)  # (B, [n_cls,] M, W)
+        start = pl.shared_prefix
+        if start > 1:  # image b's [SOS][ctx_b..] is shared by all its classes
+            sos = pl.token_embeds[:1, :1].expand(len(ctx), -1, -1)  # (B, 1, W)
+            prefix = torch.cat([sos, ctx[:, : start - 1]], dim=1)  # (B, P, W)
+            kv = text.prefix_keys_values(prefix, self._deep(), pl.slots)
+        else:  # only [SOS] is shared, by every prompt
+            kv = text.prefix_keys_values(pl.token_embeds[:1, :1], self._deep(), pl.slots)
+        n_img, n_cls = len(ctx), pl.n_cls
+        chunked = not torch.is_grad_enabled() or text.grad_checkpointing
+        per_img, per_cls = n_img, n_cls
+        if chunked:
+            per_img = max(1, min(n_img, self.chunk_prompts // n_cls))
+            per_cls = min(n_cls, self.chunk_prompts)
+        rows = []
+        for i in range(0, n_img, per_img):
+            images = slice(i, i + per_img)
+            block_kv = [(k[images], v[images]) for k, v in kv] if start > 1 else kv
+            cols = []
+            for c in range(0, n_cls, per_cls):
+                args = (head, block_kv, ctx[images], image_features[images], c, min(c + per_cls, n_cls))
+                if chunked and torch.is_grad_enabled():  # keep only the block's output
+                    cols.append(checkpoint(self._block, *args, use_reentrant=False))
+                else:
+                    cols.append(self._block(*args))
+            rows.append(torch.cat(cols, dim=1))
+        return torch.cat(rows, dim=0)
+
+    def _deep(self) -> torch.Tensor | None:
+        """Deep prompts (J-1, 1 or n_cls, M, W), the same for every image, or None."""
+        pl = self.prompt_learner
+        if pl.deep_ctx is None:
+            return None
+        return pl.deep_ctx if pl.csc else pl.deep_ctx.unsqueeze(1)
+
+    def _block(self, head, kv, ctx: torch.Tensor, img: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+        """`head` of the text features of images `ctx` (b, [n_cls,] M, W) x classes c0..c1-1."""
+        pl, text = self.prompt_learner, self.clip.text
+        b, n, width = len(ctx), c1 - c0, ctx.shape[-1]
+        start = pl.shared_prefix
+        embeds, slots, eos = pl.token_embeds[c0:c1], pl.slots[c0:c1], pl.eos[c0:c1]
+        deep = self._deep()
+        if start > 1:
+            x = embeds[:, start:].unsqueeze(0)  # (1, c, L-P, W): the same for every image at the end
+            in_suffix = slots[:, start - 1 :] - start  # (c, M-h) slots after the prefix (middle)
+            if in_suffix.shape[1]:
+                index = in_suffix.unsqueeze(0).unsqueeze(-1).expand(b, -1, -1, width)  # (b, c, M-h, W)
+                src = ctx[:, None, start - 1 :].expand(-1, n, -1, -1)  # (b, c, M-h, W)
+                x = x.expand(b, -1, -1, -1).scatter(2, index, src)  # (b, c, L-P, W)
+            feats = text.encode_after_prefixes(kv, x, eos, deep, slots if deep is not None else None)
+        else:
+            ctx = ctx[:, c0:c1] if pl.csc else ctx.unsqueeze(1).expand(-1, n, -1, -1)  # (b, c, M, W)
+            index = slots.unsqueeze(0).unsqueeze(-1).expand(b, -1, -1, width)  # (b, c, M, W)
+            prompts = embeds.unsqueeze(0).expand(b, -1, -1, -1).scatter(2, index, ctx)  # (b, c, L, W)
+            if deep is not None and pl.csc:
+                deep = deep[:, c0:c1].repeat(1, b, 1, 1)  # (J-1, b c, M, W), image-major like the rows
+            x = prompts[:, :, 1:].reshape(1, b * n, -1, width)  # (1, b c, L-1, W)
+            rows_slots = slots.repeat(b, 1) if deep is not None else None
+            feats = text.encode_after_prefixes(kv, x, eos.repeat(b), deep, rows_slots).view(b, n, -1)
+        return head(feats, img)  # feats: (b, c, E)
