@@ -230,6 +230,7 @@ def test_latent_domains_rules(tiny_clip, position):
         (["fl.clients=0"], "fl.clients must be an integer >= 1"),
         (["fl.fraction=0"], "fl.fraction must be a number in (0, 1]"),
         (["train.aug_views=0"], "federated clients train on cached features"),
+        (["method=zeroshot"], "federated runs choose their method with fl.method"),
     ],
 )
 def test_bad_config_is_one_line(args, message):

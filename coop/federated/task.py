@@ -59,6 +59,10 @@ def check_config(cfg: DictConfig) -> None:
             "train.aug_views=0 re-encodes images every step; federated clients train on cached "
             "features: set train.aug_views=1 (or K > 1 augmented views)"
         )
+    if cfg.get("method", "coop") != "coop":
+        raise ConfigError(
+            f"method={cfg.method}: federated runs choose their method with fl.method; leave method=coop"
+        )
     if cfg.data.target_domain is not None and cfg.data.name != "multidomain":
         raise ConfigError(f"data.target_domain needs data.name=multidomain, not {cfg.data.name}")
     if cfg.fl.partition == "domain" and cfg.data.name != "multidomain":
