@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
 from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from coop.config import RESULT_FREE_KEYS, flatten, load_config, model_tag, resolved_epochs, to_yaml
+from coop.config import DEFAULTS, RESULT_FREE_KEYS, flatten, load_config, model_tag, resolved_epochs, to_yaml
 from coop.data import DataError
 from coop.engine import (
     LR_SCHEDULE,
@@ -68,7 +68,12 @@ def attach_log_file(folder: Path) -> logging.Handler:
 
 
 def check_same_config(old: dict, new: dict, folder: Path) -> None:
-    a, b = flatten(old), flatten(new)
+    """RunError unless `old` (the folder's run) and `new` agree on every key that changes results.
+
+    A key that the old run's config lacks (it was added to coop later) counts as its default.
+    """
+    defaults = flatten(DEFAULTS)
+    a, b = {**defaults, **flatten(old)}, flatten(new)
     diff = [k for k in sorted(set(a) | set(b)) if k not in RESULT_FREE_KEYS and a.get(k) != b.get(k)]
     if diff:
         k = diff[0]
@@ -78,9 +83,10 @@ def check_same_config(old: dict, new: dict, folder: Path) -> None:
         )
 
 
-def write_history(folder: Path, history: list[dict]) -> None:
+def write_history(folder: Path, history: list[dict], fields: list[str] = HISTORY_FIELDS) -> None:
+    """`history.csv`, one row per epoch (or round), written atomically."""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=HISTORY_FIELDS)
+    writer = csv.DictWriter(buf, fieldnames=fields)
     writer.writeheader()
     writer.writerows(history)
     atomic_write(folder / "history.csv", lambda tmp: Path(tmp).write_text(buf.getvalue()))

@@ -60,13 +60,15 @@ def test_zeroshot_equals_open_clip_features(tiny_clip, tiny_openclip):
     assert method.learnable() == {}
 
 
-def test_zeroshot_ensemble_is_the_renormalised_mean(tiny_clip, tiny_openclip):
+def test_zeroshot_ensemble_is_the_renormalised_mean(tiny_clip, tiny_openclip, monkeypatch):
+    templates = open_clip.OPENAI_IMAGENET_TEMPLATES[:6]  # a few of the 80 keep the test fast
+    monkeypatch.setattr(open_clip, "OPENAI_IMAGENET_TEMPLATES", templates)
     method = build_method(tiny_clip, CLASSES, method_cfg("zeroshot", templates="ensemble"))
+    assert len(method.templates) == 6
     total = sum(
-        direct_text_features(tiny_openclip, [t(c.replace("_", " ")) for c in CLASSES])
-        for t in open_clip.OPENAI_IMAGENET_TEMPLATES
+        direct_text_features(tiny_openclip, [t(c.replace("_", " ")) for c in CLASSES]) for t in templates
     )
-    torch.testing.assert_close(method.prepare(), F.normalize(total / 80, dim=-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(method.prepare(), F.normalize(total / 6, dim=-1), rtol=1e-5, atol=1e-6)
 
 
 def clusters(n_per_class: int, n_cls: int = 4, dim: int = 16, seed: int = 0):

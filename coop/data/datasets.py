@@ -45,6 +45,7 @@ from coop.data.base import (
 from coop.data.fewshot import fewshot_dataset
 from coop.data.folders import list_class_dirs, list_class_images, list_images, read_wnid_classnames
 from coop.data.imagenet_variants import IMAGENET_VARIANTS, TEST_ONLY_DATASETS, read_imagenet_variant
+from coop.data.multidomain import read_multidomain
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +253,7 @@ DATASETS: dict[str, Callable[..., Source]] = {
     "fgvc_aircraft": read_fgvc_aircraft,
     "imagefolder": read_imagefolder,
     "textile": read_textile,
+    "multidomain": read_multidomain,
     **{name: partial(read_imagenet_variant, name=name) for name in IMAGENET_VARIANTS},
 }
 
@@ -275,9 +277,9 @@ def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1) -> FewSho
             test-only dataset.
     """
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(sorted(DATASETS))}")
+        raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(sorted(DATASETS))}")
     if shots < 0:
-        raise ValueError(f"shots must be >= 0, got {shots}")
+        raise DataError(f"shots must be >= 0, got {shots}")
     if shots > 0 and name in TEST_ONLY_DATASETS:
         raise test_only_error(name)  # before listing tens of thousands of images
     src = DATASETS[name](root)

@@ -26,8 +26,6 @@ the last complete round, so the same command retries that round.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 import time
@@ -38,11 +36,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from omegaconf import DictConfig, OmegaConf
 
-from coop.config import RESULT_FREE_KEYS, flatten, to_yaml
+from coop import runner
+from coop.config import to_yaml
 from coop.federated import task
 from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
 from coop.model import load_clip
+from coop.runner import check_same_config
 
 log = logging.getLogger(__name__)
 
@@ -85,23 +85,8 @@ def read_checkpoint(path: Path) -> dict | None:
     return ckpt
 
 
-def check_same_config(old: dict, new: dict, folder: Path) -> None:
-    a, b = flatten(old), flatten(new)
-    diff = [k for k in sorted(set(a) | set(b)) if k not in RESULT_FREE_KEYS and a.get(k) != b.get(k)]
-    if diff:
-        k = diff[0]
-        raise FederatedError(
-            f"{folder} holds a run with a different config ({k}: {a.get(k)!r} there, {b.get(k)!r} now); "
-            "use another output_dir"
-        )
-
-
 def write_history(folder: Path, history: list[dict]) -> None:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=HISTORY_FIELDS)
-    writer.writeheader()
-    writer.writerows(history)
-    atomic_write(folder / "history.csv", lambda tmp: Path(tmp).write_text(buf.getvalue()))
+    runner.write_history(folder, history, HISTORY_FIELDS)
 
 
 def discover_clients(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
