@@ -1,15 +1,16 @@
 """Result tables from run folders: every `metrics.json` (with its `config.yaml`) under a root.
 
-    from coop.results import dataset_table, load_runs, summarize, varying_keys
+    from coop.results import dataset_table, domain_table, load_runs, summarize, varying_keys
     runs = load_runs("runs/position")                 # one row per run folder
     table = summarize(runs, by=varying_keys(runs))    # mean / std over seeds per setting
     wide = dataset_table(runs)                        # one column per dataset, as in the papers
+    lodo = domain_table(runs)                         # one column per held-out target domain
 
 Entry points: `tools/collect.py` (tables); `coop.plots` draws figures from these tables. A run
 folder is any folder holding `metrics.json`, `config.yaml`, `checkpoint.pt` or `sweep.log`; one
 without `metrics.json` is incomplete and is kept (flag `complete`) so that tools can list it.
 Numbers come from the metrics files only (`metrics.json`, and `eval_<dataset>.json` written by
-`tools/eval.py`), never from logs.
+`tools/eval.py`; read by `coop.run_files`), never from logs.
 
 Seeds of one setting are pooled over every key of `coop.config.RESULT_FREE_KEYS` (device,
 workers, data root, ...): those keys cannot change a result, so they never split a row.
@@ -26,10 +27,10 @@ import os
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import OmegaConf
 
-from coop.config import CHOICES, DEFAULTS, RESULT_FREE_KEYS, ConfigError, flatten
+from coop.config import DEFAULTS, RESULT_FREE_KEYS, ConfigError
 from coop.data import TEST_ONLY_DATASETS
+from coop.run_files import eval_targets, read_config, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +42,12 @@ KEY_ORDER = ("method", "data.name", "model.name", "model.pretrained", "data.shot
 DEFAULT_METHOD = "coop"  # runs whose config predates the `method` key
 # Config keys outside any section (device, output_dir, method).
 TOP_LEVEL_KEYS = frozenset(k for k, v in DEFAULTS.items() if not isinstance(v, dict))
-# eval_<dataset>_<half>.json belongs to the base-to-new protocol, not to transfer targets.
-SUBSAMPLE_SUFFIXES = tuple(f"_{c}" for c in CHOICES["data.subsample_classes"] if c != "all")
 # Column order of the per-dataset table: CoOp's 11 datasets as its paper lists them, then the
 # ImageNet variants of the domain-generalisation table; other datasets follow alphabetically.
 DATASET_ORDER = (
     "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
     "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101", *TEST_ONLY_DATASETS,
 )  # fmt: skip
-
-
-def _read_config(folder: Path) -> dict:
-    """The run's config as a flat {dotted key: value} dict; from config.yaml, else the checkpoint."""
-    path = folder / "config.yaml"
-    if path.is_file():
-        try:
-            return flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
-        except Exception as e:  # yaml errors are multi-line
-            log.warning("cannot read %s: %s", path, str(e).splitlines()[0])
-            return {}
-    ckpt = folder / "checkpoint.pt"
-    if ckpt.is_file():
-        import torch
-
-        try:
-            return flatten(torch.load(ckpt, map_location="cpu", weights_only=True).get("config") or {})
-        except Exception as e:
-            log.warning("cannot read the config of %s: %s", ckpt, str(e).splitlines()[0])
-    return {}
 
 
 def load_runs(root: str | os.PathLike) -> pd.DataFrame:
@@ -90,49 +69,23 @@ def load_runs(root: str | os.PathLike) -> pd.DataFrame:
     rows = []
     for folder in folders:
         row = {"run": folder.relative_to(root).as_posix() or ".", "complete": False}
-        row.update(_read_config(folder))
+        row.update(read_config(folder))
         row.setdefault("method", DEFAULT_METHOD)
         if row.get("prompt.position") == "mid":  # an alias
             row["prompt.position"] = "middle"
         metrics = folder / "metrics.json"
         if metrics.is_file():
-            values = _read_metrics(metrics)
+            values = read_metrics(metrics)
             if values is None:
                 log.warning("unreadable %s: run counted as incomplete", metrics)
             else:
                 row.update(values)
                 row["complete"] = True
                 row.update(_base_to_new(folder, row))
-                row["eval_targets"] = _eval_targets(folder)
+                row["eval_targets"] = eval_targets(folder)
         rows.append(row)
     df = pd.DataFrame(rows)
     return df if len(df) else pd.DataFrame(columns=["run", "complete"])
-
-
-def _read_metrics(path: Path) -> dict | None:
-    """The scalar entries of a metrics JSON file (per-class lists dropped); None if unreadable."""
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(values, dict):
-        return None
-    return {k: v for k, v in values.items() if not isinstance(v, dict | list)}
-
-
-def _eval_targets(folder: Path) -> dict[str, dict]:
-    """{dataset: metrics} of the run's `eval_<dataset>.json` files (transfer evaluations)."""
-    out = {}
-    for path in sorted(folder.glob("eval_*.json")):
-        name = path.stem[len("eval_") :]
-        if not name or name.endswith(SUBSAMPLE_SUFFIXES):
-            continue
-        values = _read_metrics(path)
-        if values is None:
-            log.warning("unreadable %s: left out", path)
-            continue
-        out[name] = values
-    return out
 
 
 def _base_to_new(folder: Path, row: dict) -> dict:
@@ -155,6 +108,14 @@ def harmonic_mean(base: float, new: float) -> float:
 def config_keys(df: pd.DataFrame) -> list[str]:
     """The config columns of a `load_runs` frame (dotted names, plus `method`/`output_dir`/`device`)."""
     return [c for c in df.columns if "." in c or c in TOP_LEVEL_KEYS]
+
+
+def _check_keys(keys: list[str], done: pd.DataFrame) -> None:
+    """A ConfigError naming the first grouping key that is not a column of `done`."""
+    missing = [k for k in keys if k not in done.columns]
+    if missing:
+        known = ", ".join(sorted(config_keys(done)))
+        raise ConfigError(f"unknown grouping key '{missing[0]}' (known: {known})")
 
 
 def _hashable(v):
@@ -207,10 +168,7 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
     """
     done = df[df["complete"]].copy() if "complete" in df else df.copy()
     by = list(by) or [k for k in ("data.name", "model.name") if k in done]
-    missing = [k for k in by if k not in done.columns]
-    if missing:
-        known = ", ".join(sorted(config_keys(done)))
-        raise ConfigError(f"unknown grouping key '{missing[0]}' (known: {known})")
+    _check_keys(by, done)
     has_hm = {"accuracy", "new_accuracy"} <= set(done.columns)
     metrics = [m for m in metrics if m in done.columns or (m == "hm" and has_hm)]
     if not metrics:
@@ -355,10 +313,7 @@ def dataset_table(
         raise ConfigError(f"metric '{metric}' is in none of the finished runs' metrics files")
     keys = [k for k in (by if by is not None else varying_keys(done)) if k not in ("method", "data.name")]
     keys = ["method", *keys] + (["data.name"] if by is not None and "data.name" in by else [])
-    missing = [k for k in keys if k not in long.columns]
-    if missing:
-        known = ", ".join(sorted(config_keys(done)))
-        raise ConfigError(f"unknown grouping key '{missing[0]}' (known: {known})")
+    _check_keys(keys, done)
     for key in keys:
         long[key] = long[key].map(_group_value)
     if "data.name" not in keys and long.groupby([*keys, "dataset"])["data.name"].nunique().gt(1).any():
@@ -369,15 +324,22 @@ def dataset_table(
         log.warning("each cell pools runs that differ in %s (not grouped by)", ", ".join(pooled))
     names = set(long["dataset"])
     columns = [d for d in DATASET_ORDER if d in names] + sorted(names - set(DATASET_ORDER))
+    return _wide(long, keys, columns, ddof)
+
+
+def _wide(long: pd.DataFrame, keys: list[str], columns: list[str], ddof: int) -> pd.DataFrame:
+    """One row per `keys` setting of a long frame, `<column>_mean/_std/_n` per value of `dataset`.
+
+    `average` is the mean of the row's cell means, NaN unless every column has a value.
+    """
     rows = []
     for values, group in long.groupby(keys, sort=False, dropna=False):
         row = dict(zip(keys, values if isinstance(values, tuple) else (values,), strict=True))
         for ds in columns:
             cell = group[group["dataset"] == ds]
-            seeds = cell["data.seed"].nunique() if "data.seed" in cell else len(cell)
             row[f"{ds}_mean"] = cell["value"].mean() if len(cell) else float("nan")
             row[f"{ds}_std"] = cell["value"].std(ddof=ddof) if len(cell) > ddof else float("nan")
-            row[f"{ds}_n"] = seeds
+            row[f"{ds}_n"] = cell["data.seed"].nunique() if "data.seed" in cell else len(cell)
         means = [row[f"{ds}_mean"] for ds in columns]
         row["average"] = float("nan") if any(pd.isna(m) for m in means) else sum(means) / len(means)
         rows.append(row)
@@ -385,8 +347,43 @@ def dataset_table(
     return pd.DataFrame(rows)
 
 
+def domain_table(
+    df: pd.DataFrame, metric: str = "accuracy", by: list[str] | None = None, ddof: int = 1
+) -> pd.DataFrame:
+    """Leave-one-domain-out: one row per method and setting, one column per target domain, Average.
+
+    Only finished runs with `data.target_domain` set count; each gives its `metric` (accuracy on
+    the held-out domain) to that domain's column. Same layout as `dataset_table`, so
+    `format_dataset_markdown` prints it.
+
+    Args:
+        df: a `load_runs` frame.
+        metric: the metric of every cell (`accuracy` by default).
+        by: row keys besides `method` (default: the config keys that vary, except the target domain).
+        ddof: 1 for the sample standard deviation (NaN with one seed), 0 for the population one.
+    Returns:
+        The row keys (`method` first), `<domain>_mean`, `<domain>_std`, `<domain>_n` (seeds) per
+        target domain in sorted order, and `average` over the domains (NaN for incomplete rows).
+    """
+    key = "data.target_domain"
+    done = df[df["complete"].astype(bool)] if "complete" in df else df
+    done = done[done[key].map(_hashable).notna()] if key in done else done.iloc[:0]
+    if not len(done):
+        raise ConfigError("no finished runs with data.target_domain set (leave-one-domain-out)")
+    if metric not in done:
+        raise ConfigError(f"metric '{metric}' is in none of those runs' metrics.json files")
+    long = done.assign(dataset=done[key], value=pd.to_numeric(done[metric], errors="coerce"))
+    long = long[long["value"].notna()].copy()
+    keys = [k for k in (by if by is not None else varying_keys(done)) if k not in ("method", key)]
+    keys = ["method", *keys]
+    _check_keys(keys, done)
+    for k in keys:
+        long[k] = long[k].map(_group_value)
+    return _wide(long, keys, sorted(set(long["dataset"])), ddof)
+
+
 def format_dataset_markdown(table: pd.DataFrame, digits: int = 2) -> str:
-    """A Markdown table of `dataset_table`: `mean ± std (n=seeds)` cells, `–` when missing."""
+    """A Markdown table of `dataset_table` or `domain_table`: `mean ± std (n=seeds)` cells, `–` if missing."""
     datasets = [c[: -len("_mean")] for c in table.columns if c.endswith("_mean")]
     keys = [c for c in table.columns if not c.endswith(("_mean", "_std", "_n")) and c != "average"]
     header = ["method", *datasets, "**Average**"]

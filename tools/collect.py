@@ -3,6 +3,7 @@
     python tools/collect.py runs/position                       # group by the keys that vary
     python tools/collect.py runs/position --by data.shots prompt.position
     python tools/collect.py runs/ --table datasets              # the papers' layout
+    python tools/collect.py runs/latent_domains --table domains # leave-one-domain-out
 
 Reads every `metrics.json` (with its `config.yaml`) under ROOT and groups the finished runs by
 `--by` (default: the config keys whose values differ between runs, except data.seed and the keys
@@ -16,6 +17,11 @@ base and new accuracies, as CoCoOp reports it) and `hm_per_seed` (mean of per-se
 --table datasets: one row per method and setting, one column per dataset (transfer targets from
 `eval_<dataset>.json` included), then the Average of complete rows; cells are mean ± std over
 seeds with the number of seeds; writes `results_datasets.csv` and `results_datasets.md`.
+
+--table domains: leave-one-domain-out runs (data.target_domain set, e.g. federated runs on
+multi-domain data): one row per method and setting, one column per target domain (the accuracy
+on the held-out domain, mean ± std over seeds, n), then the Average over the target domains of
+complete rows; writes `results_domains.csv` and `results_domains.md`.
 
 Files go into ROOT, or --out. Runs without `metrics.json` are listed as incomplete, never dropped
 silently. Exit 1 when no run finished.
@@ -33,6 +39,7 @@ from _cli import run_cli, setup_logging  # noqa: E402
 
 from coop.results import (  # noqa: E402
     dataset_table,
+    domain_table,
     format_dataset_markdown,
     format_markdown,
     incomplete_runs,
@@ -48,8 +55,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", help="folder holding run folders (searched recursively)")
     ap.add_argument("--by", nargs="+", metavar="KEY", help="grouping config keys (default: those that vary)")
-    ap.add_argument("--table", choices=("settings", "datasets"), default="settings", help="table layout")
-    ap.add_argument("--metric", default="accuracy", help="cell metric of --table datasets (default accuracy)")
+    ap.add_argument(
+        "--table", choices=("settings", "datasets", "domains"), default="settings", help="table layout"
+    )
+    ap.add_argument(
+        "--metric", default="accuracy", help="cell metric of --table datasets/domains (default accuracy)"
+    )
     ap.add_argument("--out", help="folder for the table files (default: ROOT)")
     ap.add_argument(
         "--ddof", type=int, default=1, choices=(0, 1), help="std: 1 = sample (default), 0 = population"
@@ -74,6 +85,11 @@ def main(argv=None) -> int:
         markdown = format_dataset_markdown(table)
         intro = f"{n_done} finished run(s); {args.metric}, mean ± std over seeds (n = seeds)"
         stem = "results_datasets"
+    elif args.table == "domains":
+        table = domain_table(runs, args.metric, args.by, ddof=args.ddof)
+        markdown = format_dataset_markdown(table)
+        intro = f"{n_done} finished run(s); {args.metric} on each held-out target domain, mean ± std over seeds (n = seeds)"
+        stem = "results_domains"
     else:
         by = args.by if args.by is not None else varying_keys(runs)
         table = summarize(runs, by, ddof=args.ddof)

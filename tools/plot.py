@@ -1,4 +1,4 @@
-"""Figures from finished runs: accuracy vs shots, vs deep-prompt depth, end vs middle.
+"""Figures from finished runs: accuracy vs shots, vs deep-prompt depth, end vs middle, per round.
 
     python tools/plot.py runs/position [--out figures/] [--metric accuracy]
 
@@ -7,7 +7,10 @@ Writes into ROOT (or --out) only the figures the runs have data for:
                      n_ctx, ...), error bars = std over seeds, one panel per dataset;
   acc_vs_depth.png   metric vs prompt.depth, the same way;
   end_vs_middle.png  bars per dataset (and other setting): each class-token position at the
-                     largest shot count that every position reached.
+                     largest shot count that every position reached;
+  acc_vs_round.png   federated runs (history.csv with a `round` column): metric per round, one
+                     line per setting (the varying keys but the seed), mean with a ± std band
+                     over seeds, one panel per dataset (and target domain, when it varies).
 Prints which files were written (exit 1 when none could be).
 """
 
@@ -41,7 +44,7 @@ def main(argv=None) -> int:
     if args.metric not in done:
         print(f"error: metric '{args.metric}' is not in the runs' metrics.json files", file=sys.stderr)
         return 2
-    written = write_figures(runs, args.out or args.root, args.metric)
+    written = write_figures(runs, args.out or args.root, args.metric, root=args.root)
     for name in FIGURES:
         path = Path(args.out or args.root) / name
         print(
