@@ -49,7 +49,7 @@ DEFAULTS = {
         "grad_checkpointing": False,
     },
     "zeroshot": {"templates": "coop"},
-    "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per block; see coop.methods.cocoop
+    "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per recomputed block; coop.methods.cocoop
     "kgcoop": {"weight": 8.0, "templates": "coop"},
     "eval": {"targets": []},
     "fl": {

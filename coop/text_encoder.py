@@ -105,21 +105,38 @@ class CausalSelfAttention(nn.Module):
                 (G = 1: one prefix shared by all rows).
         """
         n, length, _ = x.shape
-        g, heads, prefix, dh = k_prefix.shape
+        prefix = k_prefix.shape[2]
         q, k, v = self.qkv(x)  # (N, H, S, Dh)
-        # (G, N/G, H, P+S, Dh) -> (N, H, P+S, Dh): each row's own prefix, then its own tokens
-        k = torch.cat(
-            [k_prefix.unsqueeze(1).expand(-1, n // g, -1, -1, -1), k.view(g, n // g, heads, length, dh)], 3
-        )
-        v = torch.cat(
-            [v_prefix.unsqueeze(1).expand(-1, n // g, -1, -1, -1), v.view(g, n // g, heads, length, dh)], 3
-        )
+        k, v = _after(k_prefix, k), _after(v_prefix, v)  # (N, H, P+S, Dh)
         mask = torch.ones(length, prefix + length, dtype=torch.bool, device=x.device)
         mask[:, prefix:] = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # causal
-        y = F.scaled_dot_product_attention(
-            q, k.view(n, heads, -1, dh), v.view(n, heads, -1, dh), attn_mask=mask
-        )
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    def forward_last_after_prefix(self, x: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor):
+        """`forward_after_prefix` for the last position of every row only: (N, 1, W).
+
+        The last position sees every key, so no mask is needed; keys and values still come from
+        all positions, queries only from the last one.
+        """
+        n, length, width = x.shape
+        weight, bias = self.in_proj_weight, self.in_proj_bias
+        q = F.linear(x[:, -1:], weight[:width], bias[:width])  # (N, 1, W)
+        q = q.view(n, 1, self.heads, width // self.heads).transpose(1, 2)  # (N, H, 1, Dh)
+        kv = F.linear(x, weight[width:], bias[width:]).view(n, length, 2, self.heads, width // self.heads)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, H, S, Dh)
+        y = F.scaled_dot_product_attention(q, _after(k_prefix, k), _after(v_prefix, v))  # (N, H, 1, Dh)
         return self.merge(y)
+
+
+def _after(prefix: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Keys (or values) of G prefixes (G, H, P, Dh) followed by those of N = G x R rows (N, H, S, Dh),
+    the rows in G groups: (N, H, P+S, Dh)."""
+    g, heads, _, dh = prefix.shape
+    n, _, length, _ = rows.shape
+    both = torch.cat(
+        [prefix.unsqueeze(1).expand(-1, n // g, -1, -1, -1), rows.view(g, n // g, heads, length, dh)], 3
+    )
+    return both.view(n, heads, -1, dh)
 
 
 class MLP(nn.Module):
@@ -319,14 +336,19 @@ class TextTransformer(nn.Module):
                 index = index.unsqueeze(-1).expand(-1, -1, width)  # (G n, M-h, W)
                 shared = deep_prompts.shape[1] == 1
                 deep_rows = deep_prompts[:, :, in_prefix:] if shared else deep_prompts[:, rows, in_prefix:]
+            last = len(self.blocks) - 1
             for i, (block, (k, v)) in enumerate(zip(self.blocks, kv, strict=True)):
                 if 1 <= i <= n_deep and deep_after:
                     deep = deep_rows[i - 1].to(h.dtype)  # (1 or n, M-h, W)
                     deep = deep.expand(g * n, -1, -1) if shared else deep.repeat(g, 1, 1)  # (G n, M-h, W)
                     h = h.scatter(1, index, deep)
-                h = h + block.attn.forward_after_prefix(block.ln_1(h), k, v)
+                if i < last:
+                    h = h + block.attn.forward_after_prefix(block.ln_1(h), k, v)
+                else:  # only [EOS], every row's last token, is read after the last block
+                    h = h[:, -1:] + block.attn.forward_last_after_prefix(block.ln_1(h), k, v)  # (G n, 1, W)
                 h = h + block.mlp(block.ln_2(h))
-            feats.append(self._project(h, (eos[rows] - start).repeat(g)).view(g, n, -1))  # (G, n, E)
+            at_eos = torch.zeros(len(h), dtype=torch.long, device=h.device)
+            feats.append(self._project(h, at_eos).view(g, n, -1))  # (G, n, E)
             order.append(rows)
         return torch.cat(feats, dim=1)[:, torch.cat(order).argsort()]  # back to row order
 

@@ -4,11 +4,12 @@ the meta-net's semantics, chunked memory mode, transfer, and a run end to end (r
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import randomise_prompts
+from conftest import TINY_CONFIG, randomise_prompts
 from omegaconf import OmegaConf
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 from test_recipe import interrupt_at
@@ -96,26 +97,28 @@ def test_batch_one_gives_the_per_image_gradients(tiny_clip, tiny_openclip):
         assert rel(grad, method.learnable()[key].grad) < 1e-4, key
 
 
-@pytest.mark.parametrize("position", ["end", "middle", "front"])
-def test_chunked_checkpointed_path_is_the_same(tiny_clip, position):
+@pytest.mark.parametrize(
+    "position, chunk",
+    [("end", 4), ("middle", 13), ("front", 5)],  # blocks of classes within an image; of two images
+)
+def test_chunked_checkpointed_path_is_the_same(tiny_clip, position, chunk):
     """train.grad_checkpointing: blocks of at most chunk_prompts prompts, recomputed in backward."""
     images = torch.randn(3, tiny_clip.embed_dim)
     whole = cocoop(tiny_clip, position=position)
     ref = whole.logits(images)
     g_ref = grads_of(whole, ref)
-    for chunk in (4, 13):  # blocks of classes within an image; two images per block
-        method = cocoop(tiny_clip, position=position, chunk=chunk)
-        tiny_clip.text.grad_checkpointing = True
-        try:
-            out = method.logits(images)
-            grads = grads_of(method, out)
-        finally:
-            tiny_clip.text.grad_checkpointing = False
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        for key in grads:
-            assert rel(grads[key], g_ref[key]) < 1e-5, key
-    with torch.no_grad():  # evaluation always runs in blocks
-        torch.testing.assert_close(cocoop(tiny_clip, position=position, chunk=4).logits(images), ref.detach())
+    method = cocoop(tiny_clip, position=position, chunk=chunk)
+    tiny_clip.text.grad_checkpointing = True
+    try:
+        out = method.logits(images)
+        grads = grads_of(method, out)
+    finally:
+        tiny_clip.text.grad_checkpointing = False
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for key in grads:
+        assert rel(grads[key], g_ref[key]) < 1e-5, key
+    with torch.no_grad():  # evaluation always runs in blocks (here of 8 prompts)
+        torch.testing.assert_close(cocoop(tiny_clip, position=position, chunk=1).logits(images), ref.detach())
 
 
 def test_meta_net_semantics_and_what_trains(tiny_clip):
@@ -212,3 +215,14 @@ def test_cocoop_run_resume_eval_and_targets(data_root, tmp_path, monkeypatch):  
     assert evaluate_checkpoint_targets(out / "checkpoint.pt", ["imagenet_a"])["eval_imagenet_a.json"][
         "accuracy"
     ] == pytest.approx(a["accuracy"])
+
+
+def test_bench_cocoop_runs_on_the_tiny_model(capsys):
+    from test_bench import load_tool
+
+    args = ["--model", str(TINY_CONFIG), "--classes", "5", "--batch", "2", "--repeats", "1", "--warmup", "0"]
+    assert load_tool("bench_cocoop").main([*args, "--position", "middle"]) == 0
+    out = capsys.readouterr().out
+    assert "10 prompts per step" in out and "speed-up:" in out
+    grads = re.search(r"gradients, .*: ctx ([0-9.e+-]+), meta_net.linear1.weight ([0-9.e+-]+)", out)
+    assert grads and max(float(g) for g in grads.groups()) < 1e-4

@@ -16,10 +16,11 @@ Only `ctx` and the meta-net train. The original runs one image at a time, all cl
 - with class-specific context or the class at the front, only [SOS] is shared: the B x n_cls
   prompts run in full (still cut and bucketed).
 
-Memory: in evaluation, and in training with `train.grad_checkpointing`, the prompts run in blocks
-of at most `cocoop.chunk_prompts` (images x classes); in training each block is recomputed in the
-backward pass (`torch.utils.checkpoint`), so only the blocks' logits stay in memory and one block's
-activations at a time: 1,000 classes x batch 32 fits like 1,000 classes x batch 1.
+Memory: with `train.grad_checkpointing`, training runs the prompts in blocks of at most
+`cocoop.chunk_prompts` (images x classes), each recomputed in the backward pass
+(`torch.utils.checkpoint`): only the blocks' logits stay in memory, plus one block's activations
+at a time, so 1,000 classes x batch 32 needs about what 1,000 classes x batch 1 needs. Evaluation
+keeps no graph and always runs in blocks of `EVAL_BLOCKS` x `cocoop.chunk_prompts` prompts.
 
 Deep prompts (`prompt.depth > 1`) replace the hidden states at the context slots as in CoOp; they
 are not shifted by the meta-net.
@@ -40,6 +41,7 @@ from coop.methods.coop import build_learner
 from coop.model import CLIP
 
 CHUNK_PROMPTS = 1024  # default prompts per block (`cocoop.chunk_prompts`)
+EVAL_BLOCKS = 8  # without a graph, blocks may be this many times larger
 
 
 class MetaNet(nn.Sequential):
@@ -130,8 +132,9 @@ class CoCoOp(Method):
         chunked = not torch.is_grad_enabled() or text.grad_checkpointing
         per_img, per_cls = n_img, n_cls
         if chunked:
-            per_img = max(1, min(n_img, self.chunk_prompts // n_cls))
-            per_cls = min(n_cls, self.chunk_prompts)
+            limit = self.chunk_prompts * (1 if torch.is_grad_enabled() else EVAL_BLOCKS)
+            per_img = max(1, min(n_img, limit // n_cls))
+            per_cls = min(n_cls, limit)
         rows = []
         for i in range(0, n_img, per_img):
             images = slice(i, i + per_img)
