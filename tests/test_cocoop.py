@@ -1,9 +1,9 @@
 """CoCoOp: the batched shared-prefix path against the per-image reference loop, what trains,
-the meta-net's semantics, chunked memory mode, transfer, and a run end to end (resume, targets)."""
+the meta-net's semantics, the chunked memory mode, transfer and the benchmark (runs end to end:
+test_kgcoop.py, with all methods)."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -11,12 +11,9 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY_CONFIG, randomise_prompts
 from omegaconf import OmegaConf
-from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
-from test_recipe import interrupt_at
 
 from coop.methods import TransferError, build_method
 from coop.reference import cocoop_logits, reference_inputs
-from coop.runner import evaluate_checkpoint, evaluate_checkpoint_targets, train_run
 
 CLASSES = [
     "dog",
@@ -176,45 +173,6 @@ def test_transfer_shared_and_refuse_csc(tiny_clip):
     csc = cocoop(tiny_clip, csc=True)
     with pytest.raises(TransferError, match="class-specific"):
         cocoop(tiny_clip, classes=CLASSES[:2], csc=True).load_learnable(csc.learnable(), CLASSES)
-
-
-def learned(folder):
-    return torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
-
-
-def test_cocoop_run_resume_eval_and_targets(data_root, tmp_path, monkeypatch):  # noqa: F811
-    """Defaults of CoCoOp's recipe, a run with cached features, resumed after an interruption to the
-    same tensors, scored again by tools/eval.py's function, and evaluated on ImageNet-A's classes."""
-    extra = ["method=cocoop", "data.name=imagenet", f"data.root={data_root}", "train.aug_views=2"]
-    extra += ["eval.targets=[imagenet_a]", "cocoop.chunk_prompts=6"]
-    cfg = tiny_cfg(tmp_path / "ref", *extra)
-    assert cfg.prompt.ctx_init == "a photo of a" and cfg.train.batch_size == 4
-    metrics = train_run(cfg)
-    assert metrics["method"] == "cocoop" and metrics["epochs"] == 3 and metrics["n_test"] == 12
-    ckpt = learned(tmp_path / "ref")
-    assert set(ckpt) == {"ctx", "meta_net.linear1.weight", "meta_net.linear1.bias"} | {
-        "meta_net.linear2.weight",
-        "meta_net.linear2.bias",
-    }
-    assert ckpt["ctx"].shape == (4, 64) and ckpt["meta_net.linear1.weight"].shape == (2, 32)
-
-    out = tmp_path / "resumed"
-    interrupt_at(monkeypatch, 1)
-    with pytest.raises(KeyboardInterrupt):
-        train_run(tiny_cfg(out, *extra))
-    monkeypatch.undo()
-    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
-    assert train_run(tiny_cfg(out, *extra))["accuracy"] == metrics["accuracy"]
-    for key, t in learned(tmp_path / "ref").items():
-        assert torch.equal(learned(out)[key], t), key
-
-    again = evaluate_checkpoint(out / "checkpoint.pt")
-    assert again["accuracy"] == metrics["accuracy"] and again["method"] == "cocoop"
-    a = json.loads((out / "eval_imagenet_a.json").read_text())
-    assert a["trained_on"] == "imagenet" and len(a["per_class_accuracy"]) == 2 and a["n_test"] == 4
-    assert evaluate_checkpoint_targets(out / "checkpoint.pt", ["imagenet_a"])["eval_imagenet_a.json"][
-        "accuracy"
-    ] == pytest.approx(a["accuracy"])
 
 
 def test_bench_cocoop_runs_on_the_tiny_model(capsys):
