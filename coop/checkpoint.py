@@ -129,7 +129,8 @@ def learner_from_checkpoint(clip: CLIP, ckpt: dict, classnames: list[str] | None
     learner.ctx_init = p.get("ctx_init")
     with torch.no_grad():
         for name, tensor in ckpt["prompt"].items():
-            getattr(learner, name).copy_(tensor)
+            if name in ("ctx", "deep_ctx"):  # the prompt itself; e.g. CoCoOp's meta-net is not part of it
+                getattr(learner, name).copy_(tensor)
     return learner
 
 
