@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from coop.io import atomic_write
-from coop.methods.base import TransferError
+from coop.methods.coop import require_transferable
 from coop.model import CLIP, load_clip
 from coop.prompt import PromptLearner
 
@@ -116,8 +116,7 @@ def learner_from_checkpoint(clip: CLIP, ckpt: dict, classnames: list[str] | None
         raise CheckpointError(f"a method={method} checkpoint holds no prompt (ctx) to rebuild")
     p = ckpt["config"]["prompt"]
     names = list(ckpt["classnames"]) if classnames is None else list(classnames)
-    if p["csc"] and names != list(ckpt["classnames"]):
-        raise TransferError("class-specific context (csc=true) cannot be transferred to other classes")
+    require_transferable(p["csc"], ckpt["classnames"], names)
     learner = PromptLearner(
         clip,
         names,

@@ -36,8 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from coop.methods.base import Method, TransferError
-from coop.methods.coop import build_learner
+from coop.methods.base import Method
+from coop.methods.coop import build_learner, require_transferable
 from coop.model import CLIP
 
 CHUNK_PROMPTS = 1024  # default prompts per block (`cocoop.chunk_prompts`)
@@ -85,11 +85,7 @@ class CoCoOp(Method):
         return {**self.prompt_learner.prompt_tensors(), **meta}
 
     def load_learnable(self, tensors: dict[str, torch.Tensor], classnames: list[str]) -> None:
-        if self.prompt_learner.csc and list(classnames) != self.classnames:
-            raise TransferError(
-                "class-specific context (prompt.csc=true) cannot be transferred to other classes; "
-                "only shared context transfers"
-            )
+        require_transferable(self.prompt_learner.csc, classnames, self.classnames)
         super().load_learnable(tensors, classnames)
 
     def logits(self, image_features: torch.Tensor, prepared=None) -> torch.Tensor:

@@ -24,6 +24,16 @@ def build_learner(clip: CLIP, cfg: DictConfig, classnames: list[str]) -> PromptL
     )
 
 
+def require_transferable(csc: bool, trained: list[str], target: list[str]) -> None:
+    """TransferError unless prompts learned for `trained` can score `target`: only shared context
+    transfers to other classes; class-specific context (csc) belongs to its own classes."""
+    if csc and list(trained) != list(target):
+        raise TransferError(
+            "class-specific context (prompt.csc=true) cannot be transferred to other classes; "
+            "only shared context transfers"
+        )
+
+
 class CoOp(Method):
     """`logit_scale.exp() * norm(img) @ norm(text_features(prompts)).T`; only the prompts train."""
 
@@ -42,11 +52,7 @@ class CoOp(Method):
         return self.prompt_learner.prompt_tensors()
 
     def load_learnable(self, tensors: dict[str, torch.Tensor], classnames: list[str]) -> None:
-        if self.prompt_learner.csc and list(classnames) != self.classnames:
-            raise TransferError(
-                "class-specific context (prompt.csc=true) cannot be transferred to other classes; "
-                "only shared context transfers"
-            )
+        require_transferable(self.prompt_learner.csc, classnames, self.classnames)
         super().load_learnable(tensors, classnames)
 
     def prepare(self) -> torch.Tensor:
