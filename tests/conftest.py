@@ -88,3 +88,22 @@ def make_image_folder(root: Path, classes=("red_thing", "green_thing", "blue_thi
 @pytest.fixture(scope="session")
 def image_folder(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("imagefolder"))
+
+
+def tiny_args(folder, out, **extra) -> list[str]:
+    """`key=value` overrides of a tiny, fast CPU training run on an image folder (plus `extra`)."""
+    args = {
+        "model.name": str(TINY_CONFIG),
+        "model.pretrained": "none",
+        "data.name": "imagefolder",
+        "data.root": str(folder),
+        "data.shots": 4,
+        "data.num_workers": 0,
+        "train.epochs": 4,
+        "train.batch_size": 4,
+        "train.lr": 0.05,
+        "device": "cpu",
+        "output_dir": str(out),
+    }
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, make_image_folder
+from conftest import REPO, TINY_CONFIG, make_image_folder, tiny_args
 
 import coop
 from coop.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint
@@ -25,22 +25,7 @@ CPU = torch.device("cpu")
 
 
 def tiny_overrides(folder, out, **extra) -> list[str]:
-    args = {
-        "model.name": str(TINY_CONFIG),
-        "model.pretrained": "none",
-        "data.name": "imagefolder",
-        "data.root": str(folder),
-        "data.shots": 4,
-        "data.num_workers": 0,
-        "train.epochs": 4,
-        "train.batch_size": 4,
-        "train.lr": 0.05,
-        "train.aug_views": 1,
-        "device": "cpu",
-        "output_dir": str(out),
-    }
-    args.update(extra)
-    return [f"{k}={v}" for k, v in args.items()]
+    return tiny_args(folder, out, **{"train.aug_views": 1, **extra})
 
 
 def tiny_cfg(folder, out, **extra):

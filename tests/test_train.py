@@ -12,30 +12,12 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import REPO, TINY_CONFIG, make_image_folder
+from conftest import REPO, TINY_CONFIG, make_image_folder, tiny_args
 
 from coop.config import ConfigError, epochs_for_shots, load_config, run_name
 
 TRAIN = [sys.executable, str(REPO / "tools" / "train.py")]
 EVAL = [sys.executable, str(REPO / "tools" / "eval.py")]
-
-
-def tiny_args(folder, out, **extra):
-    args = {
-        "model.name": str(TINY_CONFIG),
-        "model.pretrained": "none",
-        "data.name": "imagefolder",
-        "data.root": str(folder),
-        "data.shots": 4,
-        "data.num_workers": 0,
-        "train.epochs": 4,
-        "train.batch_size": 4,
-        "train.lr": 0.05,
-        "device": "cpu",
-        "output_dir": str(out),
-    }
-    args.update(extra)
-    return [f"{k}={v}" for k, v in args.items()]
 
 
 def run(cmd, **kw):
