@@ -10,7 +10,7 @@ method's `trainer` says (SGD epochs, a closed-form fit, or nothing), then evalua
 Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one row per epoch;
 `lr` is the rate that epoch trained at), `checkpoint.pt` (the method's learned tensors +
 optimizer/epoch/RNG state and the lr schedule's name, written atomically after every epoch),
-when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
+when finished `metrics.json`, `.lock` (held while a process writes the folder, `coop.lock`), and one `eval_<dataset>.json` per `eval.targets` entry (plus
 `eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`.
 
 The lr of an epoch is a function of the epoch alone (`coop.engine.epoch_lr`), set before the epoch
@@ -49,6 +49,7 @@ from coop.engine import (
     val_features,
 )
 from coop.io import atomic_write, write_json
+from coop.lock import run_lock
 from coop.model import CLIP
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,13 @@ def train_run(cfg: DictConfig) -> dict:
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     folder = Path(cfg.output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    handler = attach_log_file(folder)
-    try:
-        return _train_run(cfg, folder)
-    finally:
-        logging.getLogger().removeHandler(handler)
-        handler.close()
+    with run_lock(folder):  # one writer per folder: a second process refuses in one line
+        handler = attach_log_file(folder)
+        try:
+            return _train_run(cfg, folder)
+        finally:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
 
 
 def read_resume_checkpoint(path: Path) -> dict | None:

@@ -41,6 +41,7 @@ from coop.config import to_yaml
 from coop.federated import task
 from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
+from coop.lock import run_lock
 from coop.model import load_clip
 from coop.runner import check_same_config
 
@@ -60,15 +61,13 @@ class FederatedError(RuntimeError):
 def run_server(grid: Grid, cfg: DictConfig, node_timeout: float = 600.0, round_timeout: float = 24 * 3600.0):
     """Run (or resume, or return the metrics of a finished) federated run; returns metrics.json."""
     folder = Path(cfg.output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(folder / "log.txt")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    try:
-        return _run(grid, cfg, folder, node_timeout, round_timeout)
-    finally:
-        logging.getLogger().removeHandler(handler)
-        handler.close()
+    with run_lock(folder):  # one writer per folder (re-entrant: tools/federated.py holds it already)
+        handler = runner.attach_log_file(folder)
+        try:
+            return _run(grid, cfg, folder, node_timeout, round_timeout)
+        finally:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
 
 
 def read_checkpoint(path: Path) -> dict | None:
