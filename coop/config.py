@@ -50,7 +50,7 @@ DEFAULTS = {
     },
     "zeroshot": {"templates": "coop"},
     "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per recomputed block; coop.methods.cocoop
-    "kgcoop": {"weight": 8.0, "templates": "coop"},
+    "kgcoop": {"weight": 8.0, "templates": "kgcoop"},  # KgCoOp's own templates (coop.methods.zeroshot)
     "eval": {"targets": []},
     "fl": {
         "method": "promptfl",
@@ -238,6 +238,24 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
+def check_base_to_new(cfg: DictConfig) -> None:
+    """ConfigError, naming both keys, for a base-to-new run whose learned tensors cannot score the
+    new classes that it evaluates after training (`data.subsample_classes=base`): the linear
+    probe's classifier rows and class-specific context belong to their own classes."""
+    if cfg.data.subsample_classes != "base":
+        return
+    if cfg.method == "linear_probe":
+        what = "method=linear_probe learns one classifier row per base class"
+    elif cfg.method in ("coop", "cocoop", "kgcoop") and cfg.prompt.csc:
+        what = "prompt.csc=true learns context for the base classes only"
+    else:
+        return
+    raise ConfigError(
+        f"{what} and cannot score the new classes that data.subsample_classes=base evaluates after "
+        "training; use shared context (prompt.csc=false) with CoOp, CoCoOp or KgCoOp"
+    )
+
+
 def flatten(cfg: dict, prefix: str = "") -> dict:
     """A nested config dict as {dotted key: value}, e.g. {"data.shots": 16}."""
     out = {}
@@ -269,7 +287,7 @@ def method_settings(cfg: DictConfig) -> str:
     """
     if cfg.method == "zeroshot":
         templates = str(cfg.zeroshot.templates)
-        if templates not in ("coop", "ensemble"):
+        if templates not in ("coop", "kgcoop", "coop_ensemble", "ensemble"):
             templates = "template-" + hashlib.sha1(templates.encode()).hexdigest()[:8]
         return f"zeroshot_{templates}"
     if cfg.method == "linear_probe":

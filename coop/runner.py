@@ -33,7 +33,16 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
 from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from coop.config import DEFAULTS, RESULT_FREE_KEYS, flatten, load_config, model_tag, resolved_epochs, to_yaml
+from coop.config import (
+    DEFAULTS,
+    RESULT_FREE_KEYS,
+    check_base_to_new,
+    flatten,
+    load_config,
+    model_tag,
+    resolved_epochs,
+    to_yaml,
+)
 from coop.data import DataError
 from coop.engine import (
     LR_SCHEDULE,
@@ -95,6 +104,7 @@ def write_history(folder: Path, history: list[dict], fields: list[str] = HISTORY
 
 def train_run(cfg: DictConfig) -> dict:
     """Train (or resume, or skip if finished) the run described by `cfg`; returns its metrics."""
+    check_base_to_new(cfg)  # before the folder is touched: refused in one line, not after training
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     folder = Path(cfg.output_dir)

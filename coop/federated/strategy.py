@@ -4,8 +4,9 @@
 partition id (each node reports it once, `set_nodes`), never by Flower's random node ids, so that
 sampling and aggregation are the same in every run and on resume:
 
-- sampling: round r trains max(1, floor(fl.fraction * fl.clients)) clients drawn by a
-  `random.Random` seeded by (data.seed, r); all clients when fl.fraction = 1;
+- sampling: round r trains max(1, round(fl.fraction * fl.clients)) clients (Python's round:
+  0.29 * 100 gives 29, where int() gives 28 through floating-point error; halves go to the even
+  number) drawn by a `random.Random` seeded by (data.seed, r); all clients when fl.fraction = 1;
 - aggregation (`aggregate`), over the replies sorted by partition id, in float64:
     shared tensors (PromptFL's prompt; G and the queries of latent domains)
         fedavg, fedprox   weighted mean, weights = the clients' num-examples
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 def sample_clients(seed: int, rnd: int, clients: int, fraction: float) -> list[int]:
     """The partition ids that train in round `rnd`, sorted; a function of (seed, round) only."""
-    m = max(1, int(fraction * clients))
+    m = max(1, round(fraction * clients))
     if m >= clients:
         return list(range(clients))
     return sorted(random.Random(derive_seed(seed, rnd)).sample(range(clients), m))
