@@ -59,6 +59,8 @@ DEFAULTS = {
         "local_epochs": 1,
         "fraction": 1.0,
         "partition": "iid",
+        "iid": False,  # fl.partition=promptfl: every client holds every class
+        "repeat_rate": 0.0,  # fl.partition=promptfl: share of the classes common to several clients
         "alpha": 0.5,
         "classes_per_client": 2,
         "aggregation": "fedavg",
@@ -88,8 +90,8 @@ CHOICES = {
     "train.precision": ("amp", "fp32", "fp16"),
     "data.subsample_classes": ("all", "base", "new"),
     "fl.method": ("promptfl", "latent_domains"),
-    "fl.partition": ("iid", "dirichlet", "pathological", "domain"),
-    "fl.aggregation": ("fedavg", "uniform", "fedprox"),
+    "fl.partition": ("iid", "dirichlet", "pathological", "domain", "promptfl"),
+    "fl.aggregation": ("fedavg", "uniform", "fedprox", "last_client"),
     "fl.on_client_failure": ("continue", "stop"),
 }
 

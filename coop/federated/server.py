@@ -148,6 +148,8 @@ class ServerRun:
         self.ds = task.load_data(cfg)
         self.part = task.client_partition(cfg, self.ds)
         self.method = task.build_method(clip, self.ds.classnames, cfg).to(self.device)
+        self.precision = task.run_precision(cfg, self.device)
+        task.prepare_precision(clip, self.method, self.precision)  # the clients run the same
         self.test_feats, self.test_labels = task.features(
             cfg, clip, self.ds.test, self.device, train=False, what="the test split"
         )
@@ -173,16 +175,18 @@ class ServerRun:
         cfg, fl, ds = self.cfg, self.cfg.fl, self.ds
         log.info(
             "%s | %s (%s) | %d classes, %d train / %d test images | %s: %d clients (%s partition, sizes %s), "
-            "%d rounds x %d local epochs, %s | %d prompt parameters | %s",
+            "%d rounds x %d local epochs, %s | %d prompt parameters | %s %s",
             cfg.data.name, cfg.model.name, cfg.model.pretrained, len(ds.classnames), len(ds.train), len(ds.test),
             fl.method, fl.clients, fl.partition, self.part.sizes(), fl.rounds, fl.local_epochs, fl.aggregation,
-            sum(t.numel() for t in self.arrays.values()), self.device,
+            sum(t.numel() for t in self.arrays.values()), self.device, self.precision,
         )  # fmt: skip
 
     def evaluate_fn(self, server_round: int, record: ArrayRecord) -> MetricRecord:
         """Flower's central evaluation signature: the global tensors on the global test split."""
         self.method.load_learnable(record.to_torch_state_dict(), self.ds.classnames)
-        result = task.evaluate(self.method, self.test_feats[0], self.test_labels, self.device)
+        result = task.evaluate(
+            self.method, self.test_feats[0], self.test_labels, self.device, precision=self.precision
+        )
         return MetricRecord({"accuracy": result["accuracy"], "macro-f1": result["macro_f1"]})
 
     def checkpoint(self, finished: bool = False) -> None:
@@ -268,11 +272,14 @@ class ServerRun:
         cfg, method = self.cfg, self.method
         method.load_learnable(self.arrays, self.ds.classnames)
         domains = task.item_domains(self.ds, self.ds.test)
-        metrics = task.evaluate(method, self.test_feats[0], self.test_labels, self.device, domains)
+        metrics = task.evaluate(
+            method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
+        )
         metrics.update(
             epochs=int(cfg.fl.rounds) * int(cfg.fl.local_epochs),
             rounds=int(cfg.fl.rounds),
             **task.run_fields(cfg, method),
+            precision=self.precision,
             final_train_loss=self.history[-1]["train_loss"] if self.history else None,
             bytes_sent=sum(r["bytes_sent"] for r in self.history),
             client_failures=self.failures,

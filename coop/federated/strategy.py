@@ -10,7 +10,10 @@ sampling and aggregation are the same in every run and on resume:
 - aggregation (`aggregate`), over the replies sorted by partition id, in float64:
     shared tensors (PromptFL's prompt; G and the queries of latent domains)
         fedavg, fedprox   weighted mean, weights = the clients' num-examples
-        uniform           plain mean (PromptFL's official rule)
+        uniform           plain mean (PromptFL's paper)
+        last_client       the tensors of the last client (by partition id) that trained in the
+                          round: what PromptFL's official code computes (its `average_weights`
+                          averages N references to one model, the last client's)
     domain prompts D_k ("domain<k>.*" tensors; only clients that routed samples to D_k send it)
         D_k <- beta * D_k + (1 - beta) * mean of the received D_k,
         weighted by the samples each client routed to D_k (uniform: plain mean);
@@ -62,7 +65,7 @@ def aggregate(
         current: the global tensors the round started from.
         replies: one dict per successful client, sorted by partition id, with keys `tensors`
             (name -> tensor), `num_examples` and `usage` (samples routed to each domain prompt).
-        aggregation: "fedavg", "uniform" or "fedprox".
+        aggregation: "fedavg", "uniform", "fedprox" or "last_client".
         beta: moving-average rate of the domain prompts.
     """
     out = {}
@@ -71,6 +74,9 @@ def aggregate(
         senders = [r for r in replies if key in r["tensors"]]
         if not senders:
             out[key] = old.clone()
+            continue
+        if aggregation == "last_client":
+            out[key] = senders[-1]["tensors"][key].to(old.dtype).clone()
             continue
         if aggregation == "uniform":
             weights = [1.0] * len(senders)
