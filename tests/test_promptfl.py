@@ -201,7 +201,6 @@ def test_promptfl_partition_of_a_run(image_folder):
         sorted(c) for c in part.to_json()["client_classes"]
     ]
     assert part.sizes() == [2, 2, 2]  # one class each, K = 2
-    assert "_promptfl-noniid_uniform" not in task.fl_run_name(cfg)
     assert "_promptfl-noniid_fedavg_c3" in task.fl_run_name(cfg)
 
 

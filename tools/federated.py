@@ -56,12 +56,10 @@ def main() -> int:
         task.check_config(cfg)
         if cfg.output_dir is None:
             cfg.output_dir = str(Path("output") / task.fl_run_name(cfg))
-        with run_lock(cfg.output_dir):  # a second writer of the folder refuses before Ray starts
-            metrics = finished_metrics(cfg)
-            if metrics is None:
-                task.client_partition(
-                    cfg, task.load_data(cfg)
-                )  # bad data or partition settings: fail before Ray starts
+        metrics = finished_metrics(cfg)
+        if metrics is None:
+            task.client_partition(cfg, task.load_data(cfg))  # bad data or partition: fail before Ray starts
+            with run_lock(cfg.output_dir):  # a second writer of the folder refuses before Ray starts
                 metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu)
     except PartitionError as e:
         raise ConfigError(str(e)) from None

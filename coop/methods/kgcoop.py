@@ -8,7 +8,8 @@ type of texture." for DTD, "a photo of a {}." for ImageNet, CoOp's template else
 
 Prompts, logits and evaluation are CoOp's (every position, csc and depth); the regulariser only
 changes training. w_c^clip is computed once per run, on the first training step, and never stored
-in checkpoints, in fp32 whatever `train.precision` says. `kgcoop.templates` picks the templates as
+in checkpoints, with autocast off (fp32 under fp32 and amp; under fp16 the half-precision
+model's features, normalised in fp32). `kgcoop.templates` picks the templates as
 `zeroshot.templates` does: "kgcoop" (the default, KgCoOp's own), "coop" (CoOp's: "{} texture."
 for DTD), "coop_ensemble", "ensemble" or a literal "...{}...".
 
