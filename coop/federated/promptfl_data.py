@@ -148,6 +148,10 @@ def promptfl_partition(
         )
     if clients < 1:
         raise PartitionError(f"fl.clients must be >= 1, got {clients}")
+    if not train:
+        raise PartitionError(
+            "fl.partition=promptfl draws the clients' images from the train split, which is empty"
+        )
     labels = [d.label for d in train]
     rng = random.Random(seed)  # the stream random.seed(seed) gives federated_main.py
     for _ in range(OFFICIAL_BUILDS):

@@ -3,7 +3,9 @@
     metrics = run_server(grid, cfg)     # inside a Flower ServerApp (simulation or deployment)
 
 The run folder is the one `tools/train.py` writes (config.yaml, log.txt, history.csv,
-checkpoint.pt, metrics.json), plus `partition.json` (which training items each client holds).
+checkpoint.pt, metrics.json, and `.lock`, held while the server writes: `coop.lock`), plus
+`partition.json` (which training items each client holds). Server and clients run
+`train.precision` (`task.run_precision`); metrics.json records the one that ran.
 Each round:
 
 1. the strategy samples clients (seeded by (data.seed, round)) and sends them the global prompt

@@ -3,7 +3,7 @@
 Nothing here imports Flower. Both sides call the same functions with the same config, so a
 client computes exactly the partition and features the server expects (`Partition.digest`).
 
-    promptfl        `coop.methods.CoOp`: CoOp's prompt (any position, csc, depth), averaged
+    promptfl        `coop.methods.CoOp`: CoOp's prompt (any position, csc, depth), aggregated
     latent_domains  `coop.federated.latent_domains.LatentDomains`: G + D_1..D_K + queries
 """
 
