@@ -72,3 +72,28 @@ def test_second_train_run_refuses_before_writing(tmp_path, image_folder):
         proc.wait()
     assert isinstance(e.value, _cli.bad_input_errors())  # tools print it as one line, exit 2
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+
+
+def test_sweep_point_on_a_locked_run_fails_in_one_line(tmp_path, image_folder):
+    """A sweep worker that picks a run another process is writing fails that point at once (the
+    sweep's own worker loop and a real tools/train.py)."""
+    from coop import sweep as sweep_lib
+
+    keys = [k for k in tiny_args(image_folder, tmp_path / "unused") if not k.startswith("output_dir=")]
+    (run,) = sweep_lib.plan(sweep_lib.load_grid(None, keys), tmp_path / "runs")
+    proc = hold_lock(run.folder)
+    try:
+        cmd = sweep_lib.train_command(run, REPO / "tools" / "train.py", None)
+        sweep_lib.run_processes([run], [cmd], jobs=1, gpus=[], echo=False)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert run.returncode == 2
+    # the sweep records the failure with the tail of that one line
+    assert run.error.startswith("exit code 2: ")
+    assert run.error.endswith(f"seed1 is being written by another process (pid {proc.pid}); "
+                              "wait for it to finish or use another output_dir")  # fmt: skip
+    assert (
+        (run.folder / "sweep.log").read_text().strip().splitlines()[-1].startswith(f"error: {run.folder} is")
+    )
+    assert not (run.folder / "metrics.json").exists()
