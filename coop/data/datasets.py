@@ -144,7 +144,7 @@ def read_imagenet(root, write_cache: bool = True) -> Source:
                 listing, where = obj, str(path)
                 break
     if listing is None:
-        logger.info("listing imagenet images under %s (cached afterwards)", image_dir)
+        logger.info("listing imagenet images under %s%s", image_dir, " (cached afterwards)" * write_cache)
         listing, where = _list_imagenet(image_dir, classnames_file), image_dir
         if write_cache:
             save_cache(primary, fallback, listing, "imagenet listing")
