@@ -33,19 +33,25 @@ TB_DIR = "tb"
 
 
 class Board:
-    """Writes a run's scalars to `<folder>/tb/`; every method is a no-op when off (`writer` None)."""
+    """Writes a run's scalars to `log_dir`; every method is a no-op when off (`log_dir` None).
 
-    def __init__(self, writer=None):
-        self.writer = writer
+    The event file is created at the first point, so a finished run that is run again (and
+    writes nothing) leaves no empty event file behind.
+    """
+
+    def __init__(self, log_dir: Path | None = None, writer_cls=None):
+        self.log_dir, self.writer_cls, self.writer = log_dir, writer_cls, None
 
     @property
     def on(self) -> bool:
-        return self.writer is not None
+        return self.log_dir is not None
 
     def scalars(self, values: dict[str, float | None], step: int) -> None:
         """Write each `tag: value` (None values are skipped) at `step`, then flush to disk."""
-        if self.writer is None:
+        if self.log_dir is None:
             return
+        if self.writer is None:
+            self.writer = self.writer_cls(log_dir=str(self.log_dir))
         for tag, value in values.items():
             if value is not None:
                 self.writer.add_scalar(tag, float(value), step)
@@ -107,4 +113,4 @@ def open_board(folder: str | Path, enabled: bool = True) -> Board:
         return Board()
     path = Path(folder) / TB_DIR
     log.debug("TensorBoard events -> %s", path)
-    return Board(SummaryWriter(log_dir=str(path)))
+    return Board(path, SummaryWriter)

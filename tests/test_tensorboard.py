@@ -43,7 +43,7 @@ def test_events_repeat_history_and_metrics(tmp_path):
     train_run(
         load_config(None, tiny_args(data, out, **{"data.subsample_classes": "base", "train.epochs": 3}))
     )
-    assert read_scalars(out) == scalars
+    assert read_scalars(out) == scalars and len(list((out / "tb").iterdir())) == 1  # no new event file
 
 
 def test_off_without_tensorboard_or_when_disabled(tmp_path, monkeypatch, caplog):
