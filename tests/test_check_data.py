@@ -178,6 +178,8 @@ def test_tool_table_exit_status_and_read_only(tmp_path, capsys, published_as_gen
         for s in ("train", "test"):
             image(folder / s / c / "0.png")
     assert check_data(folder, "--dataset", "imagefolder") == 0
+    (problem, fix), *_ = check_dataset("imagefolder", folder, split_file=tmp_path / "none.json").problems
+    assert problem.endswith("none.json is missing") and "tools/make_split.py" in fix
     split = tmp_path / "split.json"
     split.write_text(
         json.dumps(

@@ -139,6 +139,10 @@ def index_tree(root: str, depth: int = SEARCH_DEPTH) -> dict[str, list[str]]:
 
 
 def _fetch(name: str, role: str, target: str) -> str:
+    if name == "imagefolder":  # a custom dataset: nothing to download, something to make
+        if role == "files":
+            return f"write it with tools/make_split.py <folder of class folders> --out {target}"
+        return f"create {target} with one sub-folder of images per class"
     what, where = DOWNLOADS.get(name, {}).get(role, ("it", "where the dataset is published"))
     if role == "images":
         return f"fetch {what} from {where} and extract it so that its images are in {target}"
