@@ -3,7 +3,8 @@
     metrics = run_server(grid, cfg)     # inside a Flower ServerApp (simulation or deployment)
 
 The run folder is the one `tools/train.py` writes (config.yaml, log.txt, history.csv,
-checkpoint.pt, metrics.json), plus `partition.json` (which training items each client holds).
+checkpoint.pt, metrics.json, tb/ with train.tensorboard), plus `partition.json` (which training
+items each client holds).
 Each round:
 
 1. the strategy samples clients (seeded by (data.seed, round)) and sends them the global prompt
@@ -43,6 +44,7 @@ from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
 from coop.model import load_clip
 from coop.runner import check_same_config
+from coop.tensorboard import OFF, Board, open_board
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,11 @@ def run_server(grid: Grid, cfg: DictConfig, node_timeout: float = 600.0, round_t
     handler = logging.FileHandler(folder / "log.txt")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
+    board = open_board(folder, bool(cfg.train.tensorboard))
     try:
-        return _run(grid, cfg, folder, node_timeout, round_timeout)
+        return _run(grid, cfg, folder, node_timeout, round_timeout, board)
     finally:
+        board.close()
         logging.getLogger().removeHandler(handler)
         handler.close()
 
@@ -163,6 +167,7 @@ class ServerRun:
         )
         self.arrays = {k: v.detach().cpu().clone() for k, v in self.method.learnable().items()}
         self.round, self.history, self.failures = 0, [], []
+        self.board = OFF  # TensorBoard: one point per round (coop.tensorboard)
 
     def restore(self, ckpt: dict) -> None:
         self.arrays, self.round = dict(ckpt["prompt"]), int(ckpt["round"])
@@ -249,6 +254,7 @@ class ServerRun:
         self.history.append(row)
         self.checkpoint()
         write_history(self.folder, self.history)
+        self.board.round(row)
         log.info(
             "round %d/%d: accuracy %.2f%%, train loss %.4f, %d clients, %d bytes sent (%.1f s)",
             rnd, rounds, row["accuracy"], row["train_loss"], row["clients"], row["bytes_sent"], row["time_s"],
@@ -287,13 +293,16 @@ class ServerRun:
         return metrics
 
 
-def _run(grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float) -> dict:
+def _run(
+    grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float, board: Board = OFF
+) -> dict:
     done = finished_metrics(cfg)
     if done is not None:
         return done
     ckpt = read_checkpoint(folder / "checkpoint.pt")
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
     run = ServerRun(cfg, folder)
+    run.board = board
     write_json(folder / "partition.json", run.part.to_json())
     if ckpt is not None:
         run.restore(ckpt)
