@@ -33,6 +33,7 @@ DEFAULTS = {
         "subsample_classes": "all",
         "num_workers": 2,
         "target_domain": None,
+        "split_file": None,  # imagefolder: a CoOp split JSON (tools/make_split.py); see coop.data.datasets
     },
     "train": {
         "epochs": None,
@@ -47,6 +48,7 @@ DEFAULTS = {
         "eval_batch_size": 100,
         "cache_features": True,
         "grad_checkpointing": False,
+        "tensorboard": True,  # TensorBoard events in <run>/tb/ when tensorboard is installed
     },
     "zeroshot": {"templates": "coop"},
     "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per recomputed block; coop.methods.cocoop
@@ -109,6 +111,7 @@ RESULT_FREE_KEYS = frozenset(
         "train.grad_checkpointing",  # recomputes activations: the same gradients, less memory
         "eval.targets",  # adds eval_<dataset>.json files; a finished run evaluates new ones
         "cocoop.chunk_prompts",  # how many prompts run at once: the same results, other memory
+        "train.tensorboard",  # extra event files beside history.csv
     }
 )
 
@@ -229,6 +232,14 @@ def validate(cfg: DictConfig) -> None:
     weight = cfg.kgcoop.weight
     if not _is_number(weight) or not weight >= 0:
         raise ConfigError(f"kgcoop.weight must be a number >= 0, got {weight!r}")
+    if not isinstance(cfg.train.tensorboard, bool):
+        raise ConfigError(f"train.tensorboard must be true or false, got {cfg.train.tensorboard!r}")
+    split_file = cfg.data.split_file
+    if split_file is not None and (not isinstance(split_file, str) or cfg.data.name != "imagefolder"):
+        raise ConfigError(
+            f"data.split_file={split_file!r} is read by data.name=imagefolder only (got {cfg.data.name!r}); "
+            "set data.split_file=null for other datasets"
+        )
     targets = cfg.eval.targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")

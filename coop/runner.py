@@ -10,8 +10,10 @@ method's `trainer` says (SGD epochs, a closed-form fit, or nothing), then evalua
 Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one row per epoch;
 `lr` is the rate that epoch trained at), `checkpoint.pt` (the method's learned tensors +
 optimizer/epoch/RNG state and the lr schedule's name, written atomically after every epoch),
-when finished `metrics.json`, `.lock` (held while a process writes the folder, `coop.lock`), and one `eval_<dataset>.json` per `eval.targets` entry (plus
-`eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`.
+when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
+`eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`; and,
+with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.tensorboard`).
+`.lock` is held while a process writes the folder (`coop.lock`): a second one refuses.
 
 The lr of an epoch is a function of the epoch alone (`coop.engine.epoch_lr`), set before the epoch
 starts, so a resumed run needs no scheduler state beyond the epoch it resumes at. A checkpoint that
@@ -60,6 +62,7 @@ from coop.engine import (
 from coop.io import atomic_write, write_json
 from coop.lock import run_lock
 from coop.model import CLIP
+from coop.tensorboard import OFF, Board, open_board
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +113,11 @@ def train_run(cfg: DictConfig) -> dict:
     folder = Path(cfg.output_dir)
     with run_lock(folder):  # one writer per folder: a second process refuses in one line
         handler = attach_log_file(folder)
+        board = open_board(folder, bool(cfg.train.tensorboard))
         try:
-            return _train_run(cfg, folder)
+            return _train_run(cfg, folder, board)
         finally:
+            board.close()
             logging.getLogger().removeHandler(handler)
             handler.close()
 
@@ -127,7 +132,7 @@ def read_resume_checkpoint(path: Path) -> dict | None:
         raise CheckpointError(f"cannot resume: {e}; delete it or use another output_dir") from None
 
 
-def _train_run(cfg: DictConfig, folder: Path) -> dict:
+def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     ckpt_path, metrics_path = folder / "checkpoint.pt", folder / "metrics.json"
     ckpt = read_resume_checkpoint(ckpt_path)
@@ -137,7 +142,7 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
             log.info("%s is finished; not training again", folder)
             metrics = json.loads(metrics_path.read_text())
             if pending_evaluations(cfg, folder):  # e.g. killed while evaluating eval.targets
-                evaluate_targets(cfg, ckpt, folder)
+                evaluate_targets(cfg, ckpt, folder, board=board)
             return metrics
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
 
@@ -185,14 +190,15 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
 
     extra = {}
     if method.trainer == "sgd":
-        fit(s, optimizer, start, epochs, history, checkpoint, folder)
+        fit(s, optimizer, start, epochs, history, checkpoint, folder, board)
     elif method.trainer == "fit":
         extra = fit_closed_form(s)
     metrics = finalize(s, epochs, history, metrics_path, extra)
+    board.evaluation("test", metrics, step=epochs)
     state.update(method.describe())  # what the fit chose, e.g. the linear probe's C
     checkpoint(epochs, finished=True)
     if pending_evaluations(cfg, folder):
-        evaluate_targets(cfg, read_resume_checkpoint(ckpt_path), folder, s.clip)
+        evaluate_targets(cfg, read_resume_checkpoint(ckpt_path), folder, s.clip, board)
     return metrics
 
 
@@ -216,8 +222,10 @@ def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[di
     return start, list(ckpt["history"])
 
 
-def fit(s: Setup, optimizer, start: int, epochs: int, history: list[dict], checkpoint, folder: Path) -> None:
-    """Train epochs start..epochs-1, appending to `history` and checkpointing after each."""
+def fit(
+    s: Setup, optimizer, start: int, epochs: int, history: list[dict], checkpoint, folder: Path, board: Board
+) -> None:
+    """Train epochs start..epochs-1, appending to `history` (and `board`), checkpointing after each."""
     cfg, tensors = s.cfg, list(s.method.learnable().values())
     train_feats = training_features(s) if start < epochs else None
     log_every = max(1, epochs // 10)
@@ -248,6 +256,7 @@ def fit(s: Setup, optimizer, start: int, epochs: int, history: list[dict], check
         history.append({**row, "time_s": round(time.perf_counter() - t0, 3)})
         checkpoint(epoch + 1, finished=False)
         write_history(folder, history)
+        board.epoch(row)
         bar.set_postfix(loss=f"{stats['loss']:.4f}", acc=f"{stats['train_acc']:.1f}")
         if (epoch + 1) % log_every == 0 or epoch + 1 == epochs:
             log.info(
@@ -350,7 +359,9 @@ def evaluate_on(
     return metrics, s.clip
 
 
-def evaluate_targets(cfg: DictConfig, ckpt: dict, folder: Path, clip: CLIP | None = None) -> dict[str, dict]:
+def evaluate_targets(
+    cfg: DictConfig, ckpt: dict, folder: Path, clip: CLIP | None = None, board: Board = OFF
+) -> dict[str, dict]:
     """Evaluate every pending target of a finished run; writes `eval_<dataset>.json` into `folder`.
 
     Feature caches are shared between runs, so each target's test set is encoded once per model.
@@ -361,6 +372,7 @@ def evaluate_targets(cfg: DictConfig, ckpt: dict, folder: Path, clip: CLIP | Non
         metrics, clip = evaluate_on(config, ckpt, dataset, classes, clip)
         path = folder / eval_file(dataset, classes)
         write_json(path, metrics)
+        board.evaluation(path.stem.replace("eval_", "test_", 1), metrics, step=int(ckpt.get("epoch", 0)))
         log.info(
             "%s: accuracy %.2f%% on %d images -> %s", dataset, metrics["accuracy"], metrics["n_test"], path
         )

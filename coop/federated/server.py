@@ -3,9 +3,9 @@
     metrics = run_server(grid, cfg)     # inside a Flower ServerApp (simulation or deployment)
 
 The run folder is the one `tools/train.py` writes (config.yaml, log.txt, history.csv,
-checkpoint.pt, metrics.json, and `.lock`, held while the server writes: `coop.lock`), plus
-`partition.json` (which training items each client holds). Server and clients run
-`train.precision` (`task.run_precision`); metrics.json records the one that ran.
+checkpoint.pt, metrics.json, tb/ with train.tensorboard, and `.lock`, held while the server
+writes: `coop.lock`), plus `partition.json` (which training items each client holds). Server and
+clients run `train.precision` (`task.run_precision`); metrics.json records the one that ran.
 Each round:
 
 1. the strategy samples clients (seeded by (data.seed, round)) and sends them the global prompt
@@ -46,6 +46,7 @@ from coop.io import atomic_write, write_json
 from coop.lock import run_lock
 from coop.model import load_clip
 from coop.runner import check_same_config
+from coop.tensorboard import OFF, Board, open_board
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,11 @@ def run_server(grid: Grid, cfg: DictConfig, node_timeout: float = 600.0, round_t
     folder = Path(cfg.output_dir)
     with run_lock(folder):  # one writer per folder (re-entrant: tools/federated.py holds it already)
         handler = runner.attach_log_file(folder)
+        board = open_board(folder, bool(cfg.train.tensorboard))
         try:
-            return _run(grid, cfg, folder, node_timeout, round_timeout)
+            return _run(grid, cfg, folder, node_timeout, round_timeout, board)
         finally:
+            board.close()
             logging.getLogger().removeHandler(handler)
             handler.close()
 
@@ -166,6 +169,7 @@ class ServerRun:
         )
         self.arrays = {k: v.detach().cpu().clone() for k, v in self.method.learnable().items()}
         self.round, self.history, self.failures = 0, [], []
+        self.board = OFF  # TensorBoard: one point per round (coop.tensorboard)
 
     def restore(self, ckpt: dict) -> None:
         self.arrays, self.round = dict(ckpt["prompt"]), int(ckpt["round"])
@@ -254,6 +258,7 @@ class ServerRun:
         self.history.append(row)
         self.checkpoint()
         write_history(self.folder, self.history)
+        self.board.round(row)
         log.info(
             "round %d/%d: accuracy %.2f%%, train loss %.4f, %d clients, %d bytes sent (%.1f s)",
             rnd, rounds, row["accuracy"], row["train_loss"], row["clients"], row["bytes_sent"], row["time_s"],
@@ -295,13 +300,16 @@ class ServerRun:
         return metrics
 
 
-def _run(grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float) -> dict:
+def _run(
+    grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float, board: Board = OFF
+) -> dict:
     done = finished_metrics(cfg)
     if done is not None:
         return done
     ckpt = read_checkpoint(folder / "checkpoint.pt")
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
     run = ServerRun(cfg, folder)
+    run.board = board
     write_json(folder / "partition.json", run.part.to_json())
     if ckpt is not None:
         run.restore(ckpt)

@@ -158,7 +158,9 @@ def load_data(cfg: DictConfig):
     if cfg.data.name == "multidomain":
         ds = build_multidomain(cfg.data.root, cfg.data.target_domain, int(cfg.data.shots), int(cfg.data.seed))
     else:
-        ds = build_dataset(cfg.data.name, cfg.data.root, shots=int(cfg.data.shots), seed=int(cfg.data.seed))
+        ds = build_dataset(
+            cfg.data.name, cfg.data.root, int(cfg.data.shots), int(cfg.data.seed), cfg.data.split_file
+        )
     return subsample_classes(ds, cfg.data.subsample_classes)
 
 
@@ -295,10 +297,11 @@ def run_fields(cfg: DictConfig, method: Method) -> dict:
 
 
 def absolute_paths(cfg: DictConfig) -> DictConfig:
-    """A copy whose data.root and model config path are absolute (clients may run elsewhere)."""
+    """A copy whose data.root, data.split_file and model config path are absolute (clients may run elsewhere)."""
     out = cfg.copy()
-    if out.data.root is not None:
-        out.data.root = str(Path(str(out.data.root)).expanduser().resolve())
+    for key in ("root", "split_file"):
+        if out.data[key] is not None:
+            out.data[key] = str(Path(str(out.data[key])).expanduser().resolve())
     name = str(out.model.name)
     if name.endswith(".json") and Path(name).is_file():
         out.model.name = str(Path(name).resolve())
