@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import REPO
 
 from coop.config import DEFAULTS, flatten
-from conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FILE_SUFFIXES = {"py", "yaml", "yml", "json", "csv", "md", "txt", "pt", "png", "bin", "toml"}
@@ -52,7 +52,9 @@ def test_named_scripts_and_config_files_exist(doc):
 
 
 def test_the_key_check_catches_a_misspelt_key():
-    found = {f"{s}.{k}" for s, k in DOTTED.findall("run with train.aug_view=1 and `data.shots`, tools/train.py")}
+    found = {
+        f"{s}.{k}" for s, k in DOTTED.findall("run with train.aug_view=1 and `data.shots`, tools/train.py")
+    }
     assert "train.aug_view" in found and "train.aug_view" not in KEYS
     assert "data.shots" in found and "data.shots" in KEYS
     assert "train.py" not in found or "py" in FILE_SUFFIXES
