@@ -31,14 +31,12 @@ from coop.prompt import PromptError
 VPT_TEMPLATE = "a photo of a {}."  # the VPT trainer's fixed text prompt
 
 
-def vision_tower(clip: CLIP, cfg: DictConfig, method: str) -> nn.Module:
+def vision_tower(clip: CLIP, method: str) -> nn.Module:
     """The image tower that takes prompts; a one-line ModelError naming the model if it cannot."""
-    if not getattr(clip, "supports_vision_prompts", False):
-        raise ModelError(
-            f"method={method} prompts the image tower, and model {cfg.model.name} has a "
-            f"{type(clip.visual).__name__} image tower; vision prompts need a standard ViT "
-            "(ViT-B-32, ViT-B-16, ViT-L-14, ViT-H-14, ...)"
-        )
+    try:
+        clip.require_vision_prompts()
+    except ModelError as e:
+        raise ModelError(f"method={method} prompts the image tower, and {e}") from None
     return clip.visual
 
 
@@ -94,7 +92,7 @@ class VisionPromptMethod(Method):
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
-        tower = vision_tower(clip, cfg, self.name)
+        tower = vision_tower(clip, self.name)
         self.tower_layers, self.tower_width = int(tower.layers), int(tower.width)
         self.grad_checkpointing = bool(OmegaConf.select(cfg, "train.grad_checkpointing", default=False))
 
@@ -149,8 +147,8 @@ class VPT(VisionPromptMethod):
 
     Args:
         clip, classnames: as for every method.
-        cfg: reads `vision.n_ctx`, `vision.depth`, `train.grad_checkpointing` (and `model.name`
-            for errors); `prompt.*` does not apply.
+        cfg: reads `vision.n_ctx`, `vision.depth` and `train.grad_checkpointing`; `prompt.*`
+            does not apply.
     """
 
     name = "vpt"
