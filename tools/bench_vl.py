@@ -185,6 +185,7 @@ def step_memory(args, name: str, grad_checkpointing: bool) -> float | None:
     oc, clip = build_models(args.model, device)
     del oc
     method = build(name, clip, args.memory_classes, grad_checkpointing, args.set)
+    clip.text.grad_checkpointing = grad_checkpointing  # as the engine sets it: both towers
     gen = torch.Generator().manual_seed(1)
     size = clip.image_size
     images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)
