@@ -10,15 +10,19 @@ import subprocess
 import sys
 import time
 
+import open_clip
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import REPO, TINY_CONFIG, randomise_prompts
+from test_image_encoder import randomise
 from test_protocols import data_root  # noqa: F401  (a fixture)
 
 from coop.config import ConfigError, load_config, run_name
 from coop.methods import build_method
-from coop.model import ModelError, load_clip
+from coop.model import CLIP, ModelError, load_clip
 from coop.prompt import PromptClassifier, PromptError, PromptLearner
+from coop.reference import ivlp_logits, maple_logits, reference_inputs, vpt_logits
 from coop.results import dataset_table, load_runs
 from coop.runner import evaluate_checkpoint, train_run
 from coop.sweep import load_grid, plan
@@ -34,10 +38,16 @@ WIDE_VISION = {
 
 
 @pytest.fixture(scope="module")
-def wide_clip(tmp_path_factory):
-    path = tmp_path_factory.mktemp("models") / "vl-tiny.json"
-    path.write_text(json.dumps(WIDE_VISION))
-    return load_clip(str(path), pretrained=None)
+def vl_models():
+    """A random open_clip model of `WIDE_VISION` (every LayerNorm and bias randomised) and ours."""
+    torch.manual_seed(0)
+    oc = randomise(open_clip.CLIP(**WIDE_VISION), seed=0)
+    return oc, CLIP.from_openclip(oc, name="vl-tiny")
+
+
+@pytest.fixture(scope="module")
+def wide_clip(vl_models):
+    return vl_models[1]
 
 
 def tiny(out, *extra: str) -> list[str]:
@@ -96,6 +106,64 @@ def test_phrase_with_fewer_learnable_tokens(tiny_clip):
         tiny_clip, CLASSES, load_config(None, ["prompt.n_ctx=2", "prompt.ctx_init=a photo of a"])
     )
     assert coop.prompt_learner.n_phrase == 4  # CoOp follows the same meaning
+
+
+# --- ours against the references, logits and gradients ------------------------------------------
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max())
+
+
+REFERENCE_CASES = {
+    "vpt": ["vision.n_ctx=3"],
+    "ivlp": ["vision.n_ctx=3"],  # 2 text tokens of "a photo of a" ([V1][V2] of a), 3 vision tokens
+    "ivlp-front-csc": ["prompt.n_ctx=3", "prompt.ctx_init=null", "prompt.position=front", "prompt.csc=true"],
+    "maple": [],
+}
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("case", sorted(REFERENCE_CASES))
+def test_methods_match_the_references(vl_models, case, depth):
+    """Each method's logits, loss and the gradient of every learned tensor equal the reference's
+    (full 77-token text, open_clip's modules, prompts concatenated step by step)."""
+    oc, clip = vl_models
+    method = case.split("-")[0]
+    depths = [f"prompt.depth={depth}"] + ([f"vision.depth={depth}"] if method != "maple" else [])
+    m = build(clip, method, *depths, *REFERENCE_CASES[case])
+    tensors = m.learnable()
+    gen = torch.Generator().manual_seed(depth)
+    with torch.no_grad():  # away from the initialisation, so that every term matters
+        for t in tensors.values():
+            t.add_(0.5 * torch.randn(t.shape, generator=gen))
+    images = torch.randn(2, 3, 32, 32, generator=gen)
+    labels = torch.tensor([0, 2])
+    if method == "vpt":
+        ids = clip.tokenize([f"a photo of a {c.replace('_', ' ')}." for c in CLASSES])
+        ref = vpt_logits(oc, images, ids, m.vision_prompts())
+    else:
+        pl = m.prompt_learner
+        ids, name_lens, slots = reference_inputs(oc, pl)
+        if pl.position == "front":  # the prompt text itself: "{class} X X X." with X learnable
+            ids = clip.tokenize([f"{c.replace('_', ' ')} X X X." for c in CLASSES])
+            slots = torch.zeros(ids.shape, dtype=torch.bool)
+            for row, c in enumerate(name_lens):
+                slots[row, 1 + c : 4 + c] = True
+        if method == "ivlp":
+            ref = ivlp_logits(oc, images, ids, slots, pl.ctx, pl.deep_ctx, m.vision_prompts())
+        else:
+            projections = [m.proj, *m.compound_prompt_projections]
+            ref = maple_logits(oc, images, ids, slots, pl.ctx, pl.deep_ctx, projections)
+    loss, ours = m.loss(images, labels)
+    assert relative_error(ours, ref) < 1e-5
+    ref_loss = F.cross_entropy(ref, labels)
+    assert abs(float(loss.detach() - ref_loss.detach())) < 1e-5
+    names = list(tensors)
+    our_grads = torch.autograd.grad(loss, list(tensors.values()))
+    ref_grads = torch.autograd.grad(ref_loss, list(tensors.values()))
+    for name, a, b in zip(names, our_grads, ref_grads, strict=True):
+        assert b.abs().max() > 0 and relative_error(a, b) < 1e-4, name
 
 
 # --- what trains, the coupling, precision ------------------------------------------------------
