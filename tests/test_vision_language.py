@@ -217,16 +217,33 @@ def test_maple_coupling_and_fp16_layout(wide_clip):
     assert len(prompts) == 3 and all(p.shape == (2, 128) for p in prompts)
     torch.testing.assert_close(prompts[0], m.prompt_learner.ctx @ m.proj.weight.T + m.proj.bias)
     torch.testing.assert_close(prompts[2], clones[1](m.prompt_learner.deep_ctx[1]))
+    # train.grad_checkpointing (both towers recompute their blocks): the same gradients
+    images, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
+    tensors = list(m.learnable().values())
+    plain = torch.autograd.grad(m.loss(images, labels)[0], tensors)
+    m.grad_checkpointing = m.clip.text.grad_checkpointing = True  # what engine.setup does for the run
+    try:
+        again = torch.autograd.grad(m.loss(images, labels)[0], tensors)
+    finally:
+        m.clip.text.grad_checkpointing = False
+    for a, b in zip(again, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     # PREC=fp16 as in the original: CLIP, ctx and proj half; deeper prompts and clones fp32
     m.to_half()
-    pl = m.prompt_learner
-    assert (
-        pl.ctx.dtype == pl.token_embeds.dtype == m.proj.weight.dtype == m.clip.logit_scale.dtype == torch.half
-    )
-    assert pl.deep_ctx.dtype == clones[0].weight.dtype == torch.float32
-    ivlp = build(wide_clip, "ivlp", "prompt.depth=2", "vision.depth=2")
-    ivlp.to_half()
-    assert ivlp.prompt_learner.ctx.dtype == torch.half and ivlp.vision.ctx.dtype == torch.float32
+    try:
+        pl = m.prompt_learner
+        assert pl.ctx.dtype == pl.token_embeds.dtype == m.proj.weight.dtype == torch.half
+        assert m.clip.logit_scale.dtype == torch.half
+        assert pl.deep_ctx.dtype == clones[0].weight.dtype == torch.float32
+        loss, logits = m.loss(images.half(), labels)
+        loss.backward()
+        assert logits.dtype == torch.float32 and torch.isfinite(loss)
+        assert pl.ctx.grad.dtype == torch.half and pl.deep_ctx.grad.dtype == torch.float32
+        ivlp = build(wide_clip, "ivlp", "prompt.depth=2", "vision.depth=2")
+        ivlp.to_half()
+        assert ivlp.prompt_learner.ctx.dtype == torch.half and ivlp.vision.ctx.dtype == torch.float32
+    finally:
+        wide_clip.float()  # the module's model is shared with other tests
 
 
 # --- recipes, names, grids and errors ----------------------------------------------------------
