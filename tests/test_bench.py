@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import re
@@ -44,8 +45,13 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     epoch = report["epoch"]
     assert epoch["images"] == 64 and epoch["aug_views0_steps"] == epoch["cached_steps"] == 2
     assert epoch["cache_s"] > 0 and epoch["aug_views0_s"] > 0
+    maple = report["maple"]
+    assert [r["side"] for r in maple] == ["coop", "coop, grad checkpointing", "reference"]
+    assert all(r["ms"] > 0 and r["peak_mib"] is None and r["classes"] == 20 for r in maple)
     out = capsys.readouterr().out
-    assert "all checks passed" in out and "no decoding/augmentation" in out
+    assert (
+        "all checks passed" in out and "no decoding/augmentation" in out and "one MaPLe training step" in out
+    )
 
 
 def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, capsys):
@@ -57,6 +63,7 @@ def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gpu_check, "check_parity", out_of_memory)
     monkeypatch.setattr(gpu_check, "check_speed", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_memory", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_maple", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_epoch", out_of_memory)
     assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 1
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -97,3 +104,26 @@ def test_bench_train_counts_steps(capsys):
     assert "(2 steps in 2 epochs," in out.split("aug_views=0")[1].splitlines()[0]
     cached = next(line for line in out.splitlines() if line.startswith("epoch on cached"))
     assert "(2 steps in 2 epochs," in cached
+
+
+def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, capsys):
+    out_json = tmp_path / "vl.json"
+    args = ["--method", "maple", "--model", str(TINY_CONFIG), "--classes", "4", "--batch", "2"]
+    args += ["--set", "prompt.depth=2", "--memory-classes", "4", "--json", str(out_json)]
+    bench_vl = load_tool("bench_vl")
+    assert bench_vl.main([*args, "--no-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up:" in out and "bound from token counts" in out
+    report = json.loads(out_json.read_text())
+    step = report["steps"][0]
+    assert step["classes"] == 4 and step["reference_text"] == 4 * 77 and step["ours_text"] < 4 * 77
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert set(step["grad_diff"]) == {"ctx", "deep_ctx", "proj.weight", "proj.bias"} | {
+        f"compound_prompt_projections.0.{p}" for p in ("weight", "bias")
+    }
+    # what each child process of the memory measurement runs (here in this process)
+    child = argparse.Namespace(
+        device="cpu", model=str(TINY_CONFIG), memory_classes=4, batch=2, set=["prompt.depth=2"]
+    )
+    # (in a process that has already run steps, freed memory is reused: the added peak can be 0)
+    assert bench_vl.step_memory(child, "maple", grad_checkpointing=True) >= 0
