@@ -12,6 +12,7 @@ those values replace the defaults for every key that no file, override or saved 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from pathlib import Path
 
@@ -51,6 +52,14 @@ DEFAULTS = {
     "zeroshot": {"templates": "coop"},
     "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per recomputed block; coop.methods.cocoop
     "kgcoop": {"weight": 8.0, "templates": "coop"},
+    "promptsrc": {  # coop.methods.promptsrc; GPA: coop.gpa
+        "text_weight": 25.0,
+        "image_weight": 10.0,
+        "kl_weight": 1.0,
+        "templates": "promptsrc",
+        "gpa_mean": 15.0,
+        "gpa_std": 1.0,
+    },
     "eval": {"targets": []},
     "fl": {
         "method": "promptfl",
@@ -227,6 +236,15 @@ def validate(cfg: DictConfig) -> None:
     weight = cfg.kgcoop.weight
     if not _is_number(weight) or not weight >= 0:
         raise ConfigError(f"kgcoop.weight must be a number >= 0, got {weight!r}")
+    for key in ("text_weight", "image_weight", "kl_weight"):
+        value = cfg.promptsrc[key]
+        if not _is_number(value) or not value >= 0:
+            raise ConfigError(f"promptsrc.{key} must be a number >= 0, got {value!r}")
+    mean, std = cfg.promptsrc.gpa_mean, cfg.promptsrc.gpa_std
+    if not _is_number(mean) or not math.isfinite(mean):
+        raise ConfigError(f"promptsrc.gpa_mean must be a finite number (an epoch), got {mean!r}")
+    if not _is_number(std) or not 0 < std < math.inf:
+        raise ConfigError(f"promptsrc.gpa_std must be a finite number > 0 (epochs), got {std!r}")
     targets = cfg.eval.targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")

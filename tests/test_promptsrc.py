@@ -1,0 +1,181 @@
+"""PromptSRC's parts against direct computations written out here: each loss term and the total
+(the KL summed over all entries, divided by numel), t0 (the mean of the unnormalised template
+features, then normalised), the GPA weights and the running aggregate, and the config keys."""
+
+from __future__ import annotations
+
+import math
+
+import open_clip
+import pytest
+import torch
+
+from coop.config import ConfigError, load_config
+from coop.gpa import GaussianAggregate, gpa_weights
+from coop.methods.promptsrc import (
+    PROMPTSRC_TEMPLATES,
+    frozen_text_features,
+    promptsrc_loss,
+    resolve_promptsrc_templates,
+    zero_shot_logits,
+)
+
+CLASSNAMES = ["red_thing", "green thing", "blue whale", "a dog"]
+
+
+def unit(x):
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def random_step(seed=0, batch=5, n_cls=7, dim=16):
+    gen = torch.Generator().manual_seed(seed)
+    t, t0 = unit(torch.randn(n_cls, dim, generator=gen)), unit(torch.randn(n_cls, dim, generator=gen))
+    v, v0 = unit(torch.randn(batch, dim, generator=gen)), unit(torch.randn(batch, dim, generator=gen))
+    labels = torch.randint(n_cls, (batch,), generator=gen)
+    return t, t0, v, v0, labels
+
+
+def test_loss_terms_and_total_equal_direct_computation():
+    t, t0, v, v0, labels = random_step()
+    scale = torch.tensor(math.log(50.0))
+    logits = 50.0 * v @ t.T
+    zs = zero_shot_logits(v0, t0, scale)
+    assert torch.allclose(zs, 50.0 * (v0 @ t0.T), atol=1e-5)
+    total, terms = promptsrc_loss(
+        logits, labels, t, t0, v, v0, zs, text_weight=25, image_weight=10, kl_weight=1
+    )
+
+    # direct: cross-entropy from log-sum-exp, L1 as a mean of absolute differences over all entries,
+    # KL(p_zs || p) summed over every entry and divided by B * n_cls (not by B: not "batchmean")
+    B, n_cls = logits.shape
+    log_p = logits - logits.exp().sum(1, keepdim=True).log()
+    log_q = zs - zs.exp().sum(1, keepdim=True).log()
+    ce = -log_p[torch.arange(B), labels].mean()
+    text = (t - t0).abs().sum() / t.numel()
+    image = (v - v0).abs().sum() / v.numel()
+    kl = (log_q.exp() * (log_q - log_p)).sum() / (B * n_cls)
+    for name, expected in {"ce": ce, "text": text, "image": image, "kl": kl}.items():
+        assert torch.allclose(terms[name], expected, rtol=1e-5, atol=1e-7), name
+    assert torch.allclose(total, ce + 25 * text + 10 * image + kl, rtol=1e-6)
+    weighted, _ = promptsrc_loss(logits, labels, t, t0, v, v0, zs, text_weight=2, image_weight=3, kl_weight=4)
+    assert torch.allclose(weighted, ce + 2 * text + 3 * image + 4 * kl, rtol=1e-6)
+    assert kl > 0 and not torch.allclose(kl, kl * n_cls)  # the reduction matters
+
+
+def test_loss_is_ce_at_the_frozen_model_and_differentiable():
+    """With t = t0 and v = v0 every regulariser is zero; gradients flow to t and v."""
+    t, _, v, _, labels = random_step(1)
+    t, v = t.clone().requires_grad_(), v.clone().requires_grad_()
+    logits = 30.0 * v @ t.T
+    zs = 30.0 * v.detach() @ t.detach().T
+    total, terms = promptsrc_loss(logits, labels, t, t.detach(), v, v.detach(), zs)
+    assert terms["text"] == 0 and terms["image"] == 0 and abs(terms["kl"].item()) < 1e-7
+    assert torch.equal(total, terms["ce"] + 0.0)
+    total.backward()
+    assert t.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+
+
+def test_t0_is_the_mean_before_normalisation(tiny_openclip, tiny_clip):
+    templates = list(PROMPTSRC_TEMPLATES[:3])
+    t0 = frozen_text_features(tiny_clip, CLASSNAMES, templates)
+    tok = open_clip.get_tokenizer("ViT-B-16")
+    names = [c.replace("_", " ") for c in CLASSNAMES]
+    with torch.no_grad():  # open_clip's own text tower, one template at a time
+        raw = torch.stack([tiny_openclip.encode_text(tok([tp.format(c) for c in names])) for tp in templates])
+    expected = unit(raw.mean(0))  # (n_cls, E): average the UNnormalised features, then normalise
+    assert t0.dtype == torch.float32 and t0.shape == expected.shape
+    assert torch.allclose(t0, expected, atol=2e-6)
+    normalised_first = unit(unit(raw).mean(0))  # CLIP's ensemble rule: a different vector
+    assert (normalised_first - expected).abs().max() > 1e-3
+
+
+def test_t0_in_fp32_from_a_half_text_tower(tiny_clip):
+    import copy
+
+    half = copy.deepcopy(tiny_clip).half()
+    templates = list(PROMPTSRC_TEMPLATES[:2])
+    t0 = frozen_text_features(half, CLASSNAMES, templates)
+    assert t0.dtype == torch.float32 and half.text.token_embedding.weight.dtype == torch.float16
+    fp32_of_half_weights = frozen_text_features(copy.deepcopy(half).float(), CLASSNAMES, templates)
+    assert torch.equal(t0, fp32_of_half_weights)
+
+
+def test_template_sets():
+    ensemble = [t("{}") for t in open_clip.OPENAI_IMAGENET_TEMPLATES]
+    assert len(set(PROMPTSRC_TEMPLATES)) == 60 and set(PROMPTSRC_TEMPLATES) <= set(ensemble)
+    assert PROMPTSRC_TEMPLATES[0] == "a photo of a {}." and PROMPTSRC_TEMPLATES[-1] == "itap of the {}."
+    assert resolve_promptsrc_templates("promptsrc", "dtd") == list(PROMPTSRC_TEMPLATES)
+    assert resolve_promptsrc_templates("ensemble", "dtd") == ensemble
+    assert resolve_promptsrc_templates("coop", "dtd") == ["{} texture."]
+    assert resolve_promptsrc_templates("a {} here.", "dtd") == ["a {} here."]
+    with pytest.raises(ConfigError, match="promptsrc.templates='nope'"):
+        resolve_promptsrc_templates("nope", "dtd")
+
+
+@pytest.mark.parametrize(
+    "epochs, mean, std", [(20, 15, 1), (20, 6, 10), (50, 30, 30), (50, 45, 5), (3, 1.6, 1)]
+)
+def test_gpa_weights_equal_normalised_gaussian_densities(epochs, mean, std):
+    density = [
+        math.exp(-0.5 * ((e - mean) / std) ** 2) / (std * math.sqrt(2 * math.pi))
+        for e in range(1, epochs + 1)
+    ]
+    expected = [d / sum(density) for d in density]
+    weights = gpa_weights(epochs, mean, std)
+    assert len(weights) == epochs and math.isclose(sum(weights), 1.0, rel_tol=1e-12)
+    for w, x in zip(weights, expected, strict=True):
+        assert math.isclose(w, x, rel_tol=1e-9, abs_tol=1e-300)
+    assert max(range(epochs), key=lambda e: weights[e]) + 1 == min(max(round(mean), 1), epochs)
+
+
+def test_gpa_weights_far_mean_and_bad_std():
+    weights = gpa_weights(2, mean=1000.0, std=1.0)  # the plain densities underflow to 0 / 0
+    assert weights[1] == pytest.approx(1.0) and all(math.isfinite(w) for w in weights)
+    with pytest.raises(ValueError, match="standard deviation"):
+        gpa_weights(5, 1.0, 0.0)
+
+
+def test_gpa_aggregate_equals_direct_weighted_sum_and_resumes_exactly():
+    epochs, weights = 5, gpa_weights(5, mean=3.0, std=1.5)
+    gen = torch.Generator().manual_seed(0)
+    snapshots = [
+        {"ctx": torch.randn(4, 8, generator=gen), "deep": torch.randn(2, 4, 8, generator=gen)}
+        for _ in range(epochs)
+    ]
+    gpa = GaussianAggregate(weights)
+    for e, tensors in enumerate(snapshots, 1):
+        gpa.add(e, tensors)
+        if e == 2:  # a checkpoint after epoch 2, restored into a fresh aggregate
+            resumed = GaussianAggregate(weights)
+            resumed.load_state_dict(gpa.state_dict())
+    for e in range(3, epochs + 1):
+        resumed.add(e, snapshots[e - 1])
+    assert gpa.complete and resumed.complete
+    for name in ("ctx", "deep"):
+        direct = sum(w * s[name].double() for w, s in zip(weights, snapshots, strict=True))
+        assert torch.allclose(gpa.sum[name].double(), direct, atol=1e-6), name
+        assert torch.equal(resumed.sum[name], gpa.sum[name]), name
+        assert gpa.sum[name].dtype == torch.float32
+    with pytest.raises(ValueError, match="epoch 1"):
+        GaussianAggregate(weights).add(2, snapshots[0])
+
+
+def test_promptsrc_config_keys():
+    cfg = load_config(None, [])
+    assert dict(cfg.promptsrc) == {
+        "text_weight": 25.0,
+        "image_weight": 10.0,
+        "kl_weight": 1.0,
+        "templates": "promptsrc",
+        "gpa_mean": 15.0,
+        "gpa_std": 1.0,
+    }
+    for bad, key in [
+        ("promptsrc.gpa_std=0", "promptsrc.gpa_std"),
+        ("promptsrc.text_weight=-1", "promptsrc.text_weight"),
+        ("promptsrc.kl_weight=x", "promptsrc.kl_weight"),
+        ("promptsrc.gpa_mean=.inf", "promptsrc.gpa_mean"),
+        ("promptsrc.gpa_weight=1", "promptsrc.gpa_weight"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [bad])
