@@ -100,7 +100,10 @@ def token_roles(learner: PromptLearner, tokenizer) -> list[dict]:
         ids = learner.token_ids[c, : eos + 1].tolist()
         ctx = learner.slots[c].tolist()
         n_name = len(tokenizer.encode(name))
-        first = [p for p in range(1, eos) if p not in ctx]  # class tokens, then "."
+        frozen = range(
+            ctx[-1] + 1, ctx[-1] + 1 + learner.n_phrase - learner.n_ctx
+        )  # "of a" of "[V1][V2] of a"
+        first = [p for p in range(1, eos) if p not in ctx and p not in frozen]  # class tokens, then "."
         labels = [readable_token(tokenizer, words[t]) if t in words else str(t) for t in ids]
         labels[0], labels[eos] = "[SOS]", "[EOS]"
         for m, p in enumerate(ctx):

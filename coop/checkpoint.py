@@ -25,9 +25,11 @@ import zipfile
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from coop.io import atomic_write
-from coop.methods.coop import require_transferable
+from coop.methods import METHODS
+from coop.methods.coop import build_learner, require_transferable
 from coop.model import CLIP, load_clip
 from coop.prompt import PromptLearner
 
@@ -115,18 +117,11 @@ def learner_from_checkpoint(clip: CLIP, ckpt: dict, classnames: list[str] | None
     method = ckpt["config"].get("method", "coop")
     if "ctx" not in ckpt["prompt"]:
         raise CheckpointError(f"a method={method} checkpoint holds no prompt (ctx) to rebuild")
-    p = ckpt["config"]["prompt"]
+    cfg = OmegaConf.create(ckpt["config"])
     names = list(ckpt["classnames"]) if classnames is None else list(classnames)
-    require_transferable(p["csc"], ckpt["classnames"], names)
-    learner = PromptLearner(
-        clip,
-        names,
-        n_ctx=ckpt["prompt"]["ctx"].shape[-2],
-        position=p["position"],
-        csc=p["csc"],
-        depth=p["depth"],
-    )
-    learner.ctx_init = p.get("ctx_init")
+    require_transferable(cfg.prompt.csc, ckpt["classnames"], names)
+    rule = getattr(METHODS.get(method), "phrase_max_ctx", None)  # IVLP's and MaPLe's n_ctx <= 4 rule
+    learner = build_learner(clip, cfg, names, phrase_max_ctx=rule)
     with torch.no_grad():
         for name, tensor in ckpt["prompt"].items():
             if name in ("ctx", "deep_ctx"):  # the prompt itself; e.g. CoCoOp's meta-net is not part of it

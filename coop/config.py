@@ -19,12 +19,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-METHODS = ("coop", "cocoop", "kgcoop", "zeroshot", "linear_probe")  # see coop.methods
+METHODS = ("coop", "cocoop", "kgcoop", "zeroshot", "linear_probe", "vpt", "ivlp", "maple")  # see coop.methods
 
 DEFAULTS = {
     "method": "coop",
     "model": {"name": "ViT-B-16", "pretrained": "openai"},
     "prompt": {"n_ctx": None, "ctx_init": None, "position": "end", "csc": False, "depth": 1},
+    "vision": {"n_ctx": None, "depth": None},  # image-tower prompts (vpt, ivlp); null: unset
     "data": {
         "name": "textile",
         "root": None,
@@ -83,13 +84,45 @@ DEFAULTS = {
 
 # The recipes of the original code, applied where no layer sets the key:
 # CoCoOp's vit_b16_c4_ep10_batch1_ctxv1 and KgCoOp's vit_b16_ep100_ctxv1 (both SGD lr 0.002 with
-# CoOp's schedule, as in DEFAULTS). A default context phrase fixes M, so it yields to an explicit
-# prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M random vectors).
+# CoOp's schedule, as in DEFAULTS); the MaPLe repository's VPT vit_b16_c2_ep5_batch4_4, IVLP
+# vit_b16_c2_ep5_batch4_2+2ctx and MaPLe vit_b16_c2_ep5_batch4_2ctx (the same SGD, warm-up and
+# cosine; their PREC=fp16 is `train.precision=fp16`, the default here stays amp).
 METHOD_DEFAULTS = {
     "cocoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 10, "train.batch_size": 1},
     "kgcoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 100, "train.batch_size": 128},
+    "vpt": {
+        "vision.n_ctx": 8,
+        "vision.depth": 12,
+        "train.lr": 0.0025,
+        "train.epochs": 5,
+        "train.batch_size": 4,
+    },
+    "ivlp": {
+        "prompt.n_ctx": 2,
+        "prompt.ctx_init": "a photo of a",
+        "prompt.depth": 12,
+        "vision.n_ctx": 2,
+        "vision.depth": 12,
+        "train.lr": 0.0035,
+        "train.epochs": 5,
+        "train.batch_size": 4,
+    },
+    "maple": {
+        "prompt.n_ctx": 2,
+        "prompt.ctx_init": "a photo of a",
+        "prompt.depth": 9,
+        "train.lr": 0.0035,
+        "train.epochs": 5,
+        "train.batch_size": 4,
+    },
 }
-YIELDS_TO = {"prompt.ctx_init": "prompt.n_ctx"}  # a method default not applied when that key is set
+# A method default not applied when the other key is set: a default context phrase fixes M in
+# CoCoOp and KgCoOp, so it yields to an explicit prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M
+# random vectors). IVLP and MaPLe set both, as their configs do (the phrase applies for n_ctx <= 4).
+YIELDS_TO = {
+    "cocoop": {"prompt.ctx_init": "prompt.n_ctx"},
+    "kgcoop": {"prompt.ctx_init": "prompt.n_ctx"},
+}
 
 CHOICES = {
     "method": METHODS,
@@ -188,7 +221,8 @@ def method_defaults(layers: list[tuple[str, DictConfig]]) -> dict:
         method = tree.get("method", method)
         given |= set(flatten(tree))
     defaults = METHOD_DEFAULTS.get(method, {}) if isinstance(method, str) else {}
-    return {k: v for k, v in defaults.items() if k not in given and YIELDS_TO.get(k) not in given}
+    yields = YIELDS_TO.get(method, {}) if isinstance(method, str) else {}
+    return {k: v for k, v in defaults.items() if k not in given and yields.get(k) not in given}
 
 
 def _key_from_message(message: str) -> str:
@@ -230,6 +264,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             "train.epochs=0 evaluates untrained prompts: set prompt.ctx_init (e.g. 'a photo of a')"
         )
+    validate_vision(cfg)
     chunk = cfg.cocoop.chunk_prompts
     if not _is_int(chunk) or chunk < 1:
         raise ConfigError(f"cocoop.chunk_prompts must be an integer >= 1, got {chunk!r}")
@@ -254,6 +289,23 @@ def validate(cfg: DictConfig) -> None:
             f"train.warmup_epochs={warmup} must be less than the {epochs} training epochs "
             f"(train.epochs={cfg.train.epochs}), or the cosine schedule never starts"
         )
+
+
+def validate_vision(cfg: DictConfig) -> None:
+    """`vision.n_ctx` / `vision.depth`: null or an integer >= 1; maple takes both from `prompt.*`,
+    so a `vision.*` value that differs from them is an error."""
+    for key in ("vision.n_ctx", "vision.depth"):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    if cfg.method == "maple":
+        for key in ("n_ctx", "depth"):
+            value, text = cfg.vision[key], cfg.prompt[key]
+            if value is not None and value != text:
+                raise ConfigError(
+                    f"vision.{key}={value} conflicts with prompt.{key}={text}: maple couples its vision "
+                    f"prompts to the text prompts and takes their count and depth from prompt.{key}"
+                )
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:
@@ -281,9 +333,10 @@ def model_tag(name: str) -> str:
 def method_settings(cfg: DictConfig) -> str:
     """The settings part of a run name: what the method's results depend on.
 
-    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop and kgcoop: the same after "cocoop_" or
-    "kgcoop_" (M is "init" when the context starts from prompt.ctx_init); zeroshot:
-    zeroshot_<templates> (a literal template by its hash); linear_probe: linear_probe.
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp and maple: the same after
+    "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp followed by
+    _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
+    (a literal template by its hash); linear_probe: linear_probe.
     """
     if cfg.method == "zeroshot":
         templates = str(cfg.zeroshot.templates)
@@ -292,11 +345,15 @@ def method_settings(cfg: DictConfig) -> str:
         return f"zeroshot_{templates}"
     if cfg.method == "linear_probe":
         return "linear_probe"
+    vision = f"vctx{cfg.vision.n_ctx}_vdepth{cfg.vision.depth}"
+    if cfg.method == "vpt":
+        return f"vpt_{vision}"
     p = cfg.prompt
     n_ctx = p.n_ctx if p.n_ctx is not None else ("init" if p.ctx_init else 4)
     pos = "middle" if p.position == "mid" else p.position
     prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
-    return f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
+    text = f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
+    return f"{text}_{vision}" if cfg.method == "ivlp" else text
 
 
 def run_name(cfg: DictConfig) -> str:

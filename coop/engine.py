@@ -3,8 +3,7 @@
     s = setup(load_config("configs/coop/vit_b16.yaml", ["data.shots=4"]))
     feats = training_features(s)           # None for aug_views=0: re-encode at every step
     stats = train_one_epoch(s, optimizer, epoch, feats)
-    test, labels = eval_features(s)
-    metrics = evaluate(s.method, test[0], labels, s.device, s.precision)
+    metrics = evaluate_run(s)              # cached test features, or the method's prompted tower
 
 `coop.runner.train_run` strings these together into a run folder with resuming and checkpoints.
 
@@ -13,6 +12,10 @@ CoOp's recipe, as Dassl runs it:
   (Dassl's WARMUP_RECOUNT=True), so the first epoch after warm-up trains at exactly the base lr;
 - `train.precision=fp16` (`use_fp16`): CoOp's PREC=fp16, the whole CLIP model and the prompts in
   half precision, trained by plain SGD; the default `amp` keeps fp32 prompts under bf16 autocast.
+
+A method that sees pixels (`Method.input == "pixels"`: VPT, IVLP, MaPLe) gets the augmented image
+batches themselves at every step and is evaluated through its own prompted image tower, batch by
+batch (`evaluate_run`); a feature method gets image-tower features, cached where they can be.
 
 Every epoch draws its randomness from (seed, epoch) alone: the order of the images comes from a
 generator seeded by (seed, epoch), and image i's augmentation from (seed, epoch, i), whatever the
@@ -92,11 +95,12 @@ def use_fp16(clip: CLIP, method: Method) -> None:
     """CoOp's PREC=fp16: cast the whole CLIP model and the method's tensors to half precision.
 
     As in CoOp, the prompt vectors themselves become fp16 and plain SGD updates them: no loss
-    scaling, no fp32 master copy. Images and cached features are fed in the same dtype; only the
+    scaling, no fp32 master copy (`Method.to_half`; the vision-prompt methods keep the tensors that
+    their original keeps in fp32 in fp32 and cast them to half in the forward pass). Images and cached features are fed in the same dtype; only the
     cosine logits (`coop.model.cosine_logits`) are formed in fp32 from the fp16 features.
     """
     clip.half()
-    method.half()
+    method.to_half()
 
 
 def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -> Setup:
@@ -126,6 +130,11 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
         )
     torch.manual_seed(int(cfg.data.seed))  # initialisation of learnable tensors
     method = build_method(clip.float(), dataset.classnames, cfg)
+    if method.input == "pixels" and int(cfg.train.aug_views) > 0:
+        raise ConfigError(
+            f"train.aug_views={cfg.train.aug_views} caches image features, and method={cfg.method} runs "
+            "its prompted image tower on the images at every step; set train.aug_views=0"
+        )
     if ckpt is not None:
         method.load_learnable(ckpt["prompt"], ckpt["classnames"])
     if precision == "fp16":
@@ -154,7 +163,8 @@ def seed_epoch(seed: int, epoch: int) -> torch.Generator:
 
 
 def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats) -> dict:
-    """One epoch of SGD on `s.method.loss`; `train_feats` = ((V, N, E), labels) cached, or None to re-encode."""
+    """One epoch of SGD on `s.method.loss`; `train_feats` = ((V, N, E), labels) cached, or None to
+    re-encode (feature methods) or to hand the augmented images to the method (pixel methods)."""
     cfg, method, device, precision = s.cfg, s.method, s.device, s.precision
     dtype = s.clip.logit_scale.dtype  # half under fp16, where images and features go in as half
     batch_size = int(cfg.train.batch_size)
@@ -196,7 +206,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats) -> dict:
     for step, (x, y, _) in enumerate(batches):
         x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, precision):
-            if train_feats is None:
+            if train_feats is None and method.input == "features":
                 with torch.no_grad():
                     x = s.clip.encode_image(x)
             loss, logits = method.loss(x, y)
@@ -225,7 +235,55 @@ def evaluate(method: Method, features: torch.Tensor, labels: torch.Tensor, devic
         preds = torch.cat(
             [method.logits(f.to(device, dtype), prepared).argmax(-1).cpu() for f in features.split(1000)]
         )
-    n_cls = method.n_cls
+    return classification_metrics(preds, labels, method.n_cls)
+
+
+@torch.no_grad()
+def evaluate_images(s: Setup, split: str = "test") -> dict:
+    """`evaluate` for a pixel method: the split's images (test transform) through the method's
+    prompted image tower, `train.eval_batch_size` at a time, with a progress bar."""
+    cfg, method = s.cfg, s.method
+    items = getattr(s.dataset, split)
+    what = f"the {split} split of {cfg.data.name}"
+    if not items:
+        raise DataError(f"{what} has no images")
+    images = ImageDataset(items, s.test_tf, skip_corrupt=bool(cfg.data.skip_corrupt))
+    loader = DataLoader(
+        images,
+        batch_size=int(cfg.train.eval_batch_size),
+        shuffle=False,
+        num_workers=int(cfg.data.num_workers),
+        collate_fn=collate_skip_none,
+    )
+    method.eval()
+    dtype = s.clip.logit_scale.dtype
+    preds, labels = [], []
+    with autocast(s.device, s.precision):
+        prepared = method.prepare()  # text features and vision prompts, once for all images
+        for batch in tqdm(loader, desc=f"{split} (prompted image tower)", leave=False, dynamic_ncols=True):
+            if batch is None:
+                continue
+            x, y, _ = batch
+            preds.append(method.logits(x.to(s.device, dtype, non_blocking=True), prepared).argmax(-1).cpu())
+            labels.append(y)
+    if not preds:
+        raise DataError(f"no readable images in {what}: all {len(items)} were skipped as unreadable")
+    labels = torch.cat(labels)
+    if len(labels) < len(items):
+        log.warning("%d of %d images were skipped as unreadable", len(items) - len(labels), len(items))
+    return classification_metrics(torch.cat(preds), labels, method.n_cls)
+
+
+def evaluate_run(s: Setup) -> dict:
+    """The run's metrics on the test split, whichever input its method consumes."""
+    if s.method.input == "pixels":
+        return evaluate_images(s, "test")
+    feats, labels = eval_features(s)
+    return evaluate(s.method, feats[0], labels, s.device, s.precision)
+
+
+def classification_metrics(preds: torch.Tensor, labels: torch.Tensor, n_cls: int) -> dict:
+    """Top-1 accuracy (%), macro F1 (%) over the present classes and per-class accuracy."""
     conf = torch.bincount(labels * n_cls + preds, minlength=n_cls * n_cls).reshape(n_cls, n_cls).double()
     tp = conf.diag()
     support, predicted = conf.sum(1), conf.sum(0)

@@ -9,7 +9,9 @@ on disk, so that the seeds and ablation points of a sweep share them. Training c
     K  encode K random augmented views per image once and sample one view per step.
 
 A cache file is named by `cache_key`, which holds everything the features depend on: the image
-tower's weights, the image list, the transform, the precision that really ran (`resolve_precision`),
+tower's weights and which forward ran them (`CLIP.image_forward`: our `ImageTransformer` for
+standard ViTs, open_clip's module otherwise; equal in fp32 up to rounding, yet never mixed), the
+image list, the transform, the precision that really ran (`resolve_precision`),
 the number of views and their seed, and `skip_corrupt`. The file also records which images it
 kept, and a cache that skipped unreadable images is never served to a run that may not skip any.
 Augmented views are seeded per image (`ImageDataset(seed=...)`), so they do not depend on the
@@ -87,7 +89,7 @@ def cache_key(
     """The cache file name: a hash of everything the features depend on.
 
     Args:
-        clip: its image tower's weights (and their dtype) are hashed.
+        clip: its image tower's weights (and their dtype) and `clip.image_forward` are hashed.
         items: the images, by path and label, in order.
         transform: hashed by its repr (sizes, interpolation, normalisation).
         views: how many passes; `seed` seeds their augmentations.
@@ -97,6 +99,7 @@ def cache_key(
     h = hashlib.sha1()
     h.update(f"format={CACHE_FORMAT}\n".encode())
     h.update(weights_fingerprint(clip.visual).encode())
+    h.update(f"image_forward={clip.image_forward}\n".encode())
     h.update(repr(transform).encode())
     h.update(f"views={views} seed={seed} precision={precision} skip_corrupt={skip_corrupt}\n".encode())
     for d in items:

@@ -1,10 +1,13 @@
-"""CLIP for prompt learning: OpenCLIP's frozen image tower plus our own text Transformer.
+"""CLIP for prompt learning: our own text Transformer and (for standard ViTs) our own image tower.
 
     clip = coop.load_clip("ViT-B-16", pretrained="openai")      # or pretrained=None / a file
     clip = coop.CLIP.from_openclip(open_clip_model)              # wrap an already-built model
 
-`from_openclip` copies the text-tower weights into `coop.text_encoder.TextTransformer` (same
-state-dict keys, checked one by one) and keeps `model.visual` as it is.
+`from_openclip` copies the text-tower weights into `coop.text_encoder.TextTransformer` and, for a
+standard OpenCLIP ViT, the image-tower weights into `coop.image_encoder.ImageTransformer` (same
+state-dict keys, checked one by one), so both sides run one forward of ours, with or without
+prompts. Other image towers (ResNets, attentional pooling, ...) keep open_clip's module; they
+serve the feature-based methods exactly as before and refuse vision prompts (`ModelError`).
 
 Weights come from an OpenCLIP tag (cached, else downloaded) or a local file: an OpenCLIP state dict
 (.bin / .pt / .safetensors), or OpenAI's original TorchScript archive (the `ViT-B-16.pt` that
@@ -30,6 +33,7 @@ from open_clip.transformer import QuickGELU as OpenClipQuickGELU
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
+from coop.image_encoder import ImageTransformer, ModelError, vision_config_from_openclip
 from coop.text_encoder import TextConfig, TextTransformer
 
 log = logging.getLogger(__name__)
@@ -42,23 +46,42 @@ WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 OPENAI_NON_WEIGHTS = ("input_resolution", "context_length", "vocab_size")
 
 
-class ModelError(ValueError):
-    """The model name, pretrained tag or weights file cannot be used; the message says which."""
-
-
 class WeightsUnavailableError(RuntimeError):
     """A pretrained tag's weights are neither in the local cache nor downloadable (offline)."""
 
 
 class CLIP(nn.Module):
-    """A frozen CLIP model whose text side runs through `TextTransformer`."""
+    """A frozen CLIP model whose text side runs through `TextTransformer` and whose image side runs
+    through `ImageTransformer` for standard ViTs (open_clip's own module otherwise).
 
-    def __init__(self, visual: nn.Module, text: TextTransformer, logit_scale: torch.Tensor, tokenizer):
+    Args:
+        visual: an `ImageTransformer`, or open_clip's image tower.
+        text: the text encoder.
+        logit_scale: CLIP's learned temperature (log scale).
+        tokenizer: texts -> (N, 77) ids.
+        name: the model's name, for messages.
+        vision_refusal: why `visual` cannot take vision prompts (None for an `ImageTransformer`).
+    """
+
+    def __init__(
+        self,
+        visual: nn.Module,
+        text: TextTransformer,
+        logit_scale: torch.Tensor,
+        tokenizer,
+        name: str | None = None,
+        vision_refusal: str | None = None,
+    ):
         super().__init__()
         self.visual = visual
         self.text = text
         self.logit_scale = nn.Parameter(logit_scale.detach().clone().reshape(()), requires_grad=False)
         self.tokenizer = tokenizer
+        self.name = name or "CLIP"
+        self.vision_refusal = None
+        if not isinstance(visual, ImageTransformer):
+            default = f"model {self.name}'s image tower {type(visual).__name__} takes no vision prompts"
+            self.vision_refusal = vision_refusal or default
         self.requires_grad_(False)
         self.eval()
 
@@ -75,6 +98,21 @@ class CLIP(nn.Module):
         return self.text.cfg.context_length
 
     @property
+    def supports_vision_prompts(self) -> bool:
+        """Whether the image side is our `ImageTransformer` (a standard ViT), which takes prompts."""
+        return isinstance(self.visual, ImageTransformer)
+
+    @property
+    def image_forward(self) -> str:
+        """Which code computes image features: "coop" (`ImageTransformer`) or "open_clip"."""
+        return "coop" if self.supports_vision_prompts else "open_clip"
+
+    def require_vision_prompts(self) -> None:
+        """Raise a one-line ModelError naming the model unless its image tower takes vision prompts."""
+        if not self.supports_vision_prompts:
+            raise ModelError(self.vision_refusal)
+
+    @property
     def image_size(self) -> int:
         size = self.visual.image_size
         return size if isinstance(size, int) else size[0]
@@ -85,8 +123,15 @@ class CLIP(nn.Module):
         return dict(getattr(self.visual, "preprocess_cfg", {}) or {})
 
     @classmethod
-    def from_openclip(cls, model: nn.Module, tokenizer=None) -> CLIP:
-        """Wrap an OpenCLIP `CLIP` model (any weights). The given model is not modified."""
+    def from_openclip(cls, model: nn.Module, tokenizer=None, name: str | None = None) -> CLIP:
+        """Wrap an OpenCLIP `CLIP` model (any weights). The given model is not modified.
+
+        Args:
+            model: an OpenCLIP `CLIP`.
+            tokenizer: texts -> ids; OpenCLIP's `SimpleTokenizer` when None.
+            name: the model's name (e.g. "ViT-B-16"), used in messages; the class name when None.
+        """
+        name = name or type(model).__name__
         cfg = text_config_from_openclip(model)
         text = TextTransformer(cfg)
         src = {k: v for k, v in model.state_dict().items() if k.startswith(TEXT_KEYS)}
@@ -103,7 +148,8 @@ class CLIP(nn.Module):
         text.to(next(model.parameters()).device)
         if tokenizer is None:
             tokenizer = SimpleTokenizer(context_length=cfg.context_length)
-        return cls(model.visual, text, model.logit_scale, tokenizer)
+        visual, refusal = _image_tower(model.visual, name)
+        return cls(visual, text, model.logit_scale, tokenizer, name=name, vision_refusal=refusal)
 
     def tokenize(self, texts: str | list[str]) -> torch.Tensor:
         """Texts -> token ids (N, 77); longer texts are truncated and end with [EOS]."""
@@ -113,13 +159,35 @@ class CLIP(nn.Module):
         """Token ids (N, 77) -> unnormalised text features (N, E), through our Transformer."""
         return self.text(ids.to(self.logit_scale.device))
 
-    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
-        """Images (N, 3, H, W) -> unnormalised image features (N, E)."""
-        return self.visual(images)
+    def encode_image(
+        self, images: torch.Tensor, prompts=None, grad_checkpointing: bool = False
+    ) -> torch.Tensor:
+        """Images (N, 3, H, W) -> unnormalised image features (N, E).
+
+        Args:
+            images: (N, 3, H, W) normalised pixels.
+            prompts: None, or J vision-prompt tensors (see `ImageTransformer.forward`); a
+                ModelError naming the model when the image tower is not a standard ViT.
+            grad_checkpointing: recompute the image tower's blocks in the backward pass (ViTs).
+        """
+        if not self.supports_vision_prompts:
+            if prompts is not None:
+                self.require_vision_prompts()
+            return self.visual(images)
+        return self.visual(images, prompts, grad_checkpointing)
 
     def train(self, mode: bool = True) -> CLIP:
         # CLIP is frozen: BatchNorm (RN50) and dropout stay in inference mode.
         return super().train(False)
+
+
+def _image_tower(visual: nn.Module, name: str) -> tuple[nn.Module, str | None]:
+    """Our `ImageTransformer` copy of a standard ViT tower, else open_clip's module and the reason."""
+    try:
+        vision_config_from_openclip(visual, name)
+    except ModelError as e:
+        return visual, str(e)
+    return ImageTransformer.from_openclip(visual, name), None
 
 
 def text_config_from_openclip(model: nn.Module) -> TextConfig:
@@ -237,7 +305,7 @@ def load_clip(name: str, pretrained: str | None = None, device: str | torch.devi
     if weights is not None:
         _load_weights(model, weights, model_name, openai_archive)
     tokenizer = open_clip.get_tokenizer(model_name)
-    clip = CLIP.from_openclip(model, tokenizer=tokenizer).to(device)
+    clip = CLIP.from_openclip(model, tokenizer=tokenizer, name=model_name).to(device)
     if local and not openai_archive:
         _say_activation(clip, model_name)
     return clip

@@ -10,6 +10,15 @@ vectors v1..vM; [SOS] and [EOS] are CLIP's start and end tokens, [.] the full st
 Every layout is the token sequence of "X X .. X {classname}." with its first 1+M+C tokens
 permuted, so the frozen embeddings of all non-context tokens are computed once (a buffer) and the
 context vectors are scattered into their slots on each forward pass.
+
+With a phrase (`ctx_init`) and an explicit M below its token count P, the phrase stays in the
+prompt and only its first M tokens are learnable (MaPLe's and IVLP's `[V1][V2] of a {class}.` for
+M = 2 and "a photo of a"); the other P - M tokens are frozen text that moves with the context:
+
+    end:    [SOS][v1 .. vM][phrase tokens M+1..P][CLASS][.][EOS]
+    front:  [SOS][CLASS][v1 .. vM][phrase tokens M+1..P][.][EOS]
+
+(middle has no single meaning there and is refused).
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ def _warn_if_coop_differs(ctx_init: str, n_tokens: int) -> None:
     if n_words < n_tokens:
         coop_does = (
             f"learn M={n_words} context vectors (the first {n_words} tokens) and keep the other "
-            f"{n_tokens - n_words} tokens frozen in the prompt"
+            f"{n_tokens - n_words} tokens frozen in the prompt (prompt.n_ctx={n_words} does the same here)"
         )
     else:
         coop_does = (
@@ -82,19 +91,25 @@ class PromptLearner(nn.Module):
     Args:
         clip: a `coop.CLIP`.
         classnames: class names; `_` is read as a space.
-        n_ctx: number of context vectors M (default 4). With `ctx_init` it is the phrase's BPE
-            token count; an explicit, different value is an error.
-        ctx_init: optional phrase ("a photo of a") whose token embeddings initialise `ctx`. Every
-            BPE token of the phrase becomes a learnable vector. CoOp instead takes M = the phrase's
-            word count (`len(ctx_init.split(" "))`) and learns the first M tokens; a phrase with more
-            tokens than words ("a close-up photo of a": 5 words, 7 tokens) keeps its last tokens
-            frozen there, and we learn all 7 (a warning says so). "a photo of a" is the same in both.
+        n_ctx: number of context vectors M (default 4). With `ctx_init` and M unset it is the
+            phrase's BPE token count P; an explicit M < P learns the phrase's first M tokens and
+            keeps the rest as frozen text (see the module docstring); M > P is an error.
+        ctx_init: optional phrase ("a photo of a") whose token embeddings initialise `ctx`. With M
+            unset every BPE token of the phrase becomes a learnable vector. CoOp instead takes M =
+            the phrase's word count (`len(ctx_init.split(" "))`) and learns the first M tokens; a
+            phrase with more tokens than words ("a close-up photo of a": 5 words, 7 tokens) keeps
+            its last tokens frozen there, and we learn all 7 (a warning says so; an explicit
+            n_ctx=5 does what CoOp does). "a photo of a" is the same in both.
         position: where the class token sits: "end", "middle" (or "mid") or "front".
         csc: class-specific context (one set of M vectors per class) instead of shared. With
             `ctx_init`, every class starts from its own copy of the phrase; CoOp ignores CSC when
             `ctx_init` is given and trains one shared context.
         depth: J >= 1. J = 1 is plain CoOp; J > 1 adds `deep_ctx` that replaces the hidden states
             at the context slots before text blocks 1..J-1.
+        phrase_max_ctx: the rule of the MaPLe repository's IVLP and MaPLe prompt learners: the
+            phrase initialises the context only when M <= phrase_max_ctx (4 there); a larger M
+            starts from random context ("X X .. X {class}."), as if `ctx_init` were unset. None
+            (CoOp, CoCoOp, KgCoOp): the phrase always applies.
     """
 
     def __init__(
@@ -106,6 +121,7 @@ class PromptLearner(nn.Module):
         position: str = "end",
         csc: bool = False,
         depth: int = 1,
+        phrase_max_ctx: int | None = None,
     ):
         super().__init__()
         if position not in POSITIONS:
@@ -123,43 +139,62 @@ class PromptLearner(nn.Module):
         width = clip.width
         embedding = clip.text.token_embedding
 
+        explicit = not isinstance(n_ctx, _DefaultInt)
+        if ctx_init and explicit and phrase_max_ctx is not None and int(n_ctx) > phrase_max_ctx:
+            log.info(
+                "n_ctx=%d > %d: random context instead of ctx_init '%s' (the MaPLe repository's rule)",
+                n_ctx,
+                phrase_max_ctx,
+                ctx_init,
+            )
+            ctx_init = None
         if ctx_init:
             ctx_init = ctx_init.replace("_", " ")
             init_ids = tokenizer.encode(ctx_init)
-            if not isinstance(n_ctx, _DefaultInt) and n_ctx != len(init_ids):
+            n_phrase = len(init_ids)  # P: the phrase's tokens, the first M of them learnable
+            if not explicit:
+                n_ctx = n_phrase
+                _warn_if_coop_differs(ctx_init, n_ctx)
+            elif not 1 <= n_ctx <= n_phrase:
                 raise PromptError(
-                    f"n_ctx={n_ctx} conflicts with ctx_init '{ctx_init}', which has {len(init_ids)} tokens "
-                    "(one context vector per BPE token; leave n_ctx unset)"
+                    f"n_ctx={n_ctx} conflicts with ctx_init '{ctx_init}', which has {n_phrase} tokens "
+                    f"(n_ctx learns the phrase's first n_ctx tokens: 1..{n_phrase}, or leave it unset)"
                 )
-            n_ctx = len(init_ids)
-            _warn_if_coop_differs(ctx_init, n_ctx)
+            if n_ctx < n_phrase and self.position == "middle":
+                raise PromptError(
+                    f"prompt.position=middle is not defined for n_ctx={n_ctx} below the {n_phrase} tokens "
+                    f"of ctx_init '{ctx_init}' (use end or front, or n_ctx={n_phrase})"
+                )
             prefix_text = ctx_init
         else:
             n_ctx = int(n_ctx)
             if n_ctx < 1:
                 raise PromptError(f"n_ctx must be >= 1, got {n_ctx}")
+            n_phrase = n_ctx
             prefix_text = " ".join(["X"] * n_ctx)
         self.n_ctx = n_ctx
+        self.n_phrase = n_phrase  # context block length: M learnable + P - M frozen phrase tokens
         self.ctx_init = ctx_init or None
 
         name_lens = [len(tokenizer.encode(name)) for name in self.classnames]
         limit = clip.context_length
         for name, c in zip(self.classnames, name_lens, strict=True):
-            if 1 + n_ctx + c + 2 > limit:  # [SOS] ctx class [.] [EOS]
+            if 1 + n_phrase + c + 2 > limit:  # [SOS] ctx class [.] [EOS]
                 raise PromptError(
-                    f"prompt for class '{name}' needs {1 + n_ctx + c + 2} tokens, more than {limit} "
-                    f"(n_ctx={n_ctx}, class name {c} tokens)"
+                    f"prompt for class '{name}' needs {1 + n_phrase + c + 2} tokens, more than {limit} "
+                    f"(n_ctx={n_phrase}, class name {c} tokens)"
                 )
         ids = tokenizer([f"{prefix_text} {name}." for name in self.classnames])  # (n_cls, 77)
         eos = ids.argmax(dim=-1)
         length = int(eos.max()) + 1
         ids = ids[:, :length]
         slots = context_slots(self.position, n_ctx, name_lens)  # (n_cls, M)
-        # Rearrange "[SOS] X..X [CLASS] rest" into the chosen layout (the ctx ids are placeholders).
+        # Rearrange "[SOS] X..X [CLASS] rest" into the chosen layout (the ctx ids are placeholders;
+        # a phrase's frozen tokens M+1..P follow the learnable ones).
         order = torch.arange(length).repeat(len(self.classnames), 1)  # (n_cls, L)
         for row, c in enumerate(name_lens):
-            ctx_src = list(range(1, 1 + n_ctx))
-            cls_src = list(range(1 + n_ctx, 1 + n_ctx + c))
+            ctx_src = list(range(1, 1 + n_phrase))
+            cls_src = list(range(1 + n_phrase, 1 + n_phrase + c))
             if self.position == "end":
                 new = ctx_src + cls_src
             elif self.position == "middle":
@@ -167,7 +202,7 @@ class PromptLearner(nn.Module):
                 new = ctx_src[:half] + cls_src + ctx_src[half:]
             else:
                 new = cls_src + ctx_src
-            order[row, 1 : 1 + n_ctx + c] = torch.tensor(new)
+            order[row, 1 : 1 + n_phrase + c] = torch.tensor(new)
         ids = ids.gather(1, order)
         device = embedding.weight.device
         with torch.no_grad():
@@ -181,7 +216,7 @@ class PromptLearner(nn.Module):
         shape = (n_cls, n_ctx, width) if self.csc else (n_ctx, width)
         if ctx_init:
             with torch.no_grad():
-                init = embedding(torch.tensor(init_ids, device=device)).float()  # (M, W)
+                init = embedding(torch.tensor(init_ids[:n_ctx], device=device)).float()  # (M, W)
             ctx = init.expand(shape).clone()
         else:
             ctx = torch.empty(shape, device=device).normal_(std=0.02)

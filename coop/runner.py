@@ -41,8 +41,7 @@ from coop.engine import (
     Setup,
     default_output_dir,
     epoch_lr,
-    eval_features,
-    evaluate,
+    evaluate_run,
     setup,
     train_one_epoch,
     training_features,
@@ -282,8 +281,7 @@ def finalize(
     s: Setup, epochs: int, history: list[dict], metrics_path: Path, extra: dict | None = None
 ) -> dict:
     """Evaluate on the test split and write `metrics.json`."""
-    feats, labels = eval_features(s)
-    metrics = evaluate(s.method, feats[0], labels, s.device, s.precision)
+    metrics = evaluate_run(s)
     metrics.update(run_fields(s.cfg, s.method, epochs, history), **(extra or {}))
     write_json(metrics_path, metrics)
     log.info(
@@ -331,8 +329,7 @@ def evaluate_on(
     """
     target = load_config(None, [f"data.name={dataset}", f"data.subsample_classes={classes}"], base=cfg)
     s = setup(target, ckpt, clip=clip)
-    feats, labels = eval_features(s)
-    metrics = evaluate(s.method, feats[0], labels, s.device, s.precision)
+    metrics = evaluate_run(s)
     history = ckpt.get("history") or []
     metrics.update(
         run_fields(target, s.method, int(ckpt.get("epoch", 0)), history),

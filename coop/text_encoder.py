@@ -54,13 +54,17 @@ class QuickGELU(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with OpenCLIP's packed q|k|v projection layout."""
+    """Multi-head self-attention with OpenCLIP's packed q|k|v projection layout.
 
-    def __init__(self, width: int, heads: int):
+    Causal by default (the text tower); `causal=False` gives the image tower's unmasked attention.
+    """
+
+    def __init__(self, width: int, heads: int, causal: bool = True):
         super().__init__()
         if width % heads:
             raise ValueError(f"text width {width} is not divisible by {heads} heads")
         self.heads = heads
+        self.causal = causal
         self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))  # rows: q | k | v
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
         self.out_proj = nn.Linear(width, width)
@@ -88,11 +92,13 @@ class CausalSelfAttention(nn.Module):
         """
         q, k, v = self.qkv(x)
         if not need_weights:
-            return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=self.causal))
         length = x.shape[1]
         hidden = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)  # keys after the query
         scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (N, H, L, L)
-        weights = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        if self.causal:
+            scores = scores.masked_fill(hidden, float("-inf"))
+        weights = scores.softmax(dim=-1)
         return self.merge(weights @ v), weights  # (N, H, L, Dh) -> (N, L, W)
 
     def forward_after_prefix(self, x: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor):
@@ -153,10 +159,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, causal: bool = True):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
-        self.attn = CausalSelfAttention(cfg.width, cfg.heads)
+        self.attn = CausalSelfAttention(cfg.width, cfg.heads, causal)
         self.ln_2 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
         self.mlp = MLP(cfg)
 
@@ -173,9 +179,9 @@ class Block(nn.Module):
 class Resblocks(nn.Module):
     """Holds the blocks under OpenCLIP's key names (`transformer.resblocks.{i}`)."""
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, causal: bool = True):
         super().__init__()
-        self.resblocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.resblocks = nn.ModuleList(Block(cfg, causal) for _ in range(cfg.layers))
 
 
 class TextTransformer(nn.Module):

@@ -55,7 +55,8 @@ def test_clip_is_frozen_and_image_path(tiny_openclip, tiny_clip):
     assert not tiny_clip.training
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        assert torch.allclose(tiny_clip.encode_image(images), tiny_openclip.encode_image(images))
+        # our ImageTransformer against open_clip's forward (tests/test_image_encoder.py has the rest)
+        assert relative_error(tiny_clip.encode_image(images), tiny_openclip.encode_image(images)) < 1e-5
     assert torch.equal(tiny_clip.logit_scale, tiny_openclip.logit_scale.detach())
 
 

@@ -11,8 +11,11 @@ from omegaconf import DictConfig
 from coop.methods.base import Method, TransferError
 from coop.methods.cocoop import CoCoOp, MetaNet
 from coop.methods.coop import CoOp, build_learner
+from coop.methods.ivlp import IVLP
 from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
+from coop.methods.maple import MaPLe
+from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model import CLIP
 
@@ -22,6 +25,9 @@ METHODS: dict[str, type[Method]] = {
     "kgcoop": KgCoOp,
     "zeroshot": ZeroShot,
     "linear_probe": LinearProbe,
+    "vpt": VPT,
+    "ivlp": IVLP,
+    "maple": MaPLe,
 }
 
 
@@ -38,11 +44,15 @@ __all__ = [
     "METHODS",
     "CoCoOp",
     "CoOp",
+    "IVLP",
     "KgCoOp",
     "LinearProbe",
+    "MaPLe",
     "Method",
     "MetaNet",
     "TransferError",
+    "VPT",
+    "VisionPromptMethod",
     "ZeroShot",
     "build_learner",
     "build_method",

@@ -10,6 +10,12 @@ How a method learns is one of three kinds (`Method.trainer`):
     "fit"   a closed-form fit on cached features (`fit`), e.g. the linear probe
     "none"  nothing to learn (zero-shot CLIP)
 
+What a method consumes is one of two kinds (`Method.input`):
+
+    "features"  image-tower features (B, E): frozen, so the engine may cache them
+    "pixels"    image batches (B, 3, H, W): the method runs the (prompted) image tower itself, so
+                `logits(images, prepared)` and `loss(images, labels)` take images
+
 A checkpoint stores `method.learnable()` only (plain tensors, `weights_only=True`), and
 `load_learnable(tensors, classnames)` restores them into a method built for the same classes or,
 where the method allows it, for other classes (evaluation on another dataset).
@@ -40,6 +46,8 @@ class Method(nn.Module):
 
     name = "method"
     trainer = "none"
+    input = "features"
+    phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__()
@@ -85,6 +93,11 @@ class Method(nn.Module):
     def fit(self, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor]) -> dict:
         """Closed-form fit on (features, labels) pairs; returns extra metrics (trainer == "fit")."""
         raise NotImplementedError
+
+    def to_half(self) -> None:
+        """`train.precision=fp16` (CoOp's PREC=fp16): CLIP and, by default, every tensor of the method
+        in half precision; a method whose original keeps some tensors in fp32 overrides this."""
+        self.half()
 
     def describe(self) -> dict:
         """Method-specific fields for metrics.json (e.g. n_ctx, position; the chosen C)."""

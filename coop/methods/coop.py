@@ -10,8 +10,15 @@ from coop.model import CLIP
 from coop.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
 
 
-def build_learner(clip: CLIP, cfg: DictConfig, classnames: list[str]) -> PromptLearner:
-    """The PromptLearner described by the `prompt.*` keys of a run config."""
+def build_learner(
+    clip: CLIP, cfg: DictConfig, classnames: list[str], phrase_max_ctx: int | None = None
+) -> PromptLearner:
+    """The PromptLearner described by the `prompt.*` keys of a run config.
+
+    Args:
+        clip, cfg, classnames: the model, the run config and the classes to prompt.
+        phrase_max_ctx: `PromptLearner`'s rule for `ctx_init` (4 for IVLP and MaPLe; None: always).
+    """
     p = cfg.prompt
     return PromptLearner(
         clip,
@@ -21,6 +28,7 @@ def build_learner(clip: CLIP, cfg: DictConfig, classnames: list[str]) -> PromptL
         position=p.position,
         csc=bool(p.csc),
         depth=int(p.depth),
+        phrase_max_ctx=phrase_max_ctx,
     )
 
 
