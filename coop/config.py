@@ -19,7 +19,17 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-METHODS = ("coop", "cocoop", "kgcoop", "zeroshot", "linear_probe", "vpt", "ivlp", "maple")  # see coop.methods
+METHODS = (
+    "coop",
+    "cocoop",
+    "kgcoop",
+    "zeroshot",
+    "linear_probe",
+    "vpt",
+    "ivlp",
+    "maple",
+    "promptsrc",
+)  # see coop.methods
 
 DEFAULTS = {
     "method": "coop",
@@ -85,8 +95,9 @@ DEFAULTS = {
 # The recipes of the original code, applied where no layer sets the key:
 # CoCoOp's vit_b16_c4_ep10_batch1_ctxv1 and KgCoOp's vit_b16_ep100_ctxv1 (both SGD lr 0.002 with
 # CoOp's schedule, as in DEFAULTS); the MaPLe repository's VPT vit_b16_c2_ep5_batch4_4, IVLP
-# vit_b16_c2_ep5_batch4_2+2ctx and MaPLe vit_b16_c2_ep5_batch4_2ctx (the same SGD, warm-up and
-# cosine; their PREC=fp16 is `train.precision=fp16`, the default here stays amp).
+# vit_b16_c2_ep5_batch4_2+2ctx and MaPLe vit_b16_c2_ep5_batch4_2ctx, and the PromptSRC repository's
+# vit_b16_c2_ep20_batch4_4+4ctx (the same SGD, warm-up and cosine; their PREC=fp16 is
+# `train.precision=fp16`, the default here stays amp).
 METHOD_DEFAULTS = {
     "cocoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 10, "train.batch_size": 1},
     "kgcoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 100, "train.batch_size": 128},
@@ -105,6 +116,16 @@ METHOD_DEFAULTS = {
         "vision.depth": 12,
         "train.lr": 0.0035,
         "train.epochs": 5,
+        "train.batch_size": 4,
+    },
+    "promptsrc": {
+        "prompt.n_ctx": 4,
+        "prompt.ctx_init": "a photo of a",
+        "prompt.depth": 9,
+        "vision.n_ctx": 4,
+        "vision.depth": 9,
+        "train.lr": 0.0025,
+        "train.epochs": 20,
         "train.batch_size": 4,
     },
     "maple": {
@@ -333,8 +354,8 @@ def model_tag(name: str) -> str:
 def method_settings(cfg: DictConfig) -> str:
     """The settings part of a run name: what the method's results depend on.
 
-    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp and maple: the same after
-    "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp followed by
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple and promptsrc: the same
+    after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
     _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
     (a literal template by its hash); linear_probe: linear_probe.
     """
@@ -353,7 +374,7 @@ def method_settings(cfg: DictConfig) -> str:
     pos = "middle" if p.position == "mid" else p.position
     prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
     text = f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
-    return f"{text}_{vision}" if cfg.method == "ivlp" else text
+    return f"{text}_{vision}" if cfg.method in ("ivlp", "promptsrc") else text
 
 
 def run_name(cfg: DictConfig) -> str:

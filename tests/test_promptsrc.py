@@ -1,24 +1,32 @@
 """PromptSRC's parts against direct computations written out here: each loss term and the total
 (the KL summed over all entries, divided by numel), t0 (the mean of the unnormalised template
-features, then normalised), the GPA weights and the running aggregate, and the config keys."""
+features, then normalised), the GPA weights and the running aggregate, and the config keys; then
+base-to-new runs end to end (GPA in the checkpoint, resume mid-GPA, a table with MaPLe)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import open_clip
 import pytest
 import torch
+from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
+from test_recipe import interrupt_at
 
 from coop.config import ConfigError, load_config
 from coop.gpa import GaussianAggregate, gpa_weights
 from coop.methods.promptsrc import (
     PROMPTSRC_TEMPLATES,
+    PromptSRC,
     frozen_text_features,
     promptsrc_loss,
     resolve_promptsrc_templates,
     zero_shot_logits,
 )
+from coop.results import dataset_table, load_runs, summarize
+from coop.runner import evaluate_checkpoint, train_run
 
 CLASSNAMES = ["red_thing", "green thing", "blue whale", "a dog"]
 
@@ -179,3 +187,71 @@ def test_promptsrc_config_keys():
     ]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, [bad])
+
+
+def record_epochs(monkeypatch) -> list[dict]:
+    """Copies of PromptSRC's learned tensors after every epoch, before GPA touches them."""
+    snapshots, real = [], PromptSRC.end_epoch
+
+    def end_epoch(self, epoch, epochs):
+        snapshots.append({k: v.detach().clone() for k, v in self.learnable().items()})
+        real(self, epoch, epochs)
+
+    monkeypatch.setattr(PromptSRC, "end_epoch", end_epoch)
+    return snapshots
+
+
+def test_promptsrc_and_maple_end_to_end(data_root, tmp_path, monkeypatch, caplog):  # noqa: F811
+    """Base-to-new PromptSRC with eval.targets: the final checkpoint holds the GPA aggregate of the
+    epochs (checked against a direct weighted sum), evaluation uses it, a run interrupted mid-GPA
+    and resumed ends bit-identical; a MaPLe run beside it; one table with both rows."""
+    root = tmp_path / "runs"
+    common = ["data.name=imagenet", f"data.root={data_root}", "data.subsample_classes=base"]
+    common += ["prompt.depth=2", "train.epochs=3"]  # the tiny towers have 2 image and 3 text blocks
+    src = ["method=promptsrc", "vision.depth=2", "promptsrc.gpa_mean=2", "promptsrc.gpa_std=1"]
+    src += ["eval.targets=[imagenet_a]"]
+    snapshots = record_epochs(monkeypatch)
+    caplog.set_level(logging.INFO, logger="coop.methods.promptsrc")
+    metrics = train_run(tiny_cfg(root / "promptsrc", *common, *src))
+    monkeypatch.undo()
+    folder = root / "promptsrc"
+    ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
+    assert ckpt["finished"] and ckpt["method_state"]["gpa"]["epoch"] == 3 and len(snapshots) == 3
+    density = [math.exp(-0.5 * (e - 2) ** 2) for e in (1, 2, 3)]
+    weights = [d / sum(density) for d in density]
+    assert set(ckpt["prompt"]) == {"ctx", "deep_ctx", "vision_ctx", "vision_deep_ctx"}
+    for name, saved in ckpt["prompt"].items():
+        direct = sum(w * s[name].double() for w, s in zip(weights, snapshots, strict=True))
+        assert torch.allclose(saved.double(), direct, atol=1e-6), name
+        assert not torch.allclose(saved, snapshots[-1][name]), name  # not simply the last epoch
+    assert metrics["method"] == "promptsrc" and metrics["gpa_mean"] == 2.0 and metrics["vision_n_ctx"] == 4
+    new = json.loads((folder / "eval_imagenet_new.json").read_text())
+    target = json.loads((folder / "eval_imagenet_a.json").read_text())
+    assert new["subsample_classes"] == "new" and len(new["per_class_accuracy"]) == 2
+    assert target["trained_on"] == "imagenet" and len(target["per_class_accuracy"]) == 2
+    assert evaluate_checkpoint(folder / "checkpoint.pt")["accuracy"] == metrics["accuracy"]
+    assert "v0 from the frozen image tower on every step" in caplog.text  # the run says which way it goes
+    assert "GPA aggregate of epochs 1..3 replaces" in caplog.text
+
+    out = tmp_path / "resumed"  # stopped before its third epoch: GPA has summed epochs 1 and 2
+    interrupt_at(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        train_run(tiny_cfg(out, *common, *src))
+    monkeypatch.undo()
+    partial = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert partial["epoch"] == 2 and partial["method_state"]["gpa"]["epoch"] == 2
+    assert train_run(tiny_cfg(out, *common, *src))["accuracy"] == metrics["accuracy"]
+    resumed = torch.load(out / "checkpoint.pt", weights_only=True)
+    for name, t in ckpt["prompt"].items():
+        assert torch.equal(resumed["prompt"][name], t), name
+    for name, t in ckpt["method_state"]["gpa"]["sum"].items():
+        assert torch.equal(resumed["method_state"]["gpa"]["sum"][name], t), name
+    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in ckpt["history"]]
+
+    train_run(tiny_cfg(root / "maple", *common, "method=maple", "train.epochs=2"))
+    runs = load_runs(root)
+    table = dataset_table(runs, "accuracy")  # what tools/collect.py --table datasets prints
+    assert sorted(table["method"]) == ["maple", "promptsrc"] and "imagenet_mean" in table.columns
+    settings = summarize(runs, by=["method"])  # tools/collect.py's default table: base, new, HM
+    assert sorted(settings["method"]) == ["maple", "promptsrc"]
+    assert settings["hm_mean"].notna().all()

@@ -21,18 +21,34 @@ training step computes, for a batch of augmented images with labels y:
 `promptsrc.templates` names the template set: "promptsrc" (the 60 templates the official
 repository ships, `PROMPTSRC_TEMPLATES`), or as `zeroshot.templates` does: "ensemble" (CLIP's 80),
 "coop" (CoOp's template for the dataset) or a literal "...{}...".
+
+Prompts are IVLP's (`coop.methods.ivlp`): recipe 4 text + 4 vision tokens, depth 9 + 9, context
+from "a photo of a", SGD lr 0.0025, batch 4, 20 epochs. After every epoch the learned tensors go
+into a Gaussian-weighted running sum (`coop.gpa`, `promptsrc.gpa_mean` / `promptsrc.gpa_std`),
+kept in the checkpoint (`training_state`); after the last epoch the sum replaces them, so the
+final checkpoint holds, and evaluation uses, the aggregate.
+
+v0 comes from the frozen image tower on the very batch the prompted tower sees, at every step:
+pixel methods train without cached views (`train.aug_views=0`), so no cached feature is ever the
+same augmented image (the log says so once per run).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
 
-from coop.config import ConfigError
+from coop.config import ConfigError, resolved_epochs
+from coop.gpa import GaussianAggregate, gpa_weights
+from coop.methods.ivlp import IVLP
 from coop.methods.zeroshot import resolve_templates
 from coop.model import CLIP
+
+log = logging.getLogger(__name__)
 
 TEXT_WEIGHT, IMAGE_WEIGHT, KL_WEIGHT = 25.0, 10.0, 1.0
 
@@ -195,3 +211,85 @@ def promptsrc_loss(
         # the official sum: CE + (KL + text + image)
         scl = kl_weight * terms["kl"] + text_weight * terms["text"] + image_weight * terms["image"]
         return terms["ce"] + scl, terms
+
+
+class PromptSRC(IVLP):
+    """IVLP prompts trained on CE + self-regulating L1/KL terms, aggregated over epochs by GPA.
+
+    Args:
+        clip, classnames: as for every method.
+        cfg: reads IVLP's keys (`prompt.*`, `vision.*`), `promptsrc.*`, `data.name` (for
+            `promptsrc.templates=coop`) and the epochs (`train.epochs`, for the GPA weights).
+    """
+
+    name = "promptsrc"
+
+    def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
+        super().__init__(clip, classnames, cfg)
+        p = cfg.promptsrc
+        self.weights = {
+            "text_weight": float(p.text_weight),
+            "image_weight": float(p.image_weight),
+            "kl_weight": float(p.kl_weight),
+        }
+        self.template_choice = str(p.templates)
+        self.templates = resolve_promptsrc_templates(self.template_choice, cfg.data.name)
+        self.gpa_mean, self.gpa_std = float(p.gpa_mean), float(p.gpa_std)
+        self.gpa = GaussianAggregate(gpa_weights(resolved_epochs(cfg), self.gpa_mean, self.gpa_std))
+        self._t0: torch.Tensor | None = None  # (n_cls, E), once per run, never checkpointed
+        self.last_terms: dict[str, torch.Tensor] = {}  # unweighted terms of the last step
+
+    def frozen_text(self) -> torch.Tensor:
+        """t0 (n_cls, E), normalised fp32, computed on first use."""
+        if self._t0 is None:
+            self._t0 = frozen_text_features(self.clip, self.classnames, self.templates)
+            log.info(
+                "PromptSRC: t0 from %d templates (%s); v0 from the frozen image tower on every "
+                "step's augmented batch (no cached view is the same augmented image)",
+                len(self.templates),
+                self.template_choice,
+            )
+        return self._t0
+
+    def loss(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        text = self.text_features()  # (n_cls, E), unnormalised
+        image = self.image_features(images)  # (B, E), prompted
+        logits = self.cosine(image, text)  # (B, n_cls), fp32
+        t0 = self.frozen_text()
+        with torch.autocast(images.device.type, enabled=False):
+            v0 = F.normalize(self.frozen_image_features(images).float(), dim=-1)  # (B, E)
+            t, v = F.normalize(text.float(), dim=-1), F.normalize(image.float(), dim=-1)
+        zs_logits = zero_shot_logits(v0, t0, self.clip.logit_scale)
+        total, terms = promptsrc_loss(logits, labels, t, t0, v, v0, zs_logits, **self.weights)
+        self.last_terms = {k: x.detach() for k, x in terms.items()}
+        return total, logits
+
+    def end_epoch(self, epoch: int, epochs: int) -> None:
+        """GPA: add this epoch's weighted tensors; after the last epoch the aggregate replaces them."""
+        if epochs != self.gpa.epochs:
+            raise ValueError(
+                f"PromptSRC's GPA weights are for {self.gpa.epochs} epochs, the run has {epochs}"
+            )
+        tensors = self.learnable()
+        self.gpa.add(epoch, tensors)
+        if self.gpa.complete:
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    t.copy_(self.gpa.sum[name])
+            log.info("PromptSRC: the GPA aggregate of epochs 1..%d replaces the learned prompts", epochs)
+
+    def training_state(self) -> dict:
+        return {"gpa": self.gpa.state_dict()}
+
+    def load_training_state(self, state: dict) -> None:
+        if "gpa" in state:
+            self.gpa.load_state_dict(state["gpa"], self.device)
+
+    def describe(self) -> dict:
+        return {
+            **super().describe(),
+            **{f"promptsrc_{k}": v for k, v in self.weights.items()},
+            "promptsrc_templates": self.template_choice,
+            "gpa_mean": self.gpa_mean,
+            "gpa_std": self.gpa_std,
+        }
