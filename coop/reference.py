@@ -1,9 +1,11 @@
-"""Reference CoOp and CoCoOp computations: full 77 tokens through OpenCLIP's own text modules.
+"""Reference CoOp, CoCoOp, VPT, IVLP and MaPLe computations on OpenCLIP's own modules.
 
 This is what the original code computes (prompt pieces glued with `torch.cat`, every class padded
-to the context length, CLIP's Transformer run on all of it; CoCoOp once per image, in a loop). It
-is slow on purpose and serves as ground truth for the tests and as the baseline of
-`tools/bench_text.py` and `tools/bench_cocoop.py`.
+to the context length, CLIP's Transformer run on all of it; CoCoOp once per image, in a loop; the
+vision prompts of VPT, IVLP and MaPLe concatenated onto the sequence of open_clip's own
+`VisionTransformer` modules, as the MaPLe repository's `VisionTransformer_MaPLe` and
+`ResidualAttentionBlock_IVLP` do). It is slow on purpose and serves as ground truth for the tests
+and as the baseline of `tools/bench_text.py`, `tools/bench_cocoop.py` and `tools/bench_vl.py`.
 """
 
 from __future__ import annotations
@@ -77,18 +79,42 @@ def coop_text_features(
     oc = openclip_model
     ids, name_lens, slots = inputs if inputs is not None else reference_inputs(oc, learner)
     n_cls = len(learner.classnames)
-    width = oc.token_embedding.weight.shape[1]
     embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
     ctx = learner.ctx if ctx is None else ctx
     ctx = ctx if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
-    x = x + oc.positional_embedding
+    deep = learner.deep_ctx[: learner.depth - 1] if learner.deep_ctx is not None else None
+    return text_tower(oc, x, ids, slots, deep)
 
+
+def text_tower(
+    openclip_model: nn.Module,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    deep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Assembled full-length prompts (n_cls, 77, W) through OpenCLIP's own text modules.
+
+    Before block i (1 <= i <= len(deep)) the hidden states at `slots` are replaced by `deep[i-1]`
+    (no positional embedding is added to them).
+
+    Args:
+        x: (n_cls, 77, W) token embeddings with the context already in place, without positions.
+        ids: (n_cls, 77) token ids; [EOS] is at the largest id of each row.
+        slots: (n_cls, 77) bool, True at the M context positions of each row.
+        deep: optional (J-1, M, W) shared or (J-1, n_cls, M, W) class-specific deep tokens.
+    Returns:
+        (n_cls, E) unnormalised text features.
+    """
+    oc = openclip_model
+    n_cls, _, width = x.shape
+    x = x + oc.positional_embedding
+    n_deep = 0 if deep is None else len(deep)
     for i, block in enumerate(oc.transformer.resblocks):
-        if learner.deep_ctx is not None and 1 <= i < learner.depth:
-            deep = learner.deep_ctx[i - 1]
-            deep = deep if learner.csc else deep.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
-            x = x.masked_scatter(slots.unsqueeze(-1).expand(-1, -1, width), deep.reshape(-1, width))
+        if 1 <= i <= n_deep:
+            tokens = deep[i - 1] if deep[i - 1].dim() == 3 else deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1)
+            x = x.masked_scatter(slots.unsqueeze(-1).expand(-1, -1, width), tokens.reshape(-1, width))
         x = block(x, attn_mask=oc.attn_mask)
     x = oc.ln_final(x)
     pooled = x[torch.arange(n_cls, device=x.device), ids.argmax(dim=-1)]  # (n_cls, W)
@@ -128,3 +154,143 @@ def cocoop_logits(
         texts.append(text)
         logits.append(logit_scale * imf_i @ (text / text.norm(dim=-1, keepdim=True)).t())
     return torch.stack(logits), torch.stack(texts)
+
+
+def vision_features(visual: nn.Module, images: torch.Tensor, prompts=None) -> torch.Tensor:
+    """Image features (B, E) of open_clip's `VisionTransformer`, vision prompts written out.
+
+    As the MaPLe repository's vision tower: patches, class token prepended, positional embedding
+    added; then prompts[0] appended at the end (no positional embedding) and ln_pre over the whole
+    sequence; before block i (1 <= i < J) the last M hidden states are cut off and prompts[i]
+    concatenated in their place; ln_post of the class token, times proj.
+
+    Args:
+        visual: open_clip's image tower (`model.visual`), a standard ViT.
+        images: (B, 3, H, W).
+        prompts: None or J tensors (M, W), shared by all images.
+    """
+    x = visual.conv1(images)  # (B, W, gh, gw)
+    b, width = x.shape[:2]
+    x = x.reshape(b, width, -1).permute(0, 2, 1)  # (B, W, P) -> (B, P, W)
+    cls = visual.class_embedding.to(x.dtype) + torch.zeros(b, 1, width, dtype=x.dtype, device=x.device)
+    x = torch.cat([cls, x], dim=1)  # (B, 1+P, W)
+    x = x + visual.positional_embedding.to(x.dtype)
+    prompts = [] if prompts is None else list(prompts)
+    if prompts:
+        x = torch.cat([x, prompts[0].to(x.dtype).expand(b, -1, -1)], dim=1)  # (B, 1+P+M, W)
+    x = visual.ln_pre(x)
+    for i, block in enumerate(visual.transformer.resblocks):
+        if 1 <= i < len(prompts):
+            kept = x[:, : x.shape[1] - len(prompts[i])]  # drop the previous layer's M prompt outputs
+            x = torch.cat([kept, prompts[i].to(x.dtype).expand(b, -1, -1)], dim=1)
+        if visual.transformer.batch_first:
+            x = block(x)
+        else:
+            x = block(x.transpose(0, 1)).transpose(0, 1)  # (B, L, W) <-> (L, B, W)
+    return visual.ln_post(x[:, 0]) @ visual.proj
+
+
+def deep_text_features(
+    openclip_model: nn.Module,
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    ctx: torch.Tensor,
+    deep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Text features (n_cls, E) of full 77-token prompts whose context slots hold learned tokens.
+
+    The input layer's slots get `ctx`, blocks 1..len(deep) get `deep` (`text_tower`), exactly as
+    the MaPLe repository's text side runs every class's whole prompt.
+
+    Args:
+        ids: (n_cls, 77) ids of the prompt text (e.g. "a photo of a {class}." or "X X {class}.").
+        slots: (n_cls, 77) bool, True at the M learnable positions of each row.
+        ctx: (M, W) shared or (n_cls, M, W) class-specific input-layer context.
+        deep: optional (J-1, M, W) or (J-1, n_cls, M, W) deep text prompts.
+    """
+    oc = openclip_model
+    n_cls = len(ids)
+    width = oc.token_embedding.weight.shape[1]
+    embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
+    ctx = ctx if ctx.dim() == 3 else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
+    x = embeds.masked_scatter(
+        slots.unsqueeze(-1).expand(-1, -1, width), ctx.reshape(-1, width).to(embeds.dtype)
+    )
+    return text_tower(oc, x, ids, slots, deep)
+
+
+def _clip_logits(openclip_model: nn.Module, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """logit_scale.exp() * normalised image @ normalised text.T, as the original code writes it."""
+    image = image / image.norm(dim=-1, keepdim=True)
+    text = text / text.norm(dim=-1, keepdim=True)
+    return openclip_model.logit_scale.exp() * image @ text.t()
+
+
+def vpt_logits(openclip_model: nn.Module, images: torch.Tensor, text_ids: torch.Tensor, vision_prompts):
+    """VPT: frozen text features of `text_ids` (open_clip's `encode_text`), prompted image tower.
+
+    Args:
+        images: (B, 3, H, W).
+        text_ids: (n_cls, 77) ids of "a photo of a {class}.".
+        vision_prompts: J tensors (M, W_vision).
+    Returns:
+        (B, n_cls) logits.
+    """
+    with torch.no_grad():
+        text = openclip_model.encode_text(text_ids)
+    return _clip_logits(openclip_model, vision_features(openclip_model.visual, images, vision_prompts), text)
+
+
+def ivlp_logits(
+    openclip_model: nn.Module,
+    images: torch.Tensor,
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    text_ctx: torch.Tensor,
+    deep_text: torch.Tensor | None,
+    vision_prompts,
+) -> torch.Tensor:
+    """IVLP: independent deep text prompts (`deep_text_features`) and deep vision prompts.
+
+    Args:
+        ids, slots, text_ctx, deep_text: as in `deep_text_features` (`reference_inputs` gives
+            ids and slots for a `PromptLearner`).
+        vision_prompts: J_v tensors (M_v, W_vision).
+    Returns:
+        (B, n_cls) logits.
+    """
+    text = deep_text_features(openclip_model, ids, slots, text_ctx, deep_text)
+    image = vision_features(openclip_model.visual, images, vision_prompts)
+    return _clip_logits(openclip_model, image, text)
+
+
+def maple_logits(
+    openclip_model: nn.Module,
+    images: torch.Tensor,
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    text_ctx: torch.Tensor,
+    deep_text: torch.Tensor | None,
+    projections,
+) -> torch.Tensor:
+    """MaPLe: the vision prompt of layer i is projections[i] of the text prompt of layer i.
+
+    As the MaPLe repository's `MultiModalPromptLearner`: layer 0's vision tokens are `proj(ctx)`,
+    layer i's are `compound_prompt_projections[i-1](compound_prompts_text[i-1])`, so vision
+    gradients flow into the text prompts.
+
+    Args:
+        ids, slots: as in `deep_text_features`.
+        text_ctx: (M, W_text) shared input-layer context (`prompt_learner.ctx`).
+        deep_text: (J-1, M, W_text) deep text prompts (`compound_prompts_text`), or None for J = 1.
+        projections: J modules W_text -> W_vision: `proj`, then `compound_prompt_projections`.
+    Returns:
+        (B, n_cls) logits.
+    """
+    if text_ctx.dim() != 2:
+        raise ValueError(
+            f"MaPLe couples one shared context (M, W) to the image tower; got {tuple(text_ctx.shape)}"
+        )
+    layers = [text_ctx] + ([] if deep_text is None else list(deep_text))
+    vision_prompts = [project(t) for project, t in zip(projections, layers, strict=True)]
+    return ivlp_logits(openclip_model, images, ids, slots, text_ctx, deep_text, vision_prompts)
