@@ -15,8 +15,10 @@ import torch
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 from test_recipe import interrupt_at
 
+from coop import reference
 from coop.config import ConfigError, load_config
 from coop.gpa import GaussianAggregate, gpa_weights
+from coop.methods import build_method
 from coop.methods.promptsrc import (
     PROMPTSRC_TEMPLATES,
     PromptSRC,
@@ -25,6 +27,7 @@ from coop.methods.promptsrc import (
     resolve_promptsrc_templates,
     zero_shot_logits,
 )
+from coop.reference import promptsrc_fixed_embeddings, reference_inputs
 from coop.results import dataset_table, load_runs, summarize
 from coop.runner import evaluate_checkpoint, train_run
 
@@ -106,6 +109,42 @@ def test_t0_in_fp32_from_a_half_text_tower(tiny_clip):
     assert t0.dtype == torch.float32 and half.text.token_embedding.weight.dtype == torch.float16
     fp32_of_half_weights = frozen_text_features(copy.deepcopy(half).float(), CLASSNAMES, templates)
     assert torch.equal(t0, fp32_of_half_weights)
+
+
+def test_method_loss_and_gradients_equal_the_official_computation(tiny_openclip, tiny_clip, depth=2):
+    """PromptSRC.loss (our towers, exact text fast paths, t0 once) against `coop.reference`'s
+    step the official way (full 77-token prompts through open_clip's modules, frozen tower on the
+    same images, the repository's fixed embeddings): every term, the total and every gradient."""
+    overrides = [
+        "method=promptsrc",
+        "model.pretrained=none",
+        f"prompt.depth={depth}",
+        f"vision.depth={depth}",
+    ]
+    method = build_method(tiny_clip, CLASSNAMES, load_config(None, overrides))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for t in method.learnable().values():
+            t.add_(0.5 * torch.randn(t.shape, generator=gen))
+    images = torch.randn(3, 3, 32, 32, generator=gen)
+    labels = torch.tensor([0, 3, 1])
+    tensors = list(method.learnable().values())
+    ours, _ = method.loss(images, labels)
+    terms = method.last_terms
+    our_grads = torch.autograd.grad(ours, tensors)
+
+    learner = method.prompt_learner
+    ids, _, slots = reference_inputs(tiny_openclip, learner)
+    fixed = promptsrc_fixed_embeddings(tiny_openclip, CLASSNAMES, PROMPTSRC_TEMPLATES)
+    ref, ref_terms = reference.promptsrc_loss(
+        tiny_openclip, images, labels, ids, slots, learner.ctx, learner.deep_ctx, method.vision(), fixed
+    )
+    ref_grads = torch.autograd.grad(ref, tensors)
+    for name in ("ce", "text", "image", "kl"):
+        assert torch.allclose(terms[name], ref_terms[name], rtol=1e-4, atol=1e-7), name
+    assert torch.allclose(ours, ref, rtol=1e-5)
+    for name, a, b in zip(method.learnable(), our_grads, ref_grads, strict=True):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-4, name
 
 
 def test_template_sets():
