@@ -12,11 +12,12 @@ import math
 import open_clip
 import pytest
 import torch
+from conftest import REPO
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 from test_recipe import interrupt_at
 
 from coop import reference
-from coop.config import ConfigError, load_config
+from coop.config import ConfigError, load_config, run_name
 from coop.gpa import GaussianAggregate, gpa_weights
 from coop.methods import build_method
 from coop.methods.promptsrc import (
@@ -30,6 +31,7 @@ from coop.methods.promptsrc import (
 from coop.reference import promptsrc_fixed_embeddings, reference_inputs
 from coop.results import dataset_table, load_runs, summarize
 from coop.runner import evaluate_checkpoint, train_run
+from coop.sweep import load_grid, plan
 
 CLASSNAMES = ["red_thing", "green thing", "blue whale", "a dog"]
 
@@ -294,3 +296,49 @@ def test_promptsrc_and_maple_end_to_end(data_root, tmp_path, monkeypatch, caplog
     settings = summarize(runs, by=["method"])  # tools/collect.py's default table: base, new, HM
     assert sorted(settings["method"]) == ["maple", "promptsrc"]
     assert settings["hm_mean"].notna().all()
+
+
+def test_promptsrc_recipes_and_grids(tmp_path):
+    """method=promptsrc is the base-to-new recipe; the recipe files spell out the official configs;
+    the protocol grids plan promptsrc runs that keep its recipe where the grid does not set it."""
+    cfg = load_config(None, ["method=promptsrc"])
+    assert (cfg.prompt.n_ctx, cfg.prompt.ctx_init, cfg.prompt.depth) == (4, "a photo of a", 9)
+    assert (cfg.vision.n_ctx, cfg.vision.depth) == (4, 9)
+    assert (cfg.train.lr, cfg.train.batch_size, cfg.train.epochs) == (0.0025, 4, 20)
+    assert run_name(cfg).split("/")[3] == "promptsrc_nctx4_cscfalse_posend_depth9_vctx4_vdepth9"
+    expected = {  # file: (epochs, depth, gpa_mean, gpa_std)
+        "vit_b16_c2_ep20_batch4_4+4ctx": (20, 9, 15, 1),
+        "vit_b16_c2_ep20_batch4_4+4ctx_cross_datasets": (20, 3, 6, 10),
+        "vit_b16_c2_ep50_batch4_4+4ctx_few_shot": (50, 9, 30, 30),
+        "vit_b16_c2_ep50_batch4_4+4ctx_few_shot_gpa45": (50, 9, 45, 5),
+    }
+    for name, (epochs, depth, mean, std) in expected.items():
+        r = load_config(str(REPO / "configs" / "promptsrc" / f"{name}.yaml"))
+        assert (r.method, r.train.epochs, r.prompt.depth, r.vision.depth) == (
+            "promptsrc",
+            epochs,
+            depth,
+            depth,
+        )
+        assert (r.promptsrc.gpa_mean, r.promptsrc.gpa_std, r.train.lr, r.train.batch_size) == (
+            mean,
+            std,
+            0.0025,
+            4,
+        )
+        assert (r.promptsrc.text_weight, r.promptsrc.image_weight, r.promptsrc.templates) == (
+            25,
+            10,
+            "promptsrc",
+        )
+    base = load_config(
+        str(REPO / "configs" / "promptsrc" / "vit_b16_c2_ep20_batch4_4+4ctx.yaml"), ["data.name=textile"]
+    )
+    assert base == cfg
+    for grid in ("base_to_new", "cross_dataset", "domain_generalization", "few_shot"):
+        path = str(REPO / "configs" / "protocols" / f"{grid}.yaml")
+        runs = plan(
+            load_grid(path, ["method=[maple,promptsrc]", "data.seed=1"]), tmp_path / grid, check_data=False
+        )
+        run_cfg = load_config(None, next(r.overrides for r in runs if "method=promptsrc" in r.overrides))
+        assert run_cfg.train.epochs == 20 and run_cfg.vision.depth == 9 and run_cfg.train.lr == 0.0025
