@@ -147,6 +147,8 @@ def test_method_loss_and_gradients_equal_the_official_computation(tiny_openclip,
     assert torch.allclose(ours, ref, rtol=1e-5)
     for name, a, b in zip(method.learnable(), our_grads, ref_grads, strict=True):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-4, name
+    learned = {id(t) for t in tensors}
+    assert all(id(p) in learned for p in method.parameters() if p.requires_grad)  # nothing of CLIP
 
 
 def test_template_sets():
