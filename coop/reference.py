@@ -226,19 +226,29 @@ def _clip_logits(openclip_model: nn.Module, image: torch.Tensor, text: torch.Ten
     return openclip_model.logit_scale.exp() * image @ text.t()
 
 
-def vpt_logits(openclip_model: nn.Module, images: torch.Tensor, text_ids: torch.Tensor, vision_prompts):
+def vpt_logits(
+    openclip_model: nn.Module,
+    images: torch.Tensor,
+    text_ids: torch.Tensor | None,
+    vision_prompts,
+    text_features: torch.Tensor | None = None,
+) -> torch.Tensor:
     """VPT: frozen text features of `text_ids` (open_clip's `encode_text`), prompted image tower.
 
     Args:
         images: (B, 3, H, W).
         text_ids: (n_cls, 77) ids of "a photo of a {class}.".
         vision_prompts: J tensors (M, W_vision).
+        text_features: (n_cls, E) features computed once beforehand, as the original does at
+            build time; then `text_ids` is not used.
     Returns:
         (B, n_cls) logits.
     """
-    with torch.no_grad():
-        text = openclip_model.encode_text(text_ids)
-    return _clip_logits(openclip_model, vision_features(openclip_model.visual, images, vision_prompts), text)
+    if text_features is None:
+        with torch.no_grad():
+            text_features = openclip_model.encode_text(text_ids)
+    image = vision_features(openclip_model.visual, images, vision_prompts)
+    return _clip_logits(openclip_model, image, text_features)
 
 
 def ivlp_logits(

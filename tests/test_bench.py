@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import re
@@ -97,3 +98,25 @@ def test_bench_train_counts_steps(capsys):
     assert "(2 steps in 2 epochs," in out.split("aug_views=0")[1].splitlines()[0]
     cached = next(line for line in out.splitlines() if line.startswith("epoch on cached"))
     assert "(2 steps in 2 epochs," in cached
+
+
+def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, capsys):
+    out_json = tmp_path / "vl.json"
+    args = ["--method", "maple", "--model", str(TINY_CONFIG), "--classes", "4", "--batch", "2"]
+    args += ["--set", "prompt.depth=2", "--memory-classes", "4", "--json", str(out_json)]
+    bench_vl = load_tool("bench_vl")
+    assert bench_vl.main([*args, "--no-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up:" in out and "bound from token counts" in out
+    report = json.loads(out_json.read_text())
+    step = report["steps"][0]
+    assert step["classes"] == 4 and step["reference_text"] == 4 * 77 and step["ours_text"] < 4 * 77
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert set(step["grad_diff"]) == {"ctx", "deep_ctx", "proj.weight", "proj.bias"} | {
+        f"compound_prompt_projections.0.{p}" for p in ("weight", "bias")
+    }
+    # what each child process of the memory measurement runs (here in this process)
+    child = argparse.Namespace(
+        device="cpu", model=str(TINY_CONFIG), memory_classes=4, batch=2, set=["prompt.depth=2"]
+    )
+    assert bench_vl.step_memory(child, "maple", grad_checkpointing=True) > 0

@@ -1,0 +1,284 @@
+"""Benchmark one VPT, IVLP or MaPLe training step: ours vs the reference computed the official way.
+
+    python tools/bench_vl.py --method maple [--model ViT-B-16] [--classes 100 1000] [--batch 4]
+                             [--memory-classes 1000] [--no-memory] [--device cpu]
+
+Both sides compute the same step (forward + cross-entropy + backward into every learned tensor)
+for the same method, images and labels, in one process, on random weights, with the recipe of
+`coop.config.METHOD_DEFAULTS` for the first N ImageNet class names:
+
+- ours: `Method.loss` of `coop.methods.<method>` (the text tower cut after [EOS], in length
+  buckets, with the shared-prefix path; the image tower `coop.image_encoder.ImageTransformer`);
+- the reference: `coop.reference.{vpt,ivlp,maple}_logits`, as the MaPLe repository computes it:
+  every class's full 77-token prompt through open_clip's own text modules every step (VPT's frozen
+  text features once, as its code does at build time) and open_clip's own image modules with the
+  prompt concatenation written out.
+
+Each side gets `--warmup` untimed steps, then the best of `--repeats` timed steps counts, the two
+sides alternating so that both see the same machine load; wall and process CPU times are printed
+(CPU time is less disturbed by other processes on a shared machine), the speed-up, the bound the
+token counts give (tokens weighted by layers x width^2, the cost of a token's linear layers; the
+attention's quadratic term is left out) and the largest differences of loss and gradients.
+
+Memory (`--memory-classes`, default 1000, ours only): the peak of one training step with and
+without `train.grad_checkpointing`, each in a fresh process. On CUDA it is
+`torch.cuda.max_memory_allocated` minus what was allocated before the step; on a CPU it is the
+peak resident set size during the step (Linux `VmHWM`, reset through `/proc/self/clear_refs`)
+minus the resident size before it, i.e. what the step added to the process.
+
+The reference at 1,000 classes keeps a graph of 77,000 text tokens (about 30 GB in fp32 for
+ViT-B/16); it is skipped, with a message, where the device does not have that much free memory.
+Small sizes run in seconds: `--model configs/models/coop-tiny.json --classes 5 --batch 2
+--set prompt.depth=2` (and `--set vision.depth=2` for vpt and ivlp: the tiny towers are shallow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import build_models, max_rel_diff, sync  # noqa: E402
+from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
+
+from coop.config import load_config  # noqa: E402
+from coop.methods import build_method  # noqa: E402
+from coop.reference import ivlp_logits, maple_logits, reference_inputs, vpt_logits  # noqa: E402
+
+METHODS = ("maple", "ivlp", "vpt")
+CONTEXT = 77  # tokens per prompt in the reference
+
+
+def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=(), seed: int = 0):
+    """`method` with its recipe (METHOD_DEFAULTS) and `extra` key=value overrides on the first
+    `n_classes` ImageNet names."""
+    if not 1 <= n_classes <= len(IMAGENET_CLASSNAMES):
+        raise ValueError(f"classes must be in 1..{len(IMAGENET_CLASSNAMES)}, got {n_classes}")
+    overrides = [f"method={method}", "data.name=imagenet", f"train.grad_checkpointing={grad_checkpointing}"]
+    cfg = load_config(overrides=overrides + list(extra))
+    torch.manual_seed(seed)
+    return build_method(clip, list(IMAGENET_CLASSNAMES[:n_classes]), cfg).to(clip.logit_scale.device)
+
+
+def reference_step(name: str, oc, method, inputs):
+    """The official computation's logits function of the images, for `method`'s tensors."""
+    if name == "vpt":  # text features are frozen and computed once, as in the VPT trainer
+        text = method.fixed_text_features
+        return lambda images: vpt_logits(oc, images, None, method.vision_prompts(), text_features=text)
+    pl = method.prompt_learner
+    ids, _, slots = inputs
+    if name == "ivlp":
+        return lambda images: ivlp_logits(
+            oc, images, ids, slots, pl.ctx, pl.deep_ctx, method.vision_prompts()
+        )
+    projections = [method.proj, *method.compound_prompt_projections]
+    return lambda images: maple_logits(oc, images, ids, slots, pl.ctx, pl.deep_ctx, projections)
+
+
+def token_bound(name: str, method, clip, batch: int) -> dict:
+    """Tokens per step of both sides and the speed-up they bound (tokens x layers x width^2)."""
+    tower = clip.visual
+    image = batch * (tower.cfg.tokens + method.vision_prompts()[0].shape[0])
+    n_cls = len(method.classnames)
+    if name == "vpt":  # neither side runs the text tower per step
+        ref_text = ours_text = 0
+    else:
+        ref_text, ours_text = n_cls * CONTEXT, int((method.prompt_learner.eos + 1).sum())
+    t, v = clip.text.cfg, tower.cfg
+    text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
+    bound = (ref_text * text_cost + image * image_cost) / (ours_text * text_cost + image * image_cost)
+    return {"reference_text": ref_text, "ours_text": ours_text, "image": image, "bound": bound}
+
+
+def timed(step, method, device) -> tuple[float, float, float, dict]:
+    """(wall s, CPU s, loss, {name: gradient}) of one `step()` that returns the loss, backward included."""
+    method.zero_grad(set_to_none=True)
+    sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    loss = step()
+    loss.backward()
+    sync(device)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    grads = {k: p.grad.detach().clone() for k, p in method.learnable().items() if p.grad is not None}
+    return wall, cpu, float(loss.detach()), grads
+
+
+def reference_fits(n_classes: int, clip, device) -> tuple[bool, float]:
+    """Whether the reference's text graph (n_cls x 77 tokens, ~18 W-sized tensors kept per
+    block) fits in the free memory of `device`; (fits, estimated GiB)."""
+    t = clip.text.cfg
+    need = n_classes * CONTEXT * t.layers * 18 * t.width * 4 / 2**30
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] / 2**30
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return need < 0.8 * free, need
+
+
+def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
+    method = build(name, clip, n_classes, extra=args.set)
+    gen = torch.Generator().manual_seed(1)
+    size = clip.image_size
+    images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)
+    labels = torch.randint(n_classes, (args.batch,), generator=gen).to(device)
+    tokens = token_bound(name, method, clip, args.batch)
+    print(
+        f"\n{name}, {n_classes} classes, batch {args.batch}: tokens per step, reference "
+        f"{tokens['reference_text']} text + {tokens['image']} image, ours {tokens['ours_text']} text + "
+        f"{tokens['image']} image; bound from token counts {tokens['bound']:.2f}x"
+    )
+    fits, need = reference_fits(n_classes, clip, device)
+    if not fits:
+        print(
+            f"reference skipped: its graph needs about {need:.0f} GiB, more than this {device.type} has free"
+        )
+    inputs = None if name == "vpt" else reference_inputs(oc, method.prompt_learner)  # once, untimed
+    reference = reference_step(name, oc, method, inputs)
+    sides = {"coop": lambda: method.loss(images, labels)[0]}
+    if fits:
+        sides = {"reference": lambda: F.cross_entropy(reference(images).float(), labels), **sides}
+    best = {side: [float("inf"), float("inf")] for side in sides}
+    result = {}
+    for i in range(args.warmup + args.repeats):  # the sides alternate, so both see the same load
+        for side, step in sides.items():
+            wall, cpu, loss, grads = timed(step, method, device)
+            result[side] = (loss, grads)
+            if i >= args.warmup:
+                best[side] = [min(best[side][0], wall), min(best[side][1], cpu)]
+    row = {"method": name, "classes": n_classes, "batch": args.batch, **tokens}
+    row["coop_ms"], row["coop_cpu_ms"] = best["coop"][0] * 1000, best["coop"][1] * 1000
+    print(f"coop:      {row['coop_ms']:10.1f} ms  (CPU time {row['coop_cpu_ms']:10.1f} ms)")
+    if not fits:
+        return row
+    row["reference_ms"], row["reference_cpu_ms"] = best["reference"][0] * 1000, best["reference"][1] * 1000
+    print(f"reference: {row['reference_ms']:10.1f} ms  (CPU time {row['reference_cpu_ms']:10.1f} ms)")
+    row["speedup"] = row["reference_ms"] / row["coop_ms"]
+    row["speedup_cpu"] = row["reference_cpu_ms"] / row["coop_cpu_ms"]
+    (loss_ref, g_ref), (loss_ours, g_ours) = result["reference"], result["coop"]
+    row["loss_diff"] = abs(loss_ref - loss_ours)
+    row["grad_diff"] = {k: max_rel_diff(g_ours[k], g_ref[k]) for k in g_ref}
+    print(
+        f"speed-up: {row['speedup']:.2f}x wall, {row['speedup_cpu']:.2f}x CPU time (bound {tokens['bound']:.2f}x; "
+        f"best of {args.repeats} after {args.warmup} warm-up step(s) each, the sides alternating)"
+    )
+    print(f"loss {loss_ref:.6f} vs {loss_ours:.6f} (|diff| {row['loss_diff']:.1e})")
+    worst = max(row["grad_diff"], key=row["grad_diff"].get)
+    print(
+        f"gradients, max |diff| / max |reference| over {len(g_ref)} tensors: {row['grad_diff'][worst]:.1e} ({worst})"
+    )
+    return row
+
+
+def step_memory(args, name: str, grad_checkpointing: bool) -> float | None:
+    """MiB one training step adds at its peak (see the module docstring), measured here."""
+    device = torch.device(args.device)
+    oc, clip = build_models(args.model, device)
+    del oc
+    method = build(name, clip, args.memory_classes, grad_checkpointing, args.set)
+    gen = torch.Generator().manual_seed(1)
+    size = clip.image_size
+    images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)
+    labels = torch.randint(args.memory_classes, (args.batch,), generator=gen).to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    else:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM)
+        except OSError:
+            return None
+        before = _status_kib("VmRSS")
+    method.loss(images, labels)[0].backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    return (_status_kib("VmHWM") - before) / 2**10
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def memory(args, name: str) -> dict:
+    """Peak MiB of a step with and without grad checkpointing, each in a fresh process."""
+    out = {}
+    for ckpt in (False, True):
+        cmd = [sys.executable, __file__, "--method", name, "--model", args.model, "--batch", str(args.batch)]
+        cmd += ["--device", args.device, "--memory-classes", str(args.memory_classes), "--measure-memory"]
+        cmd += ["--grad-checkpointing"] if ckpt else []
+        cmd += [x for item in args.set for x in ("--set", item)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            lines = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            out[ckpt] = None
+            print(f"memory with grad_checkpointing={ckpt}: failed ({lines})")
+            continue
+        out[ckpt] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+    what = (
+        "torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS added by the step"
+    )
+    fmt = lambda v: "n/a" if v is None else f"{v:.0f} MiB"  # noqa: E731
+    print(
+        f"\nmemory of one {name} step, {args.memory_classes} classes, batch {args.batch} ({what}): "
+        f"{fmt(out[False])} without, {fmt(out[True])} with grad checkpointing"
+    )
+    return {"classes": args.memory_classes, "peak_mib": out[False], "peak_mib_checkpointing": out[True]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", required=True, choices=METHODS)
+    ap.add_argument("--model", default="ViT-B-16", help="open_clip model name or model-config JSON")
+    ap.add_argument(
+        "--classes", type=int, nargs="+", default=[100], help="first N ImageNet names, e.g. 100 1000"
+    )
+    ap.add_argument("--batch", type=int, default=4, help="images per training step")
+    ap.add_argument("--repeats", type=int, default=1, help="timed steps per side (the best counts)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--memory-classes", type=int, default=1000, help="classes of the memory measurement")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
+    ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)  # the child process
+    ap.add_argument("--grad-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.measure_memory:
+        print(json.dumps({"peak_mib": step_memory(args, args.method, args.grad_checkpointing)}))
+        return 0
+
+    device = torch.device(args.device)
+    oc, clip = build_models(args.model, device)
+    print(
+        f"model {args.model} (random weights), fp32, torch {torch.__version__}, {device}, {torch.get_num_threads()} threads"
+    )
+    report = {"model": args.model, "device": str(device), "steps": []}
+    for n_classes in args.classes:
+        report["steps"].append(compare(args, args.method, oc, clip, n_classes, device))
+    if not args.no_memory:
+        del oc, clip
+        report["memory"] = memory(args, args.method)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
