@@ -13,6 +13,7 @@ import open_clip
 import pytest
 import torch
 from conftest import REPO
+from test_bench import load_tool
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 from test_recipe import interrupt_at
 
@@ -344,3 +345,30 @@ def test_promptsrc_recipes_and_grids(tmp_path):
         )
         run_cfg = load_config(None, next(r.overrides for r in runs if "method=promptsrc" in r.overrides))
         assert run_cfg.train.epochs == 20 and run_cfg.vision.depth == 9 and run_cfg.train.lr == 0.0025
+
+
+def test_bench_vl_promptsrc_step_matches_the_official_way(tmp_path, capsys):
+    """tools/bench_vl.py --method promptsrc on the tiny model: both sides run, the same loss terms
+    and gradients, the speed-up printed."""
+    out_json = tmp_path / "vl.json"
+    args = ["--method", "promptsrc", "--model", str(REPO / "configs" / "models" / "coop-tiny.json")]
+    args += [
+        "--classes",
+        "4",
+        "--batch",
+        "2",
+        "--warmup",
+        "0",
+        "--set",
+        "prompt.depth=2",
+        "--set",
+        "vision.depth=2",
+    ]
+    assert load_tool("bench_vl").main([*args, "--no-memory", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up:" in out and "loss terms (reference vs ours): ce" in out
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["reference_text"] == 4 * 77 and step["ours_text"] < 4 * 77
+    assert set(step["term_diff"]) == {"ce", "text", "image", "kl"} and max(step["term_diff"].values()) < 1e-5
+    assert set(step["grad_diff"]) == {"ctx", "deep_ctx", "vision_ctx", "vision_deep_ctx"}
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
