@@ -17,6 +17,7 @@ from test_bench import load_tool
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 from test_recipe import interrupt_at
 
+import coop
 from coop import reference
 from coop.config import ConfigError, load_config, run_name
 from coop.gpa import GaussianAggregate, gpa_weights
@@ -150,6 +151,40 @@ def test_method_loss_and_gradients_equal_the_official_computation(tiny_openclip,
         assert float((a - b).abs().max() / b.abs().max()) < 1e-4, name
     learned = {id(t) for t in tensors}
     assert all(id(p) in learned for p in method.parameters() if p.requires_grad)  # nothing of CLIP
+
+
+def test_fp16_step_and_gpa_keep_the_originals_dtypes(tiny_openclip):
+    """train.precision=fp16 as the official PREC=fp16: CLIP and ctx half, the other prompts fp32;
+    the loss terms in fp32 with t0 from an fp32 copy; GPA sums each tensor in its own dtype."""
+    clip = coop.CLIP.from_openclip(tiny_openclip)  # its own copy: it becomes half here
+    overrides = [
+        "method=promptsrc",
+        "model.pretrained=none",
+        "prompt.depth=2",
+        "vision.depth=2",
+        "train.epochs=2",
+    ]
+    method = build_method(clip, CLASSNAMES, load_config(None, overrides))
+    fp32_t0 = frozen_text_features(clip, CLASSNAMES, method.templates)
+    method.to_half()
+    images, labels = torch.randn(2, 3, 32, 32).half(), torch.tensor([0, 2])
+    loss, logits = method.loss(images, labels)
+    loss.backward()
+    assert torch.isfinite(loss) and loss.dtype == logits.dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in method.last_terms.values())
+    assert method.frozen_text().dtype == torch.float32
+    assert (method.frozen_text() - fp32_t0).abs().max() < 5e-3  # from half-rounded weights
+    learned = method.learnable()
+    assert learned["ctx"].dtype == learned["ctx"].grad.dtype == torch.half
+    assert learned["vision_ctx"].dtype == learned["deep_ctx"].dtype == torch.float32
+    before = {k: v.detach().clone() for k, v in learned.items()}
+    w = gpa_weights(2, 15.0, 1.0)
+    method.end_epoch(1, 2)
+    method.end_epoch(2, 2)  # the same tensors twice: the aggregate is (w1 + w2) x them
+    for name, t in learned.items():
+        assert t.dtype == before[name].dtype, name
+        expected = before[name] * w[0] + before[name] * w[1]
+        assert torch.equal(t.detach(), expected), name
 
 
 def test_template_sets():
