@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks (bench_text.py, bench_train.py, gpu_check.py).
+"""Shared pieces of the benchmarks (bench_text.py, bench_train.py, bench_vl.py, gpu_check.py).
 
 Models are built with random weights (offline, seeded), prompts use the first N ImageNet class
 names, and every timing waits for the device (CUDA kernels run asynchronously) and follows
@@ -16,6 +16,8 @@ import torch
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
 
 import coop
+from coop.config import load_config
+from coop.methods import build_method
 from coop.model import resolve_model_name
 from coop.reference import coop_text_features, reference_inputs
 
@@ -55,6 +57,16 @@ def imagenet_prompts(clip: coop.CLIP, n_classes: int, n_ctx: int, position: str 
     device = clip.logit_scale.device
     learner = coop.PromptLearner(clip, names, n_ctx=n_ctx, position=position).to(device)
     return learner, coop.PromptClassifier(clip, learner)
+
+
+def imagenet_method(clip: coop.CLIP, method: str, n_classes: int, overrides=(), seed: int = 0):
+    """`method` with its recipe (`METHOD_DEFAULTS`) plus `key=value` overrides, built for the first
+    `n_classes` ImageNet class names, on the CLIP's device."""
+    if not 1 <= n_classes <= len(IMAGENET_CLASSNAMES):
+        raise ValueError(f"classes must be in 1..{len(IMAGENET_CLASSNAMES)}, got {n_classes}")
+    cfg = load_config(overrides=[f"method={method}", "data.name=imagenet", *overrides])
+    torch.manual_seed(seed)
+    return build_method(clip, list(IMAGENET_CLASSNAMES[:n_classes]), cfg).to(clip.logit_scale.device)
 
 
 def text_sides(oc, classifier: coop.PromptClassifier) -> dict[str, Callable[[], torch.Tensor]]:

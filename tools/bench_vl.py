@@ -47,11 +47,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import build_models, max_rel_diff, sync  # noqa: E402
-from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
+from _bench import build_models, imagenet_method, max_rel_diff, sync  # noqa: E402
 
-from coop.config import load_config  # noqa: E402
-from coop.methods import build_method  # noqa: E402
 from coop.reference import (  # noqa: E402
     ivlp_logits,
     maple_logits,
@@ -65,15 +62,11 @@ METHODS = ("maple", "ivlp", "vpt", "promptsrc")
 CONTEXT = 77  # tokens per prompt in the reference
 
 
-def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=(), seed: int = 0):
-    """`method` with its recipe (METHOD_DEFAULTS) and `extra` key=value overrides on the first
-    `n_classes` ImageNet names."""
-    if not 1 <= n_classes <= len(IMAGENET_CLASSNAMES):
-        raise ValueError(f"classes must be in 1..{len(IMAGENET_CLASSNAMES)}, got {n_classes}")
-    overrides = [f"method={method}", "data.name=imagenet", f"train.grad_checkpointing={grad_checkpointing}"]
-    cfg = load_config(overrides=overrides + list(extra))
-    torch.manual_seed(seed)
-    return build_method(clip, list(IMAGENET_CLASSNAMES[:n_classes]), cfg).to(clip.logit_scale.device)
+def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=()):
+    """`method` with its recipe and `extra` key=value overrides on the first `n_classes` ImageNet names."""
+    return imagenet_method(
+        clip, method, n_classes, [f"train.grad_checkpointing={grad_checkpointing}", *extra]
+    )
 
 
 def reference_loss(name: str, oc, method, inputs, terms: dict):
@@ -132,7 +125,14 @@ def token_bound(name: str, method, clip, batch: int) -> dict:
     t, v = clip.text.cfg, tower.cfg
     text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
     bound = (ref_text * text_cost + image * image_cost) / (ours_text * text_cost + image * image_cost)
-    return {"reference_text": ref_text, "ours_text": ours_text, "image": image, "bound": bound}
+    ratio = (ref_text + image) / (ours_text + image)
+    return {
+        "reference_text": ref_text,
+        "ours_text": ours_text,
+        "image": image,
+        "token_ratio": ratio,
+        "bound": bound,
+    }
 
 
 def timed(step, method, device) -> tuple[float, float, float, dict]:
@@ -170,7 +170,8 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
     print(
         f"\n{name}, {n_classes} classes, batch {args.batch}: tokens per step, reference "
         f"{tokens['reference_text']} text + {tokens['image']} image, ours {tokens['ours_text']} text + "
-        f"{tokens['image']} image; bound from token counts {tokens['bound']:.2f}x"
+        f"{tokens['image']} image ({tokens['token_ratio']:.2f}x the tokens); bound from token counts "
+        f"{tokens['bound']:.2f}x (tokens x layers x width^2)"
     )
     fits, need = reference_fits(n_classes, clip, device)
     if not fits:

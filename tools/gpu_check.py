@@ -19,7 +19,12 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              on the GPU), batch 32, 1,000 classes, bf16 autocast; the aug_views=0 path (image tower
              forward every step + prompt step) and the cached-features path (prompt step on
              precomputed features), plus the one-off cost of the cache. Image decoding,
-             augmentation and host-to-device copies are NOT included: the images are synthetic.
+             augmentation and host-to-device copies are NOT included: the images are synthetic;
+  maple      one MaPLe training step (recipe: n_ctx 2, depth 9) on ViT-B/16 and ViT-L/14, 1,000
+             classes, batch 4, bf16 autocast: ours with and without grad checkpointing, and the
+             reference computed the official way (`coop.reference.maple_logits`: 77 tokens per
+             class through open_clip's modules); time (best of 3 after a warm-up step) and peak
+             torch.cuda.max_memory_allocated of the step.
 
 Writes `gpu_check.json` into --out (default: the current folder) and prints a table. Without
 CUDA it prints one line and exits 0. `--quick` uses 3,200 images for the epoch.
@@ -41,6 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import (  # noqa: E402
     build_models,
+    imagenet_method,
     imagenet_prompts,
     max_rel_diff,
     precision_context,
@@ -243,7 +249,96 @@ def print_epoch(e: dict) -> None:
           f"  ({e['speedup']:.1f}x per epoch)")  # fmt: skip
 
 
-PRINTERS = {"parity": print_parity, "text_speed": print_speed, "memory": print_memory, "epoch": print_epoch}
+# --- MaPLe: one vision-language training step (issue 13) ------------------------------------
+
+MAPLE_SIZES = {
+    "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 4, "repeats": 3, "set": ()},
+    "tiny": {"models": (str(REPO / "configs/models/coop-tiny.json"),), "classes": 20, "batch": 2, "repeats": 1,
+             "set": ("prompt.depth=2",)},
+}  # fmt: skip
+
+
+def check_maple(device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one MaPLe step (forward + backward), ours and the reference."""
+    sizes = MAPLE_SIZES["tiny" if tiny else "full"]
+    rows = []
+    for model in sizes["models"]:
+        rows += maple_steps(model, sizes, device)
+        free(device)
+    return rows
+
+
+def maple_steps(model: str, sizes: dict, device) -> list[dict]:
+    from coop.reference import maple_logits, reference_inputs
+
+    oc, clip = build_models(model, device)
+    method = imagenet_method(clip, "maple", sizes["classes"], sizes["set"])
+    gen = torch.Generator(device).manual_seed(0)
+    size = clip.image_size
+    images = torch.randn(sizes["batch"], 3, size, size, device=device, generator=gen)
+    labels = torch.randint(sizes["classes"], (sizes["batch"],), device=device, generator=gen)
+    pl = method.prompt_learner
+    ids, _, slots = reference_inputs(oc, pl)
+    projections = [method.proj, *method.compound_prompt_projections]
+
+    def reference():
+        logits = maple_logits(oc, images, ids, slots, pl.ctx, pl.deep_ctx, projections)
+        return F.cross_entropy(logits.float(), labels)
+
+    def ours():
+        return method.loss(images, labels)[0]
+
+    rows = []
+    for side, checkpointing, step in (("coop", False, ours), ("coop, grad checkpointing", True, ours),
+                                      ("reference", False, reference)):  # fmt: skip
+        method.grad_checkpointing = checkpointing
+        best = float("inf")
+        for i in range(1 + sizes["repeats"]):  # a warm-up step, then the timed ones
+            method.zero_grad(set_to_none=True)
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                start = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            with precision_context(device, "bf16"):
+                loss = step()
+            loss.backward()
+            sync(device)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        row = {"model": Path(model).stem, "side": side, "classes": sizes["classes"], "batch": sizes["batch"]}
+        row["ms"] = best * 1000
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            row |= {"peak_mib": peak / 2**20, "step_mib": (peak - start) / 2**20}
+        else:
+            row |= {"peak_mib": None, "step_mib": None}
+        rows.append(row)
+    return rows
+
+
+def print_maple(rows: list[dict]) -> None:
+    print("one MaPLe training step (n_ctx 2, depth 9, bf16 autocast)")
+    for r in rows:
+        mem = (
+            "n/a (no CUDA)"
+            if r["peak_mib"] is None
+            else f"peak {r['peak_mib']:.0f} MiB (step: +{r['step_mib']:.0f} MiB)"
+        )
+        print(
+            f"  {r['model']:<9} {r['side']:<25} {r['classes']} classes, batch {r['batch']}: {r['ms']:8.1f} ms, {mem}"
+        )
+
+
+# --- end of the MaPLe section -------------------------------------------------------------------
+
+PRINTERS = {
+    "parity": print_parity,
+    "text_speed": print_speed,
+    "memory": print_memory,
+    "epoch": print_epoch,
+    "maple": print_maple,
+}
 
 
 def main(argv=None) -> int:
@@ -283,6 +378,7 @@ def main(argv=None) -> int:
         "text_speed": lambda: check_speed(oc, clip, sizes["speed"], sizes["n_ctx"], device, sizes["repeats"]),
         "memory": lambda: check_memory(oc, clip, sizes["memory"], device),
         "epoch": lambda: check_epoch(clip, sizes["memory"], sizes["images"], device),
+        "maple": lambda: check_maple(device, args.tiny),
     }
     for section, run in sections.items():
         t0 = time.perf_counter()
