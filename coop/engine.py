@@ -100,7 +100,7 @@ def use_fp16(clip: CLIP, method: Method) -> None:
     cosine logits (`coop.model.cosine_logits`) are formed in fp32 from the fp16 features.
     """
     clip.half()
-    method.to_half()
+    getattr(method, "to_half", method.half)()  # a bare module (e.g. a PromptLearner) is halved whole
 
 
 def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -> Setup:
