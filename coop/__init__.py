@@ -7,16 +7,19 @@ classifier = coop.PromptClassifier(clip, learner)
 logits = classifier(images)                      # (B, n_cls)
 """
 
+from coop.image_encoder import ImageTransformer, VisionConfig
 from coop.model import CLIP, cosine_logits, load_clip
 from coop.prompt import PromptClassifier, PromptLearner
 from coop.text_encoder import TextConfig, TextTransformer
 
 __all__ = [
     "CLIP",
+    "ImageTransformer",
     "PromptClassifier",
     "PromptLearner",
     "TextConfig",
     "TextTransformer",
+    "VisionConfig",
     "cosine_logits",
     "load_clip",
 ]

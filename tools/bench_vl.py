@@ -148,11 +148,11 @@ def timed(step, method, device) -> tuple[float, float, float, dict]:
     return wall, cpu, float(loss.detach()), grads
 
 
-def reference_fits(n_classes: int, clip, device) -> tuple[bool, float]:
-    """Whether the reference's text graph (n_cls x 77 tokens, ~18 W-sized tensors kept per
+def reference_fits(text_tokens: int, clip, device) -> tuple[bool, float]:
+    """Whether the reference's text graph (`text_tokens` tokens, ~18 W-sized tensors kept per
     block) fits in the free memory of `device`; (fits, estimated GiB)."""
     t = clip.text.cfg
-    need = n_classes * CONTEXT * t.layers * 18 * t.width * 4 / 2**30
+    need = text_tokens * t.layers * 18 * t.width * 4 / 2**30
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] / 2**30
     else:
@@ -173,7 +173,7 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
         f"{tokens['image']} image ({tokens['token_ratio']:.2f}x the tokens); bound from token counts "
         f"{tokens['bound']:.2f}x (tokens x layers x width^2)"
     )
-    fits, need = reference_fits(n_classes, clip, device)
+    fits, need = reference_fits(tokens["reference_text"], clip, device)
     if not fits:
         print(
             f"reference skipped: its graph needs about {need:.0f} GiB, more than this {device.type} has free"
@@ -230,6 +230,7 @@ def step_memory(args, name: str, grad_checkpointing: bool) -> float | None:
     oc, clip = build_models(args.model, device)
     del oc
     method = build(name, clip, args.memory_classes, grad_checkpointing, args.set)
+    clip.text.grad_checkpointing = grad_checkpointing  # as the engine sets it: both towers
     gen = torch.Generator().manual_seed(1)
     size = clip.image_size
     images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)

@@ -291,7 +291,7 @@ def maple_steps(model: str, sizes: dict, device) -> list[dict]:
     rows = []
     for side, checkpointing, step in (("coop", False, ours), ("coop, grad checkpointing", True, ours),
                                       ("reference", False, reference)):  # fmt: skip
-        method.grad_checkpointing = checkpointing
+        method.grad_checkpointing = clip.text.grad_checkpointing = checkpointing  # both towers, as the engine
         best = float("inf")
         for i in range(1 + sizes["repeats"]):  # a warm-up step, then the timed ones
             method.zero_grad(set_to_none=True)
@@ -314,6 +314,7 @@ def maple_steps(model: str, sizes: dict, device) -> list[dict]:
         else:
             row |= {"peak_mib": None, "step_mib": None}
         rows.append(row)
+    clip.text.grad_checkpointing = False
     return rows
 
 
