@@ -12,13 +12,24 @@ those values replace the defaults for every key that no file, override or saved 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-METHODS = ("coop", "cocoop", "kgcoop", "zeroshot", "linear_probe", "vpt", "ivlp", "maple")  # see coop.methods
+METHODS = (
+    "coop",
+    "cocoop",
+    "kgcoop",
+    "zeroshot",
+    "linear_probe",
+    "vpt",
+    "ivlp",
+    "maple",
+    "promptsrc",
+)  # see coop.methods
 
 DEFAULTS = {
     "method": "coop",
@@ -54,6 +65,14 @@ DEFAULTS = {
     "zeroshot": {"templates": "coop"},
     "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per recomputed block; coop.methods.cocoop
     "kgcoop": {"weight": 8.0, "templates": "kgcoop"},  # KgCoOp's own templates (coop.methods.zeroshot)
+    "promptsrc": {  # coop.methods.promptsrc; GPA: coop.gpa
+        "text_weight": 25.0,
+        "image_weight": 10.0,
+        "kl_weight": 1.0,
+        "templates": "promptsrc",
+        "gpa_mean": 15.0,
+        "gpa_std": 1.0,
+    },
     "eval": {"targets": []},
     "fl": {
         "method": "promptfl",
@@ -80,8 +99,9 @@ DEFAULTS = {
 # The recipes of the original code, applied where no layer sets the key:
 # CoCoOp's vit_b16_c4_ep10_batch1_ctxv1 and KgCoOp's vit_b16_ep100_ctxv1 (both SGD lr 0.002 with
 # CoOp's schedule, as in DEFAULTS); the MaPLe repository's VPT vit_b16_c2_ep5_batch4_4, IVLP
-# vit_b16_c2_ep5_batch4_2+2ctx and MaPLe vit_b16_c2_ep5_batch4_2ctx (the same SGD, warm-up and
-# cosine; their PREC=fp16 is `train.precision=fp16`, the default here stays amp).
+# vit_b16_c2_ep5_batch4_2+2ctx and MaPLe vit_b16_c2_ep5_batch4_2ctx, and the PromptSRC repository's
+# vit_b16_c2_ep20_batch4_4+4ctx (the same SGD, warm-up and cosine; their PREC=fp16 is
+# `train.precision=fp16`, the default here stays amp).
 METHOD_DEFAULTS = {
     "cocoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 10, "train.batch_size": 1},
     "kgcoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 100, "train.batch_size": 128},
@@ -100,6 +120,16 @@ METHOD_DEFAULTS = {
         "vision.depth": 12,
         "train.lr": 0.0035,
         "train.epochs": 5,
+        "train.batch_size": 4,
+    },
+    "promptsrc": {
+        "prompt.n_ctx": 4,
+        "prompt.ctx_init": "a photo of a",
+        "prompt.depth": 9,
+        "vision.n_ctx": 4,
+        "vision.depth": 9,
+        "train.lr": 0.0025,
+        "train.epochs": 20,
         "train.batch_size": 4,
     },
     "maple": {
@@ -275,6 +305,15 @@ def validate(cfg: DictConfig) -> None:
             f"data.split_file={split_file!r} is read by data.name=imagefolder only (got {cfg.data.name!r}); "
             "set data.split_file=null for other datasets"
         )
+    for key in ("text_weight", "image_weight", "kl_weight"):
+        value = cfg.promptsrc[key]
+        if not _is_number(value) or not value >= 0:
+            raise ConfigError(f"promptsrc.{key} must be a number >= 0, got {value!r}")
+    mean, std = cfg.promptsrc.gpa_mean, cfg.promptsrc.gpa_std
+    if not _is_number(mean) or not math.isfinite(mean):
+        raise ConfigError(f"promptsrc.gpa_mean must be a finite number (an epoch), got {mean!r}")
+    if not _is_number(std) or not 0 < std < math.inf:
+        raise ConfigError(f"promptsrc.gpa_std must be a finite number > 0 (epochs), got {std!r}")
     targets = cfg.eval.targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")
@@ -349,8 +388,8 @@ def model_tag(name: str) -> str:
 def method_settings(cfg: DictConfig) -> str:
     """The settings part of a run name: what the method's results depend on.
 
-    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp and maple: the same after
-    "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp followed by
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple and promptsrc: the same
+    after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
     _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
     (a literal template by its hash); linear_probe: linear_probe.
     """
@@ -369,7 +408,7 @@ def method_settings(cfg: DictConfig) -> str:
     pos = "middle" if p.position == "mid" else p.position
     prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
     text = f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
-    return f"{text}_{vision}" if cfg.method == "ivlp" else text
+    return f"{text}_{vision}" if cfg.method in ("ivlp", "promptsrc") else text
 
 
 def run_name(cfg: DictConfig) -> str:

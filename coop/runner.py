@@ -178,6 +178,7 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
             {
                 **state,
                 "prompt": {k: v.detach().cpu() for k, v in method.learnable().items()},
+                "method_state": method.training_state(),
                 "optimizer": optimizer.state_dict(),
                 "lr_schedule": LR_SCHEDULE,
                 "epoch": epoch,
@@ -214,6 +215,7 @@ def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[di
             "restart after warm-up); use another output_dir"
         )
     s.method.load_learnable(ckpt["prompt"], ckpt["classnames"])
+    s.method.load_training_state(ckpt.get("method_state", {}))
     optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
@@ -251,6 +253,7 @@ def fit(
             raise NonFiniteLossError(f"{e}; {kept}") from None
         if not all(torch.isfinite(p).all() for p in tensors):
             raise NonFiniteLossError(f"prompt parameters became non-finite in epoch {epoch + 1}; {kept}")
+        s.method.end_epoch(epoch + 1, epochs)  # e.g. PromptSRC's aggregation, stored by the checkpoint
         row = {"epoch": epoch + 1, **{k: round(v, 6) for k, v in stats.items()}, "lr": lr}
         history.append({**row, "time_s": round(time.perf_counter() - t0, 3)})
         checkpoint(epoch + 1, finished=False)
