@@ -12,13 +12,24 @@ those values replace the defaults for every key that no file, override or saved 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-METHODS = ("coop", "cocoop", "kgcoop", "zeroshot", "linear_probe", "vpt", "ivlp", "maple")  # see coop.methods
+METHODS = (
+    "coop",
+    "cocoop",
+    "kgcoop",
+    "zeroshot",
+    "linear_probe",
+    "vpt",
+    "ivlp",
+    "maple",
+    "promptsrc",
+)  # see coop.methods
 
 DEFAULTS = {
     "method": "coop",
@@ -34,6 +45,7 @@ DEFAULTS = {
         "subsample_classes": "all",
         "num_workers": 2,
         "target_domain": None,
+        "split_file": None,  # imagefolder: a CoOp split JSON (tools/make_split.py); see coop.data.datasets
     },
     "train": {
         "epochs": None,
@@ -48,10 +60,19 @@ DEFAULTS = {
         "eval_batch_size": 100,
         "cache_features": True,
         "grad_checkpointing": False,
+        "tensorboard": True,  # TensorBoard events in <run>/tb/ when tensorboard is installed
     },
     "zeroshot": {"templates": "coop"},
     "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per recomputed block; coop.methods.cocoop
-    "kgcoop": {"weight": 8.0, "templates": "coop"},
+    "kgcoop": {"weight": 8.0, "templates": "kgcoop"},  # KgCoOp's own templates (coop.methods.zeroshot)
+    "promptsrc": {  # coop.methods.promptsrc; GPA: coop.gpa
+        "text_weight": 25.0,
+        "image_weight": 10.0,
+        "kl_weight": 1.0,
+        "templates": "promptsrc",
+        "gpa_mean": 15.0,
+        "gpa_std": 1.0,
+    },
     "eval": {"targets": []},
     "fl": {
         "method": "promptfl",
@@ -60,6 +81,8 @@ DEFAULTS = {
         "local_epochs": 1,
         "fraction": 1.0,
         "partition": "iid",
+        "iid": False,  # fl.partition=promptfl: every client holds every class
+        "repeat_rate": 0.0,  # fl.partition=promptfl: share of the classes common to several clients
         "alpha": 0.5,
         "classes_per_client": 2,
         "aggregation": "fedavg",
@@ -76,8 +99,9 @@ DEFAULTS = {
 # The recipes of the original code, applied where no layer sets the key:
 # CoCoOp's vit_b16_c4_ep10_batch1_ctxv1 and KgCoOp's vit_b16_ep100_ctxv1 (both SGD lr 0.002 with
 # CoOp's schedule, as in DEFAULTS); the MaPLe repository's VPT vit_b16_c2_ep5_batch4_4, IVLP
-# vit_b16_c2_ep5_batch4_2+2ctx and MaPLe vit_b16_c2_ep5_batch4_2ctx (the same SGD, warm-up and
-# cosine; their PREC=fp16 is `train.precision=fp16`, the default here stays amp).
+# vit_b16_c2_ep5_batch4_2+2ctx and MaPLe vit_b16_c2_ep5_batch4_2ctx, and the PromptSRC repository's
+# vit_b16_c2_ep20_batch4_4+4ctx (the same SGD, warm-up and cosine; their PREC=fp16 is
+# `train.precision=fp16`, the default here stays amp).
 METHOD_DEFAULTS = {
     "cocoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 10, "train.batch_size": 1},
     "kgcoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 100, "train.batch_size": 128},
@@ -96,6 +120,16 @@ METHOD_DEFAULTS = {
         "vision.depth": 12,
         "train.lr": 0.0035,
         "train.epochs": 5,
+        "train.batch_size": 4,
+    },
+    "promptsrc": {
+        "prompt.n_ctx": 4,
+        "prompt.ctx_init": "a photo of a",
+        "prompt.depth": 9,
+        "vision.n_ctx": 4,
+        "vision.depth": 9,
+        "train.lr": 0.0025,
+        "train.epochs": 20,
         "train.batch_size": 4,
     },
     "maple": {
@@ -121,8 +155,8 @@ CHOICES = {
     "train.precision": ("amp", "fp32", "fp16"),
     "data.subsample_classes": ("all", "base", "new"),
     "fl.method": ("promptfl", "latent_domains"),
-    "fl.partition": ("iid", "dirichlet", "pathological", "domain"),
-    "fl.aggregation": ("fedavg", "uniform", "fedprox"),
+    "fl.partition": ("iid", "dirichlet", "pathological", "domain", "promptfl"),
+    "fl.aggregation": ("fedavg", "uniform", "fedprox", "last_client"),
     "fl.on_client_failure": ("continue", "stop"),
 }
 
@@ -140,6 +174,7 @@ RESULT_FREE_KEYS = frozenset(
         "train.grad_checkpointing",  # recomputes activations: the same gradients, less memory
         "eval.targets",  # adds eval_<dataset>.json files; a finished run evaluates new ones
         "cocoop.chunk_prompts",  # how many prompts run at once: the same results, other memory
+        "train.tensorboard",  # extra event files beside history.csv
     }
 )
 
@@ -262,6 +297,23 @@ def validate(cfg: DictConfig) -> None:
     weight = cfg.kgcoop.weight
     if not _is_number(weight) or not weight >= 0:
         raise ConfigError(f"kgcoop.weight must be a number >= 0, got {weight!r}")
+    if not isinstance(cfg.train.tensorboard, bool):
+        raise ConfigError(f"train.tensorboard must be true or false, got {cfg.train.tensorboard!r}")
+    split_file = cfg.data.split_file
+    if split_file is not None and (not isinstance(split_file, str) or cfg.data.name != "imagefolder"):
+        raise ConfigError(
+            f"data.split_file={split_file!r} is read by data.name=imagefolder only (got {cfg.data.name!r}); "
+            "set data.split_file=null for other datasets"
+        )
+    for key in ("text_weight", "image_weight", "kl_weight"):
+        value = cfg.promptsrc[key]
+        if not _is_number(value) or not value >= 0:
+            raise ConfigError(f"promptsrc.{key} must be a number >= 0, got {value!r}")
+    mean, std = cfg.promptsrc.gpa_mean, cfg.promptsrc.gpa_std
+    if not _is_number(mean) or not math.isfinite(mean):
+        raise ConfigError(f"promptsrc.gpa_mean must be a finite number (an epoch), got {mean!r}")
+    if not _is_number(std) or not 0 < std < math.inf:
+        raise ConfigError(f"promptsrc.gpa_std must be a finite number > 0 (epochs), got {std!r}")
     targets = cfg.eval.targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")
@@ -271,6 +323,27 @@ def validate(cfg: DictConfig) -> None:
             f"train.warmup_epochs={warmup} must be less than the {epochs} training epochs "
             f"(train.epochs={cfg.train.epochs}), or the cosine schedule never starts"
         )
+
+
+PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt")  # methods without learned text context
+
+
+def check_base_to_new(cfg: DictConfig) -> None:
+    """ConfigError, naming both keys, for a base-to-new run whose learned tensors cannot score the
+    new classes that it evaluates after training (`data.subsample_classes=base`): the linear
+    probe's classifier rows and class-specific context belong to their own classes."""
+    if cfg.data.subsample_classes != "base":
+        return
+    if cfg.method == "linear_probe":
+        what = "method=linear_probe learns one classifier row per base class"
+    elif cfg.prompt.csc and cfg.method not in PROMPT_CSC_IGNORED:
+        what = "prompt.csc=true learns context for the base classes only"
+    else:
+        return
+    raise ConfigError(
+        f"{what} and cannot score the new classes that data.subsample_classes=base evaluates after "
+        "training; use shared context (prompt.csc=false)"
+    )
 
 
 def validate_vision(cfg: DictConfig) -> None:
@@ -315,14 +388,14 @@ def model_tag(name: str) -> str:
 def method_settings(cfg: DictConfig) -> str:
     """The settings part of a run name: what the method's results depend on.
 
-    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp and maple: the same after
-    "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp followed by
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple and promptsrc: the same
+    after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
     _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
     (a literal template by its hash); linear_probe: linear_probe.
     """
     if cfg.method == "zeroshot":
         templates = str(cfg.zeroshot.templates)
-        if templates not in ("coop", "ensemble"):
+        if templates not in ("coop", "kgcoop", "coop_ensemble", "ensemble"):
             templates = "template-" + hashlib.sha1(templates.encode()).hexdigest()[:8]
         return f"zeroshot_{templates}"
     if cfg.method == "linear_probe":
@@ -335,7 +408,7 @@ def method_settings(cfg: DictConfig) -> str:
     pos = "middle" if p.position == "mid" else p.position
     prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
     text = f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
-    return f"{text}_{vision}" if cfg.method == "ivlp" else text
+    return f"{text}_{vision}" if cfg.method in ("ivlp", "promptsrc") else text
 
 
 def run_name(cfg: DictConfig) -> str:

@@ -115,7 +115,9 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
     """
     device = resolve_device(cfg.device)
     shots = 0 if ckpt is not None else int(cfg.data.shots)
-    dataset = build_dataset(cfg.data.name, cfg.data.root, shots=shots, seed=int(cfg.data.seed))
+    dataset = build_dataset(
+        cfg.data.name, cfg.data.root, shots=shots, seed=int(cfg.data.seed), split_file=cfg.data.split_file
+    )
     if ckpt is None:
         require_train_split(dataset)  # test-only datasets (ImageNet-V2/-Sketch/-A/-R) do not train
     dataset = subsample_classes(dataset, cfg.data.subsample_classes)

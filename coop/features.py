@@ -60,7 +60,7 @@ def autocast(device: torch.device, precision: str):
     """bf16 autocast where `precision` resolves to amp; no autocast otherwise (fp32 and fp16)."""
     if resolve_precision(precision, device) != "amp":
         return nullcontext()
-    return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def cache_dir() -> Path:

@@ -233,7 +233,7 @@ def _cell(mean, std, places: int, n=None) -> str:
     if pd.isna(mean):
         return "–"
     text = f"{mean:.{places}f}" if pd.isna(std) else f"{mean:.{places}f} ± {std:.{places}f}"
-    return text if n is None else f"{text} (n={int(n)})"
+    return text if n is None or pd.isna(n) else f"{text} (n={int(n)})"
 
 
 def format_markdown(table: pd.DataFrame, digits: int = 2) -> str:

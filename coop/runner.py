@@ -11,7 +11,9 @@ Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one 
 `lr` is the rate that epoch trained at), `checkpoint.pt` (the method's learned tensors +
 optimizer/epoch/RNG state and the lr schedule's name, written atomically after every epoch),
 when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
-`eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`.
+`eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`; and,
+with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.tensorboard`).
+`.lock` is held while a process writes the folder (`coop.lock`): a second one refuses.
 
 The lr of an epoch is a function of the epoch alone (`coop.engine.epoch_lr`), set before the epoch
 starts, so a resumed run needs no scheduler state beyond the epoch it resumes at. A checkpoint that
@@ -33,7 +35,16 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
 from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from coop.config import DEFAULTS, RESULT_FREE_KEYS, flatten, load_config, model_tag, resolved_epochs, to_yaml
+from coop.config import (
+    DEFAULTS,
+    RESULT_FREE_KEYS,
+    check_base_to_new,
+    flatten,
+    load_config,
+    model_tag,
+    resolved_epochs,
+    to_yaml,
+)
 from coop.data import DataError
 from coop.engine import (
     LR_SCHEDULE,
@@ -48,7 +59,9 @@ from coop.engine import (
     val_features,
 )
 from coop.io import atomic_write, write_json
+from coop.lock import run_lock
 from coop.model import CLIP
+from coop.tensorboard import OFF, Board, open_board
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +106,19 @@ def write_history(folder: Path, history: list[dict], fields: list[str] = HISTORY
 
 def train_run(cfg: DictConfig) -> dict:
     """Train (or resume, or skip if finished) the run described by `cfg`; returns its metrics."""
+    check_base_to_new(cfg)  # before the folder is touched: refused in one line, not after training
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     folder = Path(cfg.output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    handler = attach_log_file(folder)
-    try:
-        return _train_run(cfg, folder)
-    finally:
-        logging.getLogger().removeHandler(handler)
-        handler.close()
+    with run_lock(folder):  # one writer per folder: a second process refuses in one line
+        handler = attach_log_file(folder)
+        board = open_board(folder, bool(cfg.train.tensorboard))
+        try:
+            return _train_run(cfg, folder, board)
+        finally:
+            board.close()
+            logging.getLogger().removeHandler(handler)
+            handler.close()
 
 
 def read_resume_checkpoint(path: Path) -> dict | None:
@@ -115,7 +131,7 @@ def read_resume_checkpoint(path: Path) -> dict | None:
         raise CheckpointError(f"cannot resume: {e}; delete it or use another output_dir") from None
 
 
-def _train_run(cfg: DictConfig, folder: Path) -> dict:
+def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     ckpt_path, metrics_path = folder / "checkpoint.pt", folder / "metrics.json"
     ckpt = read_resume_checkpoint(ckpt_path)
@@ -125,7 +141,7 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
             log.info("%s is finished; not training again", folder)
             metrics = json.loads(metrics_path.read_text())
             if pending_evaluations(cfg, folder):  # e.g. killed while evaluating eval.targets
-                evaluate_targets(cfg, ckpt, folder)
+                evaluate_targets(cfg, ckpt, folder, board=board)
             return metrics
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
 
@@ -162,6 +178,7 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
             {
                 **state,
                 "prompt": {k: v.detach().cpu() for k, v in method.learnable().items()},
+                "method_state": method.training_state(),
                 "optimizer": optimizer.state_dict(),
                 "lr_schedule": LR_SCHEDULE,
                 "epoch": epoch,
@@ -173,14 +190,15 @@ def _train_run(cfg: DictConfig, folder: Path) -> dict:
 
     extra = {}
     if method.trainer == "sgd":
-        fit(s, optimizer, start, epochs, history, checkpoint, folder)
+        fit(s, optimizer, start, epochs, history, checkpoint, folder, board)
     elif method.trainer == "fit":
         extra = fit_closed_form(s)
     metrics = finalize(s, epochs, history, metrics_path, extra)
+    board.evaluation("test", metrics, step=epochs)
     state.update(method.describe())  # what the fit chose, e.g. the linear probe's C
     checkpoint(epochs, finished=True)
     if pending_evaluations(cfg, folder):
-        evaluate_targets(cfg, read_resume_checkpoint(ckpt_path), folder, s.clip)
+        evaluate_targets(cfg, read_resume_checkpoint(ckpt_path), folder, s.clip, board)
     return metrics
 
 
@@ -197,6 +215,7 @@ def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[di
             "restart after warm-up); use another output_dir"
         )
     s.method.load_learnable(ckpt["prompt"], ckpt["classnames"])
+    s.method.load_training_state(ckpt.get("method_state", {}))
     optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
@@ -204,8 +223,10 @@ def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[di
     return start, list(ckpt["history"])
 
 
-def fit(s: Setup, optimizer, start: int, epochs: int, history: list[dict], checkpoint, folder: Path) -> None:
-    """Train epochs start..epochs-1, appending to `history` and checkpointing after each."""
+def fit(
+    s: Setup, optimizer, start: int, epochs: int, history: list[dict], checkpoint, folder: Path, board: Board
+) -> None:
+    """Train epochs start..epochs-1, appending to `history` (and `board`), checkpointing after each."""
     cfg, tensors = s.cfg, list(s.method.learnable().values())
     train_feats = training_features(s) if start < epochs else None
     log_every = max(1, epochs // 10)
@@ -232,10 +253,12 @@ def fit(s: Setup, optimizer, start: int, epochs: int, history: list[dict], check
             raise NonFiniteLossError(f"{e}; {kept}") from None
         if not all(torch.isfinite(p).all() for p in tensors):
             raise NonFiniteLossError(f"prompt parameters became non-finite in epoch {epoch + 1}; {kept}")
+        s.method.end_epoch(epoch + 1, epochs)  # e.g. PromptSRC's aggregation, stored by the checkpoint
         row = {"epoch": epoch + 1, **{k: round(v, 6) for k, v in stats.items()}, "lr": lr}
         history.append({**row, "time_s": round(time.perf_counter() - t0, 3)})
         checkpoint(epoch + 1, finished=False)
         write_history(folder, history)
+        board.epoch(row)
         bar.set_postfix(loss=f"{stats['loss']:.4f}", acc=f"{stats['train_acc']:.1f}")
         if (epoch + 1) % log_every == 0 or epoch + 1 == epochs:
             log.info(
@@ -336,7 +359,9 @@ def evaluate_on(
     return metrics, s.clip
 
 
-def evaluate_targets(cfg: DictConfig, ckpt: dict, folder: Path, clip: CLIP | None = None) -> dict[str, dict]:
+def evaluate_targets(
+    cfg: DictConfig, ckpt: dict, folder: Path, clip: CLIP | None = None, board: Board = OFF
+) -> dict[str, dict]:
     """Evaluate every pending target of a finished run; writes `eval_<dataset>.json` into `folder`.
 
     Feature caches are shared between runs, so each target's test set is encoded once per model.
@@ -347,6 +372,7 @@ def evaluate_targets(cfg: DictConfig, ckpt: dict, folder: Path, clip: CLIP | Non
         metrics, clip = evaluate_on(config, ckpt, dataset, classes, clip)
         path = folder / eval_file(dataset, classes)
         write_json(path, metrics)
+        board.evaluation(path.stem.replace("eval_", "test_", 1), metrics, step=int(ckpt.get("epoch", 0)))
         log.info(
             "%s: accuracy %.2f%% on %d images -> %s", dataset, metrics["accuracy"], metrics["n_test"], path
         )

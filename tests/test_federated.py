@@ -127,6 +127,19 @@ def test_promptfl_run_folder(reference, fl_env):
     assert "finished; not training again" in again.stderr
 
 
+def test_promptfl_tensorboard_one_point_per_round(reference):
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    folder, _ = reference
+    acc = ea.EventAccumulator(str(folder / "tb"))
+    acc.Reload()
+    rows = history(folder)
+    for tag, column in (("test/accuracy", "accuracy"), ("train/loss", "train_loss"), ("train/lr", "lr"),
+                        ("comm/bytes_sent", "bytes_sent")):  # fmt: skip
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == list(range(1, ROUNDS + 1)), tag
+        assert [e.value for e in events] == pytest.approx([float(r[column]) for r in rows], rel=1e-6)
+
+
 def test_promptfl_equals_direct_computation(reference, fl_env, monkeypatch):
     """Each round = every client's local CoOp training outside Flower, then the weighted mean."""
     from omegaconf import OmegaConf

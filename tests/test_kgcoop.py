@@ -37,9 +37,9 @@ def kgcoop(clip, weight=8.0, **prompt):
 def direct_loss(oc, learner, images, labels, weight):
     """KgCoOp's forward written out: CE on CoOp's logits + weight * (1 - mean cos(w, w_clip))."""
     text = coop_text_features(oc, learner)  # the learned prompts, full 77 tokens
-    ids = open_clip.get_tokenizer("ViT-B-32")([f"{c.replace('_', ' ')} texture." for c in CLASSES])
+    prompts = [f"a photo of a {c.replace('_', ' ')}, a type of texture." for c in CLASSES]
     with torch.no_grad():
-        clip_text = oc.encode_text(ids)  # CoOp's hand-crafted DTD template, frozen
+        clip_text = oc.encode_text(open_clip.get_tokenizer("ViT-B-32")(prompts))  # KgCoOp's DTD template
     logits = oc.logit_scale.exp() * F.normalize(images, dim=-1) @ F.normalize(text, dim=-1).T
     score = 1.0 - torch.nn.CosineSimilarity(dim=1, eps=1e-7)(text, clip_text).mean()
     return F.cross_entropy(logits, labels) + weight * score, score

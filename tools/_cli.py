@@ -46,6 +46,7 @@ BAD_INPUT = (
     ("coop.config", "ConfigError"),
     ("coop.data", "DataError"),
     ("coop.runner", "RunError"),
+    ("coop.lock", "RunLockedError"),
     ("coop.checkpoint", "CheckpointError"),
     ("coop.methods", "TransferError"),
     ("coop.model", "ModelError"),

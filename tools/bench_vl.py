@@ -1,4 +1,4 @@
-"""Benchmark one VPT, IVLP or MaPLe training step: ours vs the reference computed the official way.
+"""Benchmark one VPT, IVLP, MaPLe or PromptSRC training step: ours vs the official way.
 
     python tools/bench_vl.py --method maple [--model ViT-B-16] [--classes 100 1000] [--batch 4]
                              [--memory-classes 1000] [--no-memory] [--device cpu]
@@ -49,9 +49,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import build_models, imagenet_method, max_rel_diff, sync  # noqa: E402
 
-from coop.reference import ivlp_logits, maple_logits, reference_inputs, vpt_logits  # noqa: E402
+from coop.reference import (  # noqa: E402
+    ivlp_logits,
+    maple_logits,
+    promptsrc_fixed_embeddings,
+    promptsrc_loss,
+    reference_inputs,
+    vpt_logits,
+)
 
-METHODS = ("maple", "ivlp", "vpt")
+METHODS = ("maple", "ivlp", "vpt", "promptsrc")
 CONTEXT = 77  # tokens per prompt in the reference
 
 
@@ -60,6 +67,33 @@ def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, e
     return imagenet_method(
         clip, method, n_classes, [f"train.grad_checkpointing={grad_checkpointing}", *extra]
     )
+
+
+def reference_loss(name: str, oc, method, inputs, terms: dict):
+    """The official computation's training loss as a function of (images, labels).
+
+    PromptSRC: its whole loss (`coop.reference.promptsrc_loss`: full 77-token prompts, the frozen
+    image tower on the same images every step), with the fixed text embeddings of its templates
+    computed once here, untimed, as its code does at build time; the unweighted terms go into
+    `terms`. The other methods: cross-entropy on `reference_step`'s logits.
+    """
+    if name != "promptsrc":
+        logits = reference_step(name, oc, method, inputs)
+        return lambda images, labels: F.cross_entropy(logits(images).float(), labels)
+    pl = method.prompt_learner
+    ids, _, slots = inputs
+    fixed = promptsrc_fixed_embeddings(oc, method.classnames, method.templates)
+    weights = {k: v for k, v in method.weights.items() if k != "kl_weight"}  # the official KL weight is 1
+
+    def step(images, labels):
+        vision = method.vision_prompts()
+        loss, parts = promptsrc_loss(
+            oc, images, labels, ids, slots, pl.ctx, pl.deep_ctx, vision, fixed, **weights
+        )
+        terms.update({k: float(v.detach()) for k, v in parts.items()})
+        return loss
+
+    return step
 
 
 def reference_step(name: str, oc, method, inputs):
@@ -81,6 +115,8 @@ def token_bound(name: str, method, clip, batch: int) -> dict:
     """Tokens per step of both sides and the speed-up they bound (tokens x layers x width^2)."""
     tower = clip.visual
     image = batch * (tower.cfg.tokens + method.vision_prompts()[0].shape[0])
+    if name == "promptsrc":  # both sides also run the frozen tower forward: ~1/3 of a training pass
+        image += batch * tower.cfg.tokens // 3
     n_cls = len(method.classnames)
     if name == "vpt":  # neither side runs the text tower per step
         ref_text = ours_text = 0
@@ -143,10 +179,11 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
             f"reference skipped: its graph needs about {need:.0f} GiB, more than this {device.type} has free"
         )
     inputs = None if name == "vpt" else reference_inputs(oc, method.prompt_learner)  # once, untimed
-    reference = reference_step(name, oc, method, inputs)
+    ref_terms = {}
+    reference = reference_loss(name, oc, method, inputs, ref_terms)
     sides = {"coop": lambda: method.loss(images, labels)[0]}
     if fits:
-        sides = {"reference": lambda: F.cross_entropy(reference(images).float(), labels), **sides}
+        sides = {"reference": lambda: reference(images, labels), **sides}
     best = {side: [float("inf"), float("inf")] for side in sides}
     result = {}
     for i in range(args.warmup + args.repeats):  # the sides alternate, so both see the same load
@@ -176,6 +213,14 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
     print(
         f"gradients, max |diff| / max |reference| over {len(g_ref)} tensors: {row['grad_diff'][worst]:.1e} ({worst})"
     )
+    if name == "promptsrc":  # the loss terms of the last step of each side
+        ours_terms = {k: float(v) for k, v in method.last_terms.items()}
+        row["term_diff"] = {k: abs(ours_terms[k] - ref_terms[k]) for k in ref_terms}
+        print(
+            "loss terms (reference vs ours): "
+            + ", ".join(f"{k} {ref_terms[k]:.6f} vs {ours_terms[k]:.6f}" for k in ref_terms)
+            + f"; largest |diff| {max(row['term_diff'].values()):.1e}"
+        )
     return row
 
 

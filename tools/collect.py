@@ -4,6 +4,7 @@
     python tools/collect.py runs/position --by data.shots prompt.position
     python tools/collect.py runs/ --table datasets              # the papers' layout
     python tools/collect.py runs/latent_domains --table domains # leave-one-domain-out
+    python tools/collect.py runs/base_to_new --table datasets --published   # beside the papers
 
 Reads every `metrics.json` (with its `config.yaml`) under ROOT and groups the finished runs by
 `--by` (default: the config keys whose values differ between runs, except data.seed and the keys
@@ -17,6 +18,11 @@ base and new accuracies, as CoCoOp reports it) and `hm_per_seed` (mean of per-se
 --table datasets: one row per method and setting, one column per dataset (transfer targets from
 `eval_<dataset>.json` included), then the Average of complete rows; cells are mean ± std over
 seeds with the number of seeds; writes `results_datasets.csv` and `results_datasets.md`.
+
+--published (with --table datasets): under each of our rows that has a published counterpart
+(coop/published.py: ViT-B/16 runs with OpenAI weights; the protocol is read from the runs), the
+paper's row and a Δ row (ours minus the paper's), same columns, and one line per paper row naming
+its sources and how many of its figures were checked against the paper.
 
 --table domains: leave-one-domain-out runs (data.target_domain set, e.g. federated runs on
 multi-domain data): one row per method and setting, one column per target domain (the accuracy
@@ -37,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
+from coop.reproduce import with_published  # noqa: E402
 from coop.results import (  # noqa: E402
     dataset_table,
     domain_table,
@@ -65,8 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ddof", type=int, default=1, choices=(0, 1), help="std: 1 = sample (default), 0 = population"
     )
+    ap.add_argument(
+        "--published", action="store_true", help="--table datasets: add the papers' rows and Δ rows"
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.published and args.table != "datasets":
+        ap.error("--published needs --table datasets")
     setup_logging(args.verbose)
 
     root = Path(args.root)
@@ -82,7 +94,12 @@ def main(argv=None) -> int:
     n_done = int(runs["complete"].sum())
     if args.table == "datasets":
         table = dataset_table(runs, args.metric, args.by, ddof=args.ddof)
+        notes = []
+        if args.published:
+            table, notes = with_published(table, runs, args.metric)
         markdown = format_dataset_markdown(table)
+        if notes:
+            markdown += "\n\nPaper rows:\n" + "".join(f"- {n}\n" for n in notes).rstrip("\n")
         intro = f"{n_done} finished run(s); {args.metric}, mean ± std over seeds (n = seeds)"
         stem = "results_datasets"
     elif args.table == "domains":

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
 from coop.config import ConfigError, load_config  # noqa: E402
+from coop.lock import run_lock  # noqa: E402
 
 
 def main() -> int:
@@ -57,10 +58,9 @@ def main() -> int:
             cfg.output_dir = str(Path("output") / task.fl_run_name(cfg))
         metrics = finished_metrics(cfg)
         if metrics is None:
-            task.client_partition(
-                cfg, task.load_data(cfg)
-            )  # bad data or partition settings: fail before Ray starts
-            metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu)
+            task.client_partition(cfg, task.load_data(cfg))  # bad data or partition: fail before Ray starts
+            with run_lock(cfg.output_dir):  # a second writer of the folder refuses before Ray starts
+                metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu)
     except PartitionError as e:
         raise ConfigError(str(e)) from None
     except FederatedError as e:

@@ -68,6 +68,8 @@ class Source:
     `dataset_dir` is where `split_fewshot/` goes (CoOp's convention); None means the dataset
     folder is not ours to write (e.g. a pip package), so only the user cache dir is used.
     `test_only` marks a source with a test split only (its `train` and `val` are empty).
+    `split_file` is the split JSON a folder was read through (`imagefolder` with
+    `data.split_file`); the few-shot cache records it.
     """
 
     name: str
@@ -78,6 +80,7 @@ class Source:
     test: list[Datum]
     dataset_dir: str | None = None
     test_only: bool = False
+    split_file: str | None = None
 
 
 def test_only_error(name: str) -> DataError:

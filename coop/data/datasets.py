@@ -9,7 +9,8 @@ names to readers (a plain dict, no registry). Usage:
 
 Layouts are CoOp's (its Dassl readers), so an existing DATA folder works unchanged:
 nine datasets ship CoOp's `split_zhou_*.json`; ImageNet and FGVC-Aircraft are read from their
-own files; `imagefolder` is a generic `train/ val/ test/` class-folder tree; `textile` is the
+own files; `imagefolder` is a generic `train/ val/ test/` class-folder tree, or any folder read
+through a CoOp split file (`coop.data.splits`, `tools/make_split.py`); `textile` is the
 simulated textile-defect set bundled with the `conformal-clip-data` package. The test-only
 ImageNet variants of domain generalisation (`TEST_ONLY_DATASETS`) are read by
 `coop.data.imagenet_variants`.
@@ -62,6 +63,13 @@ SPLIT_JSON_LAYOUTS = {
     "ucf101": ("ucf101", "UCF-101-midframes", "split_zhou_UCF101.json"),
 }
 
+# The two datasets read from their own files: (dataset folder, image folder, class-list file);
+# FGVC-Aircraft's split lists are FGVC_LISTS.format(split=...) beside its variants.txt.
+IMAGENET_LAYOUT = ("imagenet", "images", "classnames.txt")
+FGVC_LAYOUT = ("fgvc_aircraft", "images", "variants.txt")
+FGVC_LISTS = "images_variant_{split}.txt"
+IMAGENET_FOLDERS = ("train", "val")  # under images/: ImageNet's train and val (= our test) sets
+
 TEXTILE_CLASSNAMES = ["nominal", "local defect", "global defect"]
 TEXTILE_FRACTIONS = (0.5, 0.2)  # train, val; the remaining 30% is test
 IMAGENET_LISTING = "images_listing.json"
@@ -86,8 +94,9 @@ def read_split_json_dataset(root, name: str) -> Source:
 def _list_imagenet(image_dir: str, classnames_file: str) -> dict:
     """List ImageNet train/val folders as CoOp does: label = index in sorted train folders."""
     wnid2name = read_wnid_classnames(classnames_file)
-    train_dir = require_dir(os.path.join(image_dir, "train"), "imagenet train directory")
-    val_dir = require_dir(os.path.join(image_dir, "val"), "imagenet val directory")
+    train_dir, val_dir = (
+        require_dir(os.path.join(image_dir, f), f"imagenet {f} directory") for f in IMAGENET_FOLDERS
+    )
     wnids = list_class_dirs(train_dir)
     for wnid in wnids:
         if wnid not in wnid2name:
@@ -108,7 +117,7 @@ def _list_imagenet(image_dir: str, classnames_file: str) -> dict:
     return {"image_dir": image_dir, "classnames": classnames, "wnids": wnids, **splits}
 
 
-def read_imagenet(root) -> Source:
+def read_imagenet(root, write_cache: bool = True) -> Source:
     """Read ImageNet: `imagenet/classnames.txt` + `imagenet/images/{train,val}/<wnid>/*`.
 
     As in CoOp, ImageNet's official val images are the test split, and, since there is no
@@ -118,10 +127,12 @@ def read_imagenet(root) -> Source:
 
     Args:
         root: the DATA folder.
+        write_cache: False lists the folders without caching the listing (read-only DATA).
     """
-    dataset_dir = require_dir(os.path.join(require_root(root), "imagenet"), "imagenet dataset directory")
-    image_dir = require_dir(os.path.join(dataset_dir, "images"), "imagenet image directory")
-    classnames_file = require_file(os.path.join(dataset_dir, "classnames.txt"), "imagenet classnames.txt")
+    folder, images, classes = IMAGENET_LAYOUT
+    dataset_dir = require_dir(os.path.join(require_root(root), folder), "imagenet dataset directory")
+    image_dir = require_dir(os.path.join(dataset_dir, images), "imagenet image directory")
+    classnames_file = require_file(os.path.join(dataset_dir, classes), f"imagenet {classes}")
     primary = Path(dataset_dir) / IMAGENET_LISTING
     fallback = cache_root() / "imagenet" / IMAGENET_LISTING
     listing, where = None, None
@@ -133,9 +144,10 @@ def read_imagenet(root) -> Source:
                 listing, where = obj, str(path)
                 break
     if listing is None:
-        logger.info("listing imagenet images under %s (cached afterwards)", image_dir)
+        logger.info("listing imagenet images under %s%s", image_dir, " (cached afterwards)" * write_cache)
         listing, where = _list_imagenet(image_dir, classnames_file), image_dir
-        save_cache(primary, fallback, listing, "imagenet listing")
+        if write_cache:
+            save_cache(primary, fallback, listing, "imagenet listing")
     classnames = listing.get("classnames") if isinstance(listing, dict) else None
     if not isinstance(classnames, list) or any(k not in listing for k in ("train", "test")):
         raise DataError(
@@ -153,18 +165,17 @@ def read_fgvc_aircraft(root) -> Source:
     Args:
         root: the DATA folder.
     """
-    dataset_dir = require_dir(
-        os.path.join(require_root(root), "fgvc_aircraft"), "fgvc_aircraft dataset directory"
-    )
-    image_dir = require_dir(os.path.join(dataset_dir, "images"), "fgvc_aircraft image directory")
-    variants = require_file(os.path.join(dataset_dir, "variants.txt"), "fgvc_aircraft variants.txt")
+    folder, images, classes = FGVC_LAYOUT
+    dataset_dir = require_dir(os.path.join(require_root(root), folder), "fgvc_aircraft dataset directory")
+    image_dir = require_dir(os.path.join(dataset_dir, images), "fgvc_aircraft image directory")
+    variants = require_file(os.path.join(dataset_dir, classes), f"fgvc_aircraft {classes}")
     with open(variants) as f:
         classnames = [line.strip() for line in f if line.strip()]
     label = {c: i for i, c in enumerate(classnames)}
     splits = {}
     for split in ("train", "val", "test"):
         path = require_file(
-            os.path.join(dataset_dir, f"images_variant_{split}.txt"), f"fgvc_aircraft {split} list"
+            os.path.join(dataset_dir, FGVC_LISTS.format(split=split)), f"fgvc_aircraft {split} list"
         )
         items = []
         with open(path) as f:
@@ -182,16 +193,30 @@ def read_fgvc_aircraft(root) -> Source:
     )
 
 
-def read_imagefolder(root) -> Source:
+def read_imagefolder(root, split_file=None) -> Source:
     """Read a generic class-folder tree: `root/{train,test}/<class>/*` and optional `root/val/`.
 
     Labels are the sorted class-folder names of `train`, and the class name is the folder name.
     Without `root/val`, val is empty. Few-shot caches go to `root/split_fewshot/`.
 
+    With `split_file` (`data.split_file`, e.g. written by `tools/make_split.py`), the splits are
+    that CoOp split JSON's instead, its paths relative to `root`; few-shot caches then go beside
+    the split file (`<its folder>/split_fewshot/`), one per split file.
+
     Args:
-        root: folder holding `train/` and `test/` (and optionally `val/`).
+        root: folder holding `train/` and `test/` (and optionally `val/`), or the folder the
+            split file's paths are relative to.
+        split_file: optional CoOp split JSON (`train`, `val`, `test` lists).
     """
     root = require_root(root)
+    if split_file is not None:
+        path = require_file(split_file, "imagefolder split file (data.split_file)")
+        splits = read_split_file(path, root)
+        classnames = classnames_from_items(splits, path)
+        train, val, test = splits["train"], splits["val"], splits["test"]
+        return Source(
+            "imagefolder", root, classnames, train, val, test, os.path.dirname(path), split_file=path
+        )
     train_dir = require_dir(os.path.join(root, "train"), "imagefolder train directory")
     test_dir = require_dir(os.path.join(root, "test"), "imagefolder test directory")
     val_dir = os.path.join(root, "val")
@@ -258,7 +283,7 @@ DATASETS: dict[str, Callable[..., Source]] = {
 }
 
 
-def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1) -> FewShotDataset:
+def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1, split_file=None) -> FewShotDataset:
     """Read dataset `name` from the DATA folder `root`, subsampled to `shots` per class.
 
     Args:
@@ -267,6 +292,8 @@ def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1) -> FewSho
             test/; ignored for `textile`.
         shots: training images per class (val gets min(shots, 4)); 0 = all images.
         seed: sampling seed; the subset is cached as `split_fewshot/shot_{K}-seed_{S}.json`.
+        split_file: `imagefolder` only: read `root` through this CoOp split JSON
+            (`read_imagefolder`).
 
     Returns:
         FewShotDataset with `classnames` and `train`/`val`/`test` lists of `Datum`; for the
@@ -282,7 +309,9 @@ def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1) -> FewSho
         raise DataError(f"shots must be >= 0, got {shots}")
     if shots > 0 and name in TEST_ONLY_DATASETS:
         raise test_only_error(name)  # before listing tens of thousands of images
-    src = DATASETS[name](root)
+    if split_file is not None and name != "imagefolder":
+        raise DataError(f"a split file ({split_file}) is read by the imagefolder dataset only, not {name!r}")
+    src = DATASETS[name](root) if split_file is None else read_imagefolder(root, split_file)
     ds = fewshot_dataset(src, shots, seed)
     logger.info(
         "%s: %d classes, %d train / %d val / %d test images (shots=%d, seed=%d)",

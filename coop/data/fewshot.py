@@ -14,8 +14,9 @@ every dataset read from a split file (the nine `split_zhou_*.json` datasets, FGV
 - train first, then val with min(K, 4) per label from the same stream;
 - the subset is the per-label samples concatenated in that label order.
 
-The subset is cached as JSON together with the sampler version, the class list and a hash of
-the full train and val splits (items and their order). A cache whose record differs from the
+The subset is cached as JSON together with the sampler version, the class list, a hash of
+the full train and val splits (items and their order) and, for a folder read through a split
+file (`data.split_file`), that file's path. A cache whose record differs from the
 current data is never used: it is resampled, with one warning line.
 """
 
@@ -45,6 +46,7 @@ from coop.data.base import (
 logger = logging.getLogger(__name__)
 
 VAL_SHOTS_MAX = 4  # CoOp validates on min(K, 4) images per class
+FEWSHOT_DIR = "split_fewshot"  # CoOp's cache folder, inside the dataset folder
 # Bump whenever the same (data, shots, seed) would draw different images, so old caches are
 # resampled. 1: per-class sorted paths, label order (caches without a "sampler" key); 2: CoOp's rule.
 SAMPLER_VERSION = 2
@@ -165,8 +167,11 @@ def fewshot_dataset(src: Source, shots: int = 0, seed: int = 1) -> FewShotDatase
         "split_sha256": split_digest(src),
     }
     fname = f"shot_{shots}-seed_{seed}.json"
-    fallback = cache_root() / src.name / "split_fewshot" / fname
-    primary = Path(src.dataset_dir) / "split_fewshot" / fname if src.dataset_dir else None
+    if src.split_file is not None:  # one cache per split file of a folder (data.split_file)
+        record["split_file"] = src.split_file
+        fname = f"shot_{shots}-seed_{seed}-{Path(src.split_file).stem}.json"
+    fallback = cache_root() / src.name / FEWSHOT_DIR / fname
+    primary = Path(src.dataset_dir) / FEWSHOT_DIR / fname if src.dataset_dir else None
     stale = None
     for path in (primary, fallback):
         cached, why = _read_cache(path, src, record) if path is not None else (None, None)

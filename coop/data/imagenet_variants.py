@@ -39,6 +39,7 @@ IMAGENET_VARIANTS = {
     "imagenet_r": VariantLayout("imagenet-rendition", "imagenet-r", False),
 }
 TEST_ONLY_DATASETS = tuple(IMAGENET_VARIANTS)
+CLASSNAMES_FILE = "classnames.txt"  # in each variant's folder: a copy of imagenet/classnames.txt
 
 
 def _class_folders(name: str, image_dir: str, wnid2name: dict[str, str], by_index: bool, where: str):
@@ -73,7 +74,7 @@ def read_imagenet_variant(root, name: str) -> Source:
     layout = IMAGENET_VARIANTS[name]
     dataset_dir = require_dir(os.path.join(require_root(root), layout.folder), f"{name} dataset directory")
     image_dir = require_dir(os.path.join(dataset_dir, layout.images), f"{name} image directory")
-    classnames_file = require_file(os.path.join(dataset_dir, "classnames.txt"), f"{name} classnames.txt")
+    classnames_file = require_file(os.path.join(dataset_dir, CLASSNAMES_FILE), f"{name} {CLASSNAMES_FILE}")
     wnid2name = read_wnid_classnames(classnames_file)
     folders, classnames = _class_folders(name, image_dir, wnid2name, layout.by_index, classnames_file)
     test = []

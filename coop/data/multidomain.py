@@ -26,7 +26,7 @@ import os
 import random
 
 from coop.data.base import DataError, Datum, FewShotDataset, Source, require_dir, require_root
-from coop.data.fewshot import fewshot_dataset
+from coop.data.fewshot import FEWSHOT_DIR, fewshot_dataset
 from coop.data.folders import list_class_dirs, list_images
 
 NAME = "multidomain"
@@ -40,7 +40,7 @@ def split_sizes(n: int) -> tuple[int, int]:
 
 def list_domains(root: str) -> list[str]:
     """The domain folders of a multi-domain root, sorted; `split_fewshot` and hidden ones excluded."""
-    domains = [d for d in list_class_dirs(root) if d != "split_fewshot"]
+    domains = [d for d in list_class_dirs(root) if d != FEWSHOT_DIR]
     if not domains:
         raise DataError(f"multidomain root has no domain folders (expected root/<domain>/<class>/*): {root}")
     return domains

@@ -7,7 +7,8 @@ config (YAML) and the round's lr; the client
    features of its own partition (`partition-id` from its node config), and checks that its
    partition's digest equals the server's;
 2. loads the global tensors and trains `fl.local_epochs` epochs with a fresh SGD optimizer
-   (train.momentum, train.weight_decay); batches are drawn from a generator seeded by
+   (train.momentum, train.weight_decay) at the run's `train.precision` (`task.run_precision`:
+   amp = bf16 autocast with fp32 prompts, fp16 = CoOp's half-precision CLIP and prompts); batches are drawn from a generator seeded by
    (data.seed, round, client), so a round replays exactly; with fl.aggregation=fedprox the loss
    gets (fl.mu / 2) * ||w - w_global||^2;
 3. replies with the tensors it trained (for latent domains: only the domain prompts it used)
@@ -27,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from coop.data import DataError
+from coop.features import autocast
 from coop.federated.latent_domains import domain_of_key
 from coop.federated.task import (
     build_method,
@@ -34,7 +36,9 @@ from coop.federated.task import (
     features,
     load_data,
     local_seed,
+    prepare_precision,
     resolve_device,
+    run_precision,
 )
 from coop.methods import Method
 from coop.model import CLIP, load_clip
@@ -59,6 +63,7 @@ def local_train(
     seed: int,
     mu: float = 0.0,
     anchor: dict[str, torch.Tensor] | None = None,
+    precision: str = "fp32",
 ) -> dict:
     """Train `method.learnable()` in place on features ((V, N, E), labels (N,)); returns stats.
 
@@ -72,9 +77,12 @@ def local_train(
         seed: seeds the batch order (`local_seed(data.seed, round, client)`).
         mu: FedProx's proximal weight; adds (mu / 2) * sum ||w - anchor||^2 to the loss.
         anchor: the global tensors the round started from (needed when mu > 0).
+        precision: the run's precision (`task.run_precision`): amp trains under bf16 autocast
+            (fp32 prompts); fp16 expects a method and features already in half precision.
     """
     learnable = method.learnable()
     device = next(iter(learnable.values())).device
+    dtype = method.clip.logit_scale.dtype  # half under fp16
     optimizer = torch.optim.SGD(learnable.values(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(seed)
     anchor = {k: anchor[k].to(device) for k in learnable} if mu > 0 else None
@@ -87,8 +95,9 @@ def local_train(
         view = torch.randint(n_views, (n,), generator=gen)
         for b in range(n_batches):
             idx = order[b * batch_size : (b + 1) * batch_size]
-            x, y = feats[view[idx], idx].to(device), labels[idx].to(device)
-            loss, logits = method.loss(x, y)
+            x, y = feats[view[idx], idx].to(device, dtype), labels[idx].to(device)
+            with autocast(device, precision):
+                loss, logits = method.loss(x, y)
             objective = loss
             if anchor is not None:
                 objective = loss + mu / 2 * sum(((p - anchor[k]) ** 2).sum() for k, p in learnable.items())
@@ -113,6 +122,7 @@ class ClientData:
     labels: torch.Tensor  # (N,)
     digest: str
     method: Method
+    precision: str  # what runs: `task.run_precision`
 
 
 _CACHE: dict[tuple, ClientData] = {}  # per process: (config, partition id) -> data; a pure cache
@@ -131,9 +141,11 @@ def client_data(cfg: DictConfig, pid: int) -> ClientData:
         if not 0 <= pid < len(part.clients):
             raise DataError(f"partition-id {pid} is not in 0..{len(part.clients) - 1} (fl.clients)")
         items = [ds.train[i] for i in part.clients[pid]]
-        feats, labels = features(cfg, clip, items, device, train=True, what=f"client {pid}'s training images")
         method = build_method(clip, ds.classnames, cfg).to(device)
-        _CACHE[key] = ClientData(clip, list(ds.classnames), feats, labels, part.digest(), method)
+        precision = run_precision(cfg, device)
+        prepare_precision(clip, method, precision)  # before the features: fp16 encodes in half
+        feats, labels = features(cfg, clip, items, device, train=True, what=f"client {pid}'s training images")
+        _CACHE[key] = ClientData(clip, list(ds.classnames), feats, labels, part.digest(), method, precision)
     return _CACHE[key]
 
 
@@ -171,6 +183,7 @@ def train_round(cfg: DictConfig, pid: int, tensors: dict, rnd: int, lr: float, m
         seed=local_seed(int(cfg.data.seed), rnd, pid),
         mu=mu,
         anchor=tensors,
+        precision=data.precision,
     )
     usage = [int(u) for u in getattr(method, "usage", torch.zeros(0)).tolist()]
     sent = {

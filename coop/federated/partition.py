@@ -15,6 +15,9 @@ by a partitioner:
     domain        NaturalIdPartitioner(partition_by="domain"): client k holds source domain k
                   (sorted names); needs as many clients as source domains
 
+PromptFL's own data (`fl.partition=promptfl`: K shots per class for every client, drawn from the
+full train split) is `coop.federated.promptfl_data`; it returns the same `Partition`.
+
 Everything is a function of (items, scheme, clients, seed, alpha, classes_per_client), so every
 process (server, simulated or real clients) computes the same partition. `Partition.to_json`
 records the settings, a hash of the items and per-client label and domain counts.

@@ -3,7 +3,9 @@
     metrics = run_server(grid, cfg)     # inside a Flower ServerApp (simulation or deployment)
 
 The run folder is the one `tools/train.py` writes (config.yaml, log.txt, history.csv,
-checkpoint.pt, metrics.json), plus `partition.json` (which training items each client holds).
+checkpoint.pt, metrics.json, tb/ with train.tensorboard, and `.lock`, held while the server
+writes: `coop.lock`), plus `partition.json` (which training items each client holds). Server and
+clients run `train.precision` (`task.run_precision`); metrics.json records the one that ran.
 Each round:
 
 1. the strategy samples clients (seeded by (data.seed, round)) and sends them the global prompt
@@ -41,8 +43,10 @@ from coop.config import to_yaml
 from coop.federated import task
 from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
+from coop.lock import run_lock
 from coop.model import load_clip
 from coop.runner import check_same_config
+from coop.tensorboard import OFF, Board, open_board
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +64,15 @@ class FederatedError(RuntimeError):
 def run_server(grid: Grid, cfg: DictConfig, node_timeout: float = 600.0, round_timeout: float = 24 * 3600.0):
     """Run (or resume, or return the metrics of a finished) federated run; returns metrics.json."""
     folder = Path(cfg.output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(folder / "log.txt")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    try:
-        return _run(grid, cfg, folder, node_timeout, round_timeout)
-    finally:
-        logging.getLogger().removeHandler(handler)
-        handler.close()
+    with run_lock(folder):  # one writer per folder (re-entrant: tools/federated.py holds it already)
+        handler = runner.attach_log_file(folder)
+        board = open_board(folder, bool(cfg.train.tensorboard))
+        try:
+            return _run(grid, cfg, folder, node_timeout, round_timeout, board)
+        finally:
+            board.close()
+            logging.getLogger().removeHandler(handler)
+            handler.close()
 
 
 def read_checkpoint(path: Path) -> dict | None:
@@ -149,6 +153,8 @@ class ServerRun:
         self.ds = task.load_data(cfg)
         self.part = task.client_partition(cfg, self.ds)
         self.method = task.build_method(clip, self.ds.classnames, cfg).to(self.device)
+        self.precision = task.run_precision(cfg, self.device)
+        task.prepare_precision(clip, self.method, self.precision)  # the clients run the same
         self.test_feats, self.test_labels = task.features(
             cfg, clip, self.ds.test, self.device, train=False, what="the test split"
         )
@@ -163,6 +169,7 @@ class ServerRun:
         )
         self.arrays = {k: v.detach().cpu().clone() for k, v in self.method.learnable().items()}
         self.round, self.history, self.failures = 0, [], []
+        self.board = OFF  # TensorBoard: one point per round (coop.tensorboard)
 
     def restore(self, ckpt: dict) -> None:
         self.arrays, self.round = dict(ckpt["prompt"]), int(ckpt["round"])
@@ -174,16 +181,18 @@ class ServerRun:
         cfg, fl, ds = self.cfg, self.cfg.fl, self.ds
         log.info(
             "%s | %s (%s) | %d classes, %d train / %d test images | %s: %d clients (%s partition, sizes %s), "
-            "%d rounds x %d local epochs, %s | %d prompt parameters | %s",
+            "%d rounds x %d local epochs, %s | %d prompt parameters | %s %s",
             cfg.data.name, cfg.model.name, cfg.model.pretrained, len(ds.classnames), len(ds.train), len(ds.test),
             fl.method, fl.clients, fl.partition, self.part.sizes(), fl.rounds, fl.local_epochs, fl.aggregation,
-            sum(t.numel() for t in self.arrays.values()), self.device,
+            sum(t.numel() for t in self.arrays.values()), self.device, self.precision,
         )  # fmt: skip
 
     def evaluate_fn(self, server_round: int, record: ArrayRecord) -> MetricRecord:
         """Flower's central evaluation signature: the global tensors on the global test split."""
         self.method.load_learnable(record.to_torch_state_dict(), self.ds.classnames)
-        result = task.evaluate(self.method, self.test_feats[0], self.test_labels, self.device)
+        result = task.evaluate(
+            self.method, self.test_feats[0], self.test_labels, self.device, precision=self.precision
+        )
         return MetricRecord({"accuracy": result["accuracy"], "macro-f1": result["macro_f1"]})
 
     def checkpoint(self, finished: bool = False) -> None:
@@ -249,6 +258,7 @@ class ServerRun:
         self.history.append(row)
         self.checkpoint()
         write_history(self.folder, self.history)
+        self.board.round(row)
         log.info(
             "round %d/%d: accuracy %.2f%%, train loss %.4f, %d clients, %d bytes sent (%.1f s)",
             rnd, rounds, row["accuracy"], row["train_loss"], row["clients"], row["bytes_sent"], row["time_s"],
@@ -269,11 +279,14 @@ class ServerRun:
         cfg, method = self.cfg, self.method
         method.load_learnable(self.arrays, self.ds.classnames)
         domains = task.item_domains(self.ds, self.ds.test)
-        metrics = task.evaluate(method, self.test_feats[0], self.test_labels, self.device, domains)
+        metrics = task.evaluate(
+            method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
+        )
         metrics.update(
             epochs=int(cfg.fl.rounds) * int(cfg.fl.local_epochs),
             rounds=int(cfg.fl.rounds),
             **task.run_fields(cfg, method),
+            precision=self.precision,
             final_train_loss=self.history[-1]["train_loss"] if self.history else None,
             bytes_sent=sum(r["bytes_sent"] for r in self.history),
             client_failures=self.failures,
@@ -287,13 +300,16 @@ class ServerRun:
         return metrics
 
 
-def _run(grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float) -> dict:
+def _run(
+    grid: Grid, cfg: DictConfig, folder: Path, node_timeout: float, round_timeout: float, board: Board = OFF
+) -> dict:
     done = finished_metrics(cfg)
     if done is not None:
         return done
     ckpt = read_checkpoint(folder / "checkpoint.pt")
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
     run = ServerRun(cfg, folder)
+    run.board = board
     write_json(folder / "partition.json", run.part.to_json())
     if ckpt is not None:
         run.restore(ckpt)

@@ -4,12 +4,16 @@
 partition id (each node reports it once, `set_nodes`), never by Flower's random node ids, so that
 sampling and aggregation are the same in every run and on resume:
 
-- sampling: round r trains max(1, floor(fl.fraction * fl.clients)) clients drawn by a
-  `random.Random` seeded by (data.seed, r); all clients when fl.fraction = 1;
+- sampling: round r trains max(1, round(fl.fraction * fl.clients)) clients (Python's round:
+  0.29 * 100 gives 29, where int() gives 28 through floating-point error; halves go to the even
+  number) drawn by a `random.Random` seeded by (data.seed, r); all clients when fl.fraction = 1;
 - aggregation (`aggregate`), over the replies sorted by partition id, in float64:
     shared tensors (PromptFL's prompt; G and the queries of latent domains)
         fedavg, fedprox   weighted mean, weights = the clients' num-examples
-        uniform           plain mean (PromptFL's official rule)
+        uniform           plain mean (PromptFL's paper)
+        last_client       the tensors of the last client (by partition id) that trained in the
+                          round: what PromptFL's official code computes (its `average_weights`
+                          averages N references to one model, the last client's)
     domain prompts D_k ("domain<k>.*" tensors; only clients that routed samples to D_k send it)
         D_k <- beta * D_k + (1 - beta) * mean of the received D_k,
         weighted by the samples each client routed to D_k (uniform: plain mean);
@@ -41,7 +45,7 @@ log = logging.getLogger(__name__)
 
 def sample_clients(seed: int, rnd: int, clients: int, fraction: float) -> list[int]:
     """The partition ids that train in round `rnd`, sorted; a function of (seed, round) only."""
-    m = max(1, int(fraction * clients))
+    m = max(1, round(fraction * clients))
     if m >= clients:
         return list(range(clients))
     return sorted(random.Random(derive_seed(seed, rnd)).sample(range(clients), m))
@@ -61,7 +65,7 @@ def aggregate(
         current: the global tensors the round started from.
         replies: one dict per successful client, sorted by partition id, with keys `tensors`
             (name -> tensor), `num_examples` and `usage` (samples routed to each domain prompt).
-        aggregation: "fedavg", "uniform" or "fedprox".
+        aggregation: "fedavg", "uniform", "fedprox" or "last_client".
         beta: moving-average rate of the domain prompts.
     """
     out = {}
@@ -70,6 +74,9 @@ def aggregate(
         senders = [r for r in replies if key in r["tensors"]]
         if not senders:
             out[key] = old.clone()
+            continue
+        if aggregation == "last_client":
+            out[key] = senders[-1]["tensors"][key].to(old.dtype).clone()
             continue
         if aggregation == "uniform":
             weights = [1.0] * len(senders)

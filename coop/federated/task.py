@@ -3,7 +3,7 @@
 Nothing here imports Flower. Both sides call the same functions with the same config, so a
 client computes exactly the partition and features the server expects (`Partition.digest`).
 
-    promptfl        `coop.methods.CoOp`: CoOp's prompt (any position, csc, depth), averaged
+    promptfl        `coop.methods.CoOp`: CoOp's prompt (any position, csc, depth), aggregated
     latent_domains  `coop.federated.latent_domains.LatentDomains`: G + D_1..D_K + queries
 """
 
@@ -21,9 +21,11 @@ from coop.config import ConfigError, model_tag, run_name
 from coop.data import CLIP_MEAN, CLIP_STD, build_dataset, build_transforms, subsample_classes
 from coop.data.images import derive_seed
 from coop.data.multidomain import build_multidomain, domain_of
-from coop.features import cached_features, resolve_precision
+from coop.engine import use_fp16
+from coop.features import autocast, cached_features, resolve_precision
 from coop.federated.latent_domains import LatentDomains
 from coop.federated.partition import Partition, partition
+from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
 from coop.model import CLIP
 
@@ -67,6 +69,29 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"data.target_domain needs data.name=multidomain, not {cfg.data.name}")
     if cfg.fl.partition == "domain" and cfg.data.name != "multidomain":
         raise ConfigError("fl.partition=domain needs data.name=multidomain")
+    if fl.aggregation == "last_client" and fl.method != "promptfl":
+        raise ConfigError(
+            "fl.aggregation=last_client is PromptFL's official rule: it needs fl.method=promptfl, "
+            f"not {fl.method}"
+        )
+    if not isinstance(fl.iid, bool):
+        raise ConfigError(f"fl.iid must be true or false, got {fl.iid!r}")
+    if not 0 <= _num(fl.repeat_rate) < 1:
+        raise ConfigError(f"fl.repeat_rate must be a number in [0, 1), got {fl.repeat_rate!r}")
+    if fl.partition == "promptfl":
+        if cfg.data.name == "multidomain":
+            raise ConfigError(
+                "fl.partition=promptfl reads one dataset's train split: not data.name=multidomain"
+            )
+        if int(cfg.data.shots) < 1:
+            raise ConfigError(
+                "fl.partition=promptfl draws data.shots images per class per client: set data.shots >= 1"
+            )
+        if cfg.data.subsample_classes != "all":
+            raise ConfigError(
+                f"fl.partition=promptfl draws from every class: data.subsample_classes={cfg.data.subsample_classes} "
+                "is not supported"
+            )
 
 
 def _num(value) -> float:
@@ -82,7 +107,14 @@ def fl_run_name(cfg: DictConfig) -> str:
     dataset, _, rest = head.partition("/")
     if cfg.data.target_domain is not None:
         dataset += f"-to-{cfg.data.target_domain}"
-    part = {"dirichlet": f"dirichlet{fl.alpha}", "pathological": f"pathological{fl.classes_per_client}"}
+    promptfl = (
+        "promptfl-" + ("iid" if fl.iid else "noniid") + (f"-repeat{fl.repeat_rate}" if fl.repeat_rate else "")
+    )
+    part = {
+        "dirichlet": f"dirichlet{fl.alpha}",
+        "pathological": f"pathological{fl.classes_per_client}",
+        "promptfl": promptfl,
+    }
     agg = f"fedprox{fl.mu}" if fl.aggregation == "fedprox" else fl.aggregation
     extra = f"_{part.get(fl.partition, fl.partition)}_{agg}_c{fl.clients}_r{fl.rounds}_e{fl.local_epochs}"
     if fl.fraction != 1.0:
@@ -92,6 +124,24 @@ def fl_run_name(cfg: DictConfig) -> str:
     return f"federated/{fl.method}/{dataset}/{rest}{extra}/{seed}"
 
 
+def run_precision(cfg: DictConfig, device) -> str:
+    """The precision server and clients run for `train.precision` on `device`, as tools/train.py
+    runs it (`coop.features.resolve_precision`): amp = bf16 autocast with fp32 prompts, fp16 =
+    CoOp's half-precision CLIP and prompts; fp32 where the device lacks them, said in the log."""
+    precision = resolve_precision(cfg.train.precision, torch.device(device))
+    if precision != cfg.train.precision:
+        log.info(
+            "train.precision=%s is not available on %s; running %s", cfg.train.precision, device, precision
+        )
+    return precision
+
+
+def prepare_precision(clip: CLIP, method: Method, precision: str) -> None:
+    """Cast CLIP and the method to half precision for fp16 (`coop.engine.use_fp16`); else nothing."""
+    if precision == "fp16":
+        use_fp16(clip, method)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,11 +149,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_data(cfg: DictConfig):
-    """The run's few-shot dataset; multi-domain data honour `data.target_domain`."""
+    """The run's few-shot dataset; multi-domain data honour `data.target_domain`.
+
+    With fl.partition=promptfl the full splits: every client draws data.shots per class from them.
+    """
+    if cfg.fl.partition == "promptfl":
+        return build_dataset(cfg.data.name, cfg.data.root, shots=0, seed=int(cfg.data.seed))
     if cfg.data.name == "multidomain":
         ds = build_multidomain(cfg.data.root, cfg.data.target_domain, int(cfg.data.shots), int(cfg.data.seed))
     else:
-        ds = build_dataset(cfg.data.name, cfg.data.root, shots=int(cfg.data.shots), seed=int(cfg.data.seed))
+        ds = build_dataset(
+            cfg.data.name, cfg.data.root, int(cfg.data.shots), int(cfg.data.seed), cfg.data.split_file
+        )
     return subsample_classes(ds, cfg.data.subsample_classes)
 
 
@@ -115,6 +172,17 @@ def client_partition(cfg: DictConfig, ds) -> Partition:
     """The partition of `ds.train` among `fl.clients` clients (deterministic in the config)."""
     fl = cfg.fl
     keys = [f"{os.path.relpath(d.path, ds.image_dir)}\t{d.label}" for d in ds.train]
+    if fl.partition == "promptfl":
+        return promptfl_partition(
+            ds.train,
+            ds.val,
+            shots=int(cfg.data.shots),
+            clients=int(fl.clients),
+            iid=bool(fl.iid),
+            repeat_rate=float(fl.repeat_rate),
+            seed=int(cfg.data.seed),
+            item_keys=keys,
+        )
     return partition(
         [d.label for d in ds.train],
         item_domains(ds, ds.train),
@@ -136,7 +204,10 @@ def transforms(clip: CLIP):
 
 
 def features(cfg: DictConfig, clip: CLIP, items, device, *, train: bool, what: str):
-    """Image features ((V, N, E), labels) of `items`: V = train.aug_views for training, else 1."""
+    """Image features ((V, N, E), labels) of `items`: V = train.aug_views for training, else 1.
+
+    Computed at the run's precision (`run_precision`), in CLIP's dtype (half after fp16's cast).
+    """
     device = torch.device(device)
     train_tf, test_tf = transforms(clip)
     views = int(cfg.train.aug_views) if train else 1
@@ -175,11 +246,18 @@ def local_seed(seed: int, rnd: int, client: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(method: Method, feats: torch.Tensor, labels: torch.Tensor, device, domains=None) -> dict:
-    """Accuracy (%), macro F1, per-class accuracy (and per-domain accuracy) on features (N, E)."""
+def evaluate(
+    method: Method, feats: torch.Tensor, labels: torch.Tensor, device, domains=None, precision: str = "fp32"
+) -> dict:
+    """Accuracy (%), macro F1, per-class accuracy (and per-domain accuracy) on features (N, E),
+    under the run's precision (bf16 autocast for amp) as tools/train.py evaluates."""
     method.eval()
-    prepared = method.prepare()
-    preds = torch.cat([method.logits(f.to(device), prepared).argmax(-1).cpu() for f in feats.split(1000)])
+    dtype = method.clip.logit_scale.dtype
+    with autocast(torch.device(device), precision):
+        prepared = method.prepare()
+        preds = torch.cat(
+            [method.logits(f.to(device, dtype), prepared).argmax(-1).cpu() for f in feats.split(1000)]
+        )
     n_cls = method.n_cls
     conf = torch.bincount(labels * n_cls + preds, minlength=n_cls * n_cls).reshape(n_cls, n_cls).double()
     tp, support, predicted = conf.diag(), conf.sum(1), conf.sum(0)
@@ -219,10 +297,11 @@ def run_fields(cfg: DictConfig, method: Method) -> dict:
 
 
 def absolute_paths(cfg: DictConfig) -> DictConfig:
-    """A copy whose data.root and model config path are absolute (clients may run elsewhere)."""
+    """A copy whose data.root, data.split_file and model config path are absolute (clients may run elsewhere)."""
     out = cfg.copy()
-    if out.data.root is not None:
-        out.data.root = str(Path(str(out.data.root)).expanduser().resolve())
+    for key in ("root", "split_file"):
+        if out.data[key] is not None:
+            out.data[key] = str(Path(str(out.data[key])).expanduser().resolve())
     name = str(out.model.name)
     if name.endswith(".json") and Path(name).is_file():
         out.model.name = str(Path(name).resolve())

@@ -15,6 +15,7 @@ from coop.methods.ivlp import IVLP
 from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
 from coop.methods.maple import MaPLe
+from coop.methods.promptsrc import PromptSRC
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model import CLIP
@@ -28,6 +29,7 @@ METHODS: dict[str, type[Method]] = {
     "vpt": VPT,
     "ivlp": IVLP,
     "maple": MaPLe,
+    "promptsrc": PromptSRC,
 }
 
 
@@ -50,6 +52,7 @@ __all__ = [
     "MaPLe",
     "Method",
     "MetaNet",
+    "PromptSRC",
     "TransferError",
     "VPT",
     "VisionPromptMethod",

@@ -103,6 +103,18 @@ class Method(nn.Module):
         """Method-specific fields for metrics.json (e.g. n_ctx, position; the chosen C)."""
         return {}
 
+    def end_epoch(self, epoch: int, epochs: int) -> None:
+        """Called by the runner after SGD epoch `epoch` (1-based) of `epochs`, before its checkpoint
+        (e.g. PromptSRC's prompt aggregation); by default nothing."""
+
+    def training_state(self) -> dict:
+        """Extra state a resumable checkpoint keeps (`weights_only`-safe: tensors, numbers, dicts),
+        e.g. a running aggregate; restored by `load_training_state`. By default none."""
+        return {}
+
+    def load_training_state(self, state: dict) -> None:
+        """Restore what `training_state` returned (an empty dict for checkpoints without it)."""
+
     def train(self, mode: bool = True) -> Method:
         super().train(mode)
         self.clip.eval()  # CLIP is frozen: no dropout, fixed normalisation statistics

@@ -1,16 +1,20 @@
 """KgCoOp: CoOp plus a pull of the learned class features towards hand-crafted CLIP ones.
 
 As in KgCoOp (Yao et al., CVPR 2023), with w_c the class-c text feature of the learned prompt and
-w_c^clip the frozen feature of CoOp's hand-crafted template for the dataset ("{} texture." for
-DTD, "a photo of a {}." for ImageNet, ...):
+w_c^clip the frozen feature of KgCoOp's hand-crafted template for the dataset ("a photo of a {}, a
+type of texture." for DTD, "a photo of a {}." for ImageNet, CoOp's template elsewhere):
 
     loss = CE(logits, y) + kgcoop.weight * (1 - mean_c cos(w_c, w_c^clip))      (weight 8.0)
 
 Prompts, logits and evaluation are CoOp's (every position, csc and depth); the regulariser only
 changes training. w_c^clip is computed once per run, on the first training step, and never stored
-in checkpoints. `kgcoop.templates` picks other templates as `zeroshot.templates` does ("coop",
-"ensemble" or a literal "...{}..."); KgCoOp's own code uses "a photo of a {}, a type of texture."
-for DTD.
+in checkpoints, with autocast off (fp32 under fp32 and amp; under fp16 the half-precision
+model's features, normalised in fp32). `kgcoop.templates` picks the templates as
+`zeroshot.templates` does: "kgcoop" (the default, KgCoOp's own), "coop" (CoOp's: "{} texture."
+for DTD), "coop_ensemble", "ensemble" or a literal "...{}...".
+
+KgCoOp's code computes w^clip with a second CLIP that it leaves in fp16 (also under PREC=fp32) and
+normalises in fp16, so its w^clip have norms of 1 +- 4e-4; ours are exact fp32 unit vectors.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ class KgCoOp(CoOp):
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
         self.weight = float(OmegaConf.select(cfg, "kgcoop.weight", default=WEIGHT))
-        self.template_choice = str(OmegaConf.select(cfg, "kgcoop.templates", default="coop"))
-        self.templates = resolve_templates(self.template_choice, cfg.data.name)
+        self.template_choice = str(OmegaConf.select(cfg, "kgcoop.templates", default="kgcoop"))
+        self.templates = resolve_templates(self.template_choice, cfg.data.name, "kgcoop.templates")
         self._clip_features: torch.Tensor | None = None  # (n_cls, E), normalised, once per run
 
     def clip_features(self) -> torch.Tensor:

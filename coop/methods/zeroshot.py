@@ -2,9 +2,15 @@
 
 `zeroshot.templates` chooses the prompts:
 
-    coop      CoOp's template for the dataset ("{} texture." for DTD, ...), "a photo of a {}." else
-    ensemble  CLIP's 80 ImageNet templates: features L2-normalised, averaged, renormalised
-    "...{}..."  any literal template containing "{}"
+    coop           CoOp's template for the dataset ("{} texture." for DTD, ...), "a photo of a {}." else
+    kgcoop         KgCoOp's templates: CoOp's, but "a photo of a {}, a type of texture." for DTD
+    coop_ensemble  CoOp's own ensemble baseline (ZeroshotCLIP2 in its trainers/zsclip.py): the 7
+                   IMAGENET_TEMPLATES_SELECT templates plus the dataset's CoOp template (not added
+                   for ImageNet, where it is "a photo of a {}.")
+    ensemble       CLIP's 80 ImageNet templates
+    "...{}..."     any literal template containing "{}"
+
+Several templates: each one's class features L2-normalised, averaged, renormalised.
 """
 
 from __future__ import annotations
@@ -39,22 +45,43 @@ COOP_TEMPLATES = {
     "imagenet_r": "a photo of a {}.",
 }
 
+# KgCoOp's CUSTOM_TEMPLATES (trainers/kgcoop.py): CoOp's, except for DTD.
+KGCOOP_TEMPLATES = {**COOP_TEMPLATES, "dtd": "a photo of a {}, a type of texture."}
 
-def resolve_templates(choice: str, dataset: str) -> list[str]:
-    """The template strings for `zeroshot.templates=choice` on `dataset`.
+# CoOp's IMAGENET_TEMPLATES_SELECT (trainers/imagenet_templates.py), in its order.
+IMAGENET_TEMPLATES_SELECT = (
+    "itap of a {}.",
+    "a bad photo of the {}.",
+    "a origami {}.",
+    "a photo of the large {}.",
+    "a {} in a video game.",
+    "art of the {}.",
+    "a photo of the small {}.",
+)
+
+NAMED_TEMPLATES = ("coop", "kgcoop", "coop_ensemble", "ensemble")
+
+
+def resolve_templates(choice: str, dataset: str, key: str = "zeroshot.templates") -> list[str]:
+    """The template strings for `zeroshot.templates=choice` (or `kgcoop.templates`) on `dataset`.
 
     Args:
-        choice: "coop", "ensemble" or a literal template containing "{}".
-        dataset: the dataset name (`data.name`), which picks CoOp's template.
+        choice: one of `NAMED_TEMPLATES` or a literal template containing "{}".
+        dataset: the dataset name (`data.name`), which picks the dataset's own template.
+        key: the config key, for the error message.
     """
     if choice == "coop":
         return [COOP_TEMPLATES.get(dataset, DEFAULT_TEMPLATE)]
+    if choice == "kgcoop":
+        return [KGCOOP_TEMPLATES.get(dataset, DEFAULT_TEMPLATE)]
+    if choice == "coop_ensemble":
+        own = [] if dataset == "imagenet" else [COOP_TEMPLATES.get(dataset, DEFAULT_TEMPLATE)]
+        return [*IMAGENET_TEMPLATES_SELECT, *own]
     if choice == "ensemble":
         return [t("{}") for t in open_clip.OPENAI_IMAGENET_TEMPLATES]
     if "{}" not in str(choice):
-        raise ConfigError(
-            f"zeroshot.templates={choice!r} is not 'coop', 'ensemble' or a template containing '{{}}'"
-        )
+        names = ", ".join(repr(n) for n in NAMED_TEMPLATES)
+        raise ConfigError(f"{key}={choice!r} is not one of {names} or a template containing '{{}}'")
     return [str(choice)]
 
 

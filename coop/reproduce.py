@@ -1,0 +1,145 @@
+"""Published figures beside ours: "does my run reproduce the paper?" for a per-dataset table.
+
+    table = dataset_table(runs)                        # coop.results
+    table, notes = with_published(table, runs)         # + a paper row and a Δ row under ours
+
+Under each row of `coop.results.dataset_table` that has a published counterpart
+(`coop.published`), this adds the paper's row (method `<method>: paper`) and a Δ row (`<method>:
+Δ`, ours minus the paper's), with the same columns: `<dataset>_mean` holds the figure where our
+row has a number, `_std` and `_n` are empty, and `average` is given where ours is (every column
+has a number): the paper's own mean where the columns are exactly its 11 datasets, else the
+mean of its cells.
+
+Which published figure a cell gets is read from the runs behind the row, never guessed from names:
+- only ViT-B/16 runs with OpenAI weights have counterparts (every published figure is one);
+- `data.subsample_classes=base`: base-to-new (the cell metric `accuracy` is the base accuracy,
+  `new_accuracy` the new one);
+- trained on ImageNet with `eval.targets`: cross-dataset for the targets and ImageNet itself,
+  domain generalisation for ImageNet-V2/-Sketch/-A/-R;
+- otherwise few-shot at the row's `data.shots`.
+`notes` names each paper row's sources and whether its figures were checked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from coop.config import model_tag
+from coop.published import DATASETS_11, DG_TARGETS, lookup
+from coop.results import _group_value
+
+MODEL, WEIGHTS = "ViT-B-16", "openai"  # what every published figure ran
+PROTOCOL_NAMES = {
+    "few_shot": "few-shot",
+    "base_to_new": "base-to-new",
+    "transfer": "cross-dataset / domain generalisation",
+}
+
+
+def row_keys(table: pd.DataFrame) -> list[str]:
+    """The setting columns of a `dataset_table` (method first), i.e. not the cells or `average`."""
+    return [c for c in table.columns if not c.endswith(("_mean", "_std", "_n")) and c != "average"]
+
+
+def table_datasets(table: pd.DataFrame) -> list[str]:
+    return [c[: -len("_mean")] for c in table.columns if c.endswith("_mean")]
+
+
+def runs_of(row: pd.Series, keys: list[str], done: pd.DataFrame) -> pd.DataFrame:
+    """The finished runs a table row aggregates (equal on every row key)."""
+    mask = pd.Series(True, index=done.index)
+    for key in keys:
+        if key in done:
+            mask &= done[key].map(lambda v, want=row[key]: _group_value(v) == want)
+    return done[mask]
+
+
+def protocol_of(runs: pd.DataFrame) -> tuple[str, int] | None:
+    """("base_to_new" | "transfer" | "few_shot", shots) of the runs, or None without a counterpart."""
+    if not len(runs):
+        return None
+    models = {model_tag(str(m)) for m in runs.get("model.name", [])}
+    weights = {str(w) for w in runs.get("model.pretrained", [])}
+    shots = {int(s) for s in runs.get("data.shots", [])}
+    if models != {MODEL} or weights != {WEIGHTS} or len(shots) != 1:
+        return None
+    if "base" in set(runs.get("data.subsample_classes", [])):
+        return "base_to_new", shots.pop()
+    targets = runs["eval.targets"] if "eval.targets" in runs else pd.Series([], dtype=object)
+    trained = set(runs.get("data.name", []))
+    if trained == {"imagenet"} and len(targets) and all(isinstance(t, list) and t for t in targets):
+        return "transfer", shots.pop()
+    return "few_shot", shots.pop()
+
+
+def figure_for(method: str, protocol: str, dataset: str, metric: str, shots: int):
+    if protocol == "transfer":
+        protocol = "domain_generalization" if dataset in DG_TARGETS else "cross_dataset"
+    if protocol == "base_to_new":
+        if metric not in ("accuracy", "new_accuracy"):
+            return None
+    elif metric != "accuracy":
+        return None
+    return lookup(method, protocol, dataset, metric, shots)
+
+
+def paper_average(method: str, protocol: str, datasets: list[str], metric: str, shots: int, cells: dict):
+    """The paper's row's `average`: its own mean over exactly its 11 datasets, else our rule."""
+    if protocol in ("few_shot", "base_to_new") and sorted(datasets) == sorted(DATASETS_11):
+        fig = lookup(method, protocol, "average", metric, shots)
+        if fig is not None:
+            return fig.value
+    values = [cells.get(ds) for ds in datasets]
+    return math.nan if any(v is None for v in values) else sum(values) / len(values)
+
+
+def with_published(table: pd.DataFrame, runs: pd.DataFrame, metric: str = "accuracy"):
+    """`table` with a paper row and a Δ row under each row that has published figures.
+
+    Args:
+        table: a `coop.results.dataset_table`.
+        runs: the `load_runs` frame it was made from.
+        metric: the table's cell metric.
+
+    Returns:
+        (the table with the added rows, one note per paper row: its sources and their checks).
+    """
+    done = runs[runs["complete"].astype(bool)] if "complete" in runs else runs
+    keys, datasets = row_keys(table), table_datasets(table)
+    rows, notes = [], []
+    for _, ours in table.iterrows():
+        rows.append(ours.to_dict())
+        found = protocol_of(runs_of(ours, keys, done))
+        if found is None:
+            continue
+        protocol, shots = found
+        # only where we have a number: the paper's row is that number's counterpart
+        have = [ds for ds in datasets if pd.notna(ours[f"{ds}_mean"])]
+        figs = {ds: figure_for(ours["method"], protocol, ds, metric, shots) for ds in have}
+        figs = {ds: f for ds, f in figs.items() if f is not None}
+        if not figs:
+            continue
+        average = math.nan
+        if pd.notna(ours["average"]):
+            average = paper_average(
+                ours["method"], protocol, datasets, metric, shots, {ds: f.value for ds, f in figs.items()}
+            )
+        paper = {k: ours[k] for k in keys} | {"method": f"{ours['method']}: paper"}
+        delta = {k: ours[k] for k in keys} | {"method": f"{ours['method']}: Δ"}
+        for ds in datasets:
+            value = figs[ds].value if ds in figs else math.nan
+            paper.update({f"{ds}_mean": value, f"{ds}_std": math.nan, f"{ds}_n": math.nan})
+            delta.update(
+                {f"{ds}_mean": ours[f"{ds}_mean"] - value, f"{ds}_std": math.nan, f"{ds}_n": math.nan}
+            )
+        paper["average"], delta["average"] = average, ours["average"] - average
+        rows += [paper, delta]
+        sources = sorted({f.source for f in figs.values()})
+        checked = sum(f.checked for f in figs.values())
+        notes.append(
+            f"{paper['method']} ({PROTOCOL_NAMES[protocol]}, {shots} shots): "
+            f"{'; '.join(sources) or 'the paper mean'}; {checked} of {len(figs)} cell(s) checked against the paper"
+        )
+    return pd.DataFrame(rows, columns=table.columns), notes

@@ -1,0 +1,60 @@
+"""The README and docs/ stay true: every config key, script and config file they name exists."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import REPO
+
+from coop.config import DEFAULTS, flatten
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FILE_SUFFIXES = {"py", "yaml", "yml", "json", "csv", "md", "txt", "pt", "png", "bin", "toml"}
+SECTIONS = {key for key, value in DEFAULTS.items() if isinstance(value, dict)}
+KEYS = set(flatten(DEFAULTS))
+# a dotted name not preceded by a name, path or attribute character: `train.lr`, data.shots=4
+DOTTED = re.compile(r"(?<![\w./<>-])([a-z_]+)\.([a-z_][a-z0-9_]*)(?![\w(])")
+SCRIPT = re.compile(r"\btools/(\w+\.py)\b")
+CONFIG_FILE = re.compile(r"\bconfigs/([\w./-]+\.(?:yaml|json))\b")
+
+
+def _text(path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def test_docs_exist_and_readme_links_them():
+    readme = _text(REPO / "README.md")
+    assert len(DOCS) > 1
+    for doc in DOCS[1:]:
+        assert f"docs/{doc.name}" in readme, f"README.md does not link docs/{doc.name}"
+
+
+def test_readme_fits_on_a_page():
+    assert len(_text(REPO / "README.md").splitlines()) <= 250
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_named_config_keys_exist(doc):
+    unknown = set()
+    for section, key in DOTTED.findall(_text(doc)):
+        if section in SECTIONS and key not in FILE_SUFFIXES and f"{section}.{key}" not in KEYS:
+            unknown.add(f"{section}.{key}")
+    assert not unknown, f"{doc.name} names config keys that do not exist: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_named_scripts_and_config_files_exist(doc):
+    text = _text(doc)
+    missing = [f"tools/{s}" for s in SCRIPT.findall(text) if not (REPO / "tools" / s).is_file()]
+    missing += [f"configs/{c}" for c in CONFIG_FILE.findall(text) if not (REPO / "configs" / c).is_file()]
+    assert not missing, f"{doc.name} names files that do not exist: {sorted(set(missing))}"
+
+
+def test_the_key_check_catches_a_misspelt_key():
+    found = {
+        f"{s}.{k}" for s, k in DOTTED.findall("run with train.aug_view=1 and `data.shots`, tools/train.py")
+    }
+    assert "train.aug_view" in found and "train.aug_view" not in KEYS
+    assert "data.shots" in found and "data.shots" in KEYS
+    assert "train.py" not in found or "py" in FILE_SUFFIXES
