@@ -127,11 +127,16 @@ def pytest_collection_modifyitems(config, items):
     Tests that start a Ray simulation say so with `pytest.mark.xdist_group("ray")` (one at a time).
     """
     for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if any(d[-1].scope in ("module", "package", "class") for d in defs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        if not item.get_closest_marker("xdist_group"):
+            defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+            if any(d[-1].scope in ("module", "package", "class") for d in defs.values()):
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        # xdist groups by a "@group" suffix on the node id, which it sets through `item._nodeid`;
+        # pytest >= 9.2 keeps the id in `item._id`, so there the suffix is set here.
+        mark = item.get_closest_marker("xdist_group")
+        if mark and config.getoption("loadgroup", False) and not hasattr(item, "_nodeid"):
+            if hasattr(item, "_id") and "@" not in item.nodeid.rpartition("]")[2]:
+                item._id = type(item._id).parse(f"{item.nodeid}@{mark.args[0]}")
 
 
 def run_tool_in_process(script: Path, args: list[str]):
