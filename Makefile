@@ -18,8 +18,12 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) tools/demo.py $(ARGS)
 
+# Two xdist workers at most (one per core on a 2-core machine); tests that share a module fixture or
+# a Ray simulation stay on one worker (--dist loadgroup, see tests/conftest.py). PYTEST_WORKERS=0: serial.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(2, os.cpu_count() or 1))")
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check coop tools tests

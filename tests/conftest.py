@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import open_clip
@@ -107,3 +108,62 @@ def tiny_args(folder, out, **extra) -> list[str]:
     }
     args.update(extra)
     return [f"{k}={v}" for k, v in args.items()]
+
+
+# ---------------------------------------------------------------- parallel runs and tools in-process
+
+# One intra-op thread in this process and in the tools it starts (subprocesses inherit the variable):
+# with two xdist workers on two cores, two threads each only spin-wait for each other; the tiny
+# models gain nothing from more. An OMP_NUM_THREADS set by the caller wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`make test` runs `-n 2 --dist loadgroup`), keep a module's tests that share a
+    module-scoped fixture (a trained run, a simulation) on one worker so the fixture is built once.
+
+    Tests that start a Ray simulation say so with `pytest.mark.xdist_group("ray")` (one at a time).
+    """
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+            if any(d[-1].scope in ("module", "package", "class") for d in defs.values()):
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        # xdist groups by a "@group" suffix on the node id, which it sets through `item._nodeid`;
+        # pytest >= 9.2 keeps the id in `item._id`, so there the suffix is set here.
+        mark = item.get_closest_marker("xdist_group")
+        if mark and config.getoption("loadgroup", False) and not hasattr(item, "_nodeid"):
+            if hasattr(item, "_id") and "@" not in item.nodeid.rpartition("]")[2]:
+                item._id = type(item._id).parse(f"{item.nodeid}@{mark.args[0]}")
+
+
+def run_tool_in_process(script: Path, args: list[str]):
+    """Run `python <script> <args>` in this process: the script's own `__main__` path, its exit code,
+    stdout and stderr, as `subprocess.run(..., capture_output=True, text=True)` returns them, without
+    the 5-10 s of starting Python and importing torch. For bad-input tests whose message is printed,
+    not logged (the tools' logging is set up once per process); keep a real subprocess test per tool.
+    """
+    import contextlib
+    import io
+    import runpy
+    import subprocess
+    import sys
+
+    argv, path = [str(script), *map(str, args)], list(sys.path)
+    levels = {name: logging.getLogger(name).level for name in ("", "coop")}
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    old_argv, sys.argv = sys.argv, argv
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            err.write(f"{e.code}\n")  # sys.exit("message") prints it, as the interpreter would
+    finally:
+        sys.argv, sys.path[:] = old_argv, path
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

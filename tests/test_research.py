@@ -12,7 +12,7 @@ import sys
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, make_image_folder, randomise_prompts
+from conftest import REPO, TINY_CONFIG, make_image_folder, randomise_prompts, run_tool_in_process
 from omegaconf import OmegaConf
 
 import coop
@@ -110,7 +110,7 @@ def test_sweep_runs_every_point(swept):
 
 def test_collect_table_matches_metrics(swept):
     root, _, _ = swept
-    res = run_tool("collect", root / "runs")
+    res = run_tool_in_process(TOOLS / "collect.py", [root / "runs"])  # a real subprocess: test_protocols
     assert res.returncode == 0, res.stderr
     table = pd.read_csv(root / "runs" / "results.csv")
     assert list(table["prompt.position"]) == ["end", "middle"]

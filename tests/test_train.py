@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import REPO, TINY_CONFIG, make_image_folder, tiny_args
+from conftest import REPO, TINY_CONFIG, make_image_folder, run_tool_in_process, tiny_args
 
 from coop.config import ConfigError, epochs_for_shots, load_config, run_name
 
@@ -148,7 +148,8 @@ def test_non_finite_loss_stops_with_last_good_checkpoint(image_folder, tmp_path)
     ],
 )
 def test_bad_input_is_one_line(image_folder, tmp_path, args, message):
-    res = run(TRAIN + tiny_args(image_folder, tmp_path / "r") + args)  # later overrides win
+    # in-process (no torch import per case); the subprocess contract is tested above and below
+    res = run_tool_in_process(REPO / "tools" / "train.py", tiny_args(image_folder, tmp_path / "r") + args)
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], res.stderr[-1500:]
