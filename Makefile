@@ -18,12 +18,13 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) tools/demo.py $(ARGS)
 
-# Two xdist workers at most (one per core on a 2-core machine); tests that share a module fixture or
-# a Ray simulation stay on one worker (--dist loadgroup, see tests/conftest.py). PYTEST_WORKERS=0: serial.
+# Two xdist workers at most (one per core on a 2-core machine), one intra-op thread each
+# (tests/conftest.py). --dist loadfile keeps each test file on one worker, so module fixtures are
+# built once and the Ray simulations of tests/test_federated.py run one at a time. PYTEST_WORKERS=0: serial.
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(2, os.cpu_count() or 1))")
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check coop tools tests

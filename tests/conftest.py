@@ -119,26 +119,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under xdist (`make test` runs `-n 2 --dist loadgroup`), keep a module's tests that share a
-    module-scoped fixture (a trained run, a simulation) on one worker so the fixture is built once.
-
-    Tests that start a Ray simulation say so with `pytest.mark.xdist_group("ray")` (one at a time).
-    """
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-            if any(d[-1].scope in ("module", "package", "class") for d in defs.values()):
-                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-        # xdist groups by a "@group" suffix on the node id, which it sets through `item._nodeid`;
-        # pytest >= 9.2 keeps the id in `item._id`, so there the suffix is set here.
-        mark = item.get_closest_marker("xdist_group")
-        if mark and config.getoption("loadgroup", False) and not hasattr(item, "_nodeid"):
-            if hasattr(item, "_id") and "@" not in item.nodeid.rpartition("]")[2]:
-                item._id = type(item._id).parse(f"{item.nodeid}@{mark.args[0]}")
-
-
 def run_tool_in_process(script: Path, args: list[str]):
     """Run `python <script> <args>` in this process: the script's own `__main__` path, its exit code,
     stdout and stderr, as `subprocess.run(..., capture_output=True, text=True)` returns them, without

@@ -26,8 +26,6 @@ from conftest import REPO, TINY_CONFIG, make_image_folder  # noqa: E402
 
 from coop.federated import task  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("ray")  # under xdist: one worker, one Ray simulation at a time
-
 ROUNDS = 3
 BASE = [
     f"model.name={TINY_CONFIG}",
