@@ -63,7 +63,11 @@ def reference_inputs(openclip_model: nn.Module, learner: PromptLearner) -> tuple
 
 
 def coop_text_features(
-    openclip_model: nn.Module, learner: PromptLearner, inputs=None, ctx: torch.Tensor | None = None
+    openclip_model: nn.Module,
+    learner: PromptLearner,
+    inputs=None,
+    ctx: torch.Tensor | None = None,
+    classes: slice | None = None,
 ) -> torch.Tensor:
     """Text features (n_cls, E) of `learner`'s prompts, computed the CoOp way on the OpenCLIP model.
 
@@ -73,21 +77,25 @@ def coop_text_features(
     Args:
         inputs: `reference_inputs(openclip_model, learner)`, computed here when None.
         ctx: context vectors to use instead of `learner.ctx`, same shape (CoCoOp's shifted ones).
+        classes: only these classes' prompts (default: all); every class is computed on its own,
+            so a benchmark may run the classes in slices to bound the memory.
     """
     oc = openclip_model
     ids, name_lens, slots = inputs if inputs is not None else reference_inputs(oc, learner)
-    n_cls = len(learner.classnames)
+    rows = slice(None) if classes is None else classes
+    ids, name_lens, slots = ids[rows], name_lens[rows], slots[rows]
+    n_cls = len(ids)
     width = oc.token_embedding.weight.shape[1]
     embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
     ctx = learner.ctx if ctx is None else ctx
-    ctx = ctx if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
+    ctx = ctx[rows] if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
     x = x + oc.positional_embedding
 
     for i, block in enumerate(oc.transformer.resblocks):
         if learner.deep_ctx is not None and 1 <= i < learner.depth:
             deep = learner.deep_ctx[i - 1]
-            deep = deep if learner.csc else deep.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
+            deep = deep[rows] if learner.csc else deep.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
             x = x.masked_scatter(slots.unsqueeze(-1).expand(-1, -1, width), deep.reshape(-1, width))
         x = block(x, attn_mask=oc.attn_mask)
     x = oc.ln_final(x)
