@@ -19,7 +19,9 @@ Method: the reference's prompts are tokenised once, before timing (as CoOp does 
 the two sides alternate, `--warmup` untimed rounds first, then the best of `--repeats` timed
 rounds counts for each side. The reference runs `--reference-chunk` classes at a time (the same
 work and gradients, the memory of one slice: 1,000 classes at once need ~30 GB). A table of all
-settings closes the output. Small sizes (`--model configs/models/coop-tiny.json --classes 10`)
+settings closes the output. `--memory` measures one step of ours instead: the bytes of the
+tensors its graph saves for the backward pass and the growth of the process's peak resident
+memory. Small sizes (`--model configs/models/coop-tiny.json --classes 10`)
 run in seconds.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import sys
 from pathlib import Path
 
@@ -71,6 +74,33 @@ def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
     return {"n_ctx": n_ctx, "position": position, **bound, "speedup": wall, "speedup_cpu": cpu}
 
 
+def memory(clip, args, n_ctx: int, position: str) -> dict:
+    """Memory of one forward + backward of ours: what the graph saves and the peak it reaches."""
+    learner, classifier = imagenet_prompts(
+        clip, args.classes, n_ctx, position, csc=args.csc, depth=args.depth
+    )
+    storages = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:  # every storage saved for the backward pass, once
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = classifier.text_features()
+    out.float().square().sum().backward()
+    row = {
+        "saved_mib": sum(storages.values()) / 2**20,
+        "peak_rss_growth_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak)
+        / 2**10,  # KiB on Linux
+    }
+    print(
+        f"M={n_ctx}, {position}: tensors saved for backward {row['saved_mib']:.0f} MiB, peak resident memory "
+        f"+{row['peak_rss_growth_mib']:.0f} MiB over the process's earlier peak"
+    )
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ViT-B-16", help="open_clip model name or model-config JSON")
@@ -84,12 +114,19 @@ def main(argv=None) -> int:
     ap.add_argument("--reference-chunk", type=int, default=100, help="classes per reference slice")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--memory", action="store_true", help="only the memory of one step of ours, no timing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     oc, clip = build_models(args.model, torch.device(args.device))
+    if args.memory:
+        print(f"model {args.model}, {args.classes} ImageNet classes, fp32, one forward + backward of ours")
+        for m in args.n_ctx:
+            for p in args.position:
+                memory(clip, args, m, p)
+        return 0
     print(f"model {args.model}, {args.classes} ImageNet classes, fp32, forward + backward")
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
     rows = [measure(oc, clip, args, m, p) for m in args.n_ctx for p in args.position]
