@@ -85,9 +85,13 @@ class Packing:
             (G, T or len(out), W) attention outputs before the output projection.
         """
         g, _, width3 = qkv.shape
-        n, c, dh = self.chunks, self.size, width3 // (3 * heads)
-        qkv = qkv[:, self.source].view(g, n, c, 3, heads, dh)  # (G, n, C, 3, H, Dh), chunk layout
-        q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).unbind(0)  # each (G, n, H, C, Dh)
+        n, c, width = self.chunks, self.size, width3 // 3
+        dh = width // heads
+        # Queries apart from keys/values: the attention keeps q for its backward pass, and with a
+        # prefix the chunk layout's own k, v are copied into [prefix | own] and can be freed.
+        q = qkv[:, self.source, :width].view(g, n, c, heads, dh).transpose(2, 3)  # (G, n, H, C, Dh)
+        kv = qkv[:, self.source, width:].view(g, n, c, 2, heads, dh)  # (G, n, C, 2, H, Dh), chunk layout
+        k, v = kv.permute(3, 0, 1, 4, 2, 5).unbind(0)  # each (G, n, H, C, Dh)
         if k_prefix is not None:
             k = torch.cat([k_prefix.unsqueeze(1).expand(-1, n, -1, -1, -1), k], 3)  # (G, n, H, P+C, Dh)
             v = torch.cat([v_prefix.unsqueeze(1).expand(-1, n, -1, -1, -1), v], 3)
