@@ -270,12 +270,8 @@ class PromptClassifier(nn.Module):
         prompts, deep = self.prompt_learner()
         pl, text = self.prompt_learner, self.clip.text
         slots = pl.slots if deep is not None else None
-        start = pl.shared_prefix
-        if start > 1 and not text.grad_checkpointing:  # [SOS][v1..] is the same for every class
-            return text.encode_with_shared_prefix(
-                prompts[:1, :start], prompts[:, start:], pl.eos, deep, slots
-            )
-        return text.encode_embeddings(prompts, pl.eos, deep, slots)
+        start = pl.shared_prefix  # [SOS] or [SOS][v1..]: the same for every class, computed once
+        return text.encode_with_shared_prefix(prompts[:1, :start], prompts[:, start:], pl.eos, deep, slots)
 
     def logits(self, image_features: torch.Tensor, text_features: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, n_cls) from precomputed image features (and, optionally, text features)."""

@@ -65,7 +65,11 @@ def reference_inputs(openclip_model: nn.Module, learner: PromptLearner) -> tuple
 
 
 def coop_text_features(
-    openclip_model: nn.Module, learner: PromptLearner, inputs=None, ctx: torch.Tensor | None = None
+    openclip_model: nn.Module,
+    learner: PromptLearner,
+    inputs=None,
+    ctx: torch.Tensor | None = None,
+    classes: slice | None = None,
 ) -> torch.Tensor:
     """Text features (n_cls, E) of `learner`'s prompts, computed the CoOp way on the OpenCLIP model.
 
@@ -75,15 +79,21 @@ def coop_text_features(
     Args:
         inputs: `reference_inputs(openclip_model, learner)`, computed here when None.
         ctx: context vectors to use instead of `learner.ctx`, same shape (CoCoOp's shifted ones).
+        classes: only these classes' prompts (default: all); every class is computed on its own,
+            so a benchmark may run the classes in slices to bound the memory.
     """
     oc = openclip_model
     ids, name_lens, slots = inputs if inputs is not None else reference_inputs(oc, learner)
-    n_cls = len(learner.classnames)
+    rows = slice(None) if classes is None else classes
+    ids, name_lens, slots = ids[rows], name_lens[rows], slots[rows]
+    n_cls = len(ids)
     embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
     ctx = learner.ctx if ctx is None else ctx
-    ctx = ctx if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
+    ctx = ctx[rows] if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
     deep = learner.deep_ctx[: learner.depth - 1] if learner.deep_ctx is not None else None
+    if deep is not None and learner.csc:
+        deep = deep[:, rows]  # (J-1, n_cls, M, W)
     return text_tower(oc, x, ids, slots, deep)
 
 

@@ -7,18 +7,22 @@ are identical), but it is our own forward code:
     for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))     (causal mask)
     feats = ln_final(x)[arange(N), eos] @ text_projection     # (N, E)
 
-Two things make it faster than the reference CoOp computation, both exact:
-  * positions after the last [EOS] never influence the [EOS] row under a causal mask, so
-    sequences are cut to `eos + 1` tokens instead of 77;
-  * sequences are grouped by length ("buckets"), so short class names do not pay for long ones.
+Prompts run through one packed pass (`coop.packing`), exact, with three savings:
+  * positions after a row's [EOS] never influence its [EOS] under a causal mask, so each row
+    computes `eos + 1` tokens instead of 77;
+  * a prefix that every row shares ([SOS], or [SOS][v1..] with shared context) is computed once
+    (`prefix_keys_values`) and only attended to;
+  * the rows' own tokens are packed into one sequence, so every block is one matrix multiply
+    per weight, whatever the mix of class-name lengths; attention runs in chunks of whole rows
+    with a mask that shows each token the prefix and its own row's earlier tokens.
 
 Deep prompts: before block i (1 <= i < J) the hidden states at the context slots are replaced
 by fresh learnable tokens; no positional embedding is added to them.
 
-Attention runs through `F.scaled_dot_product_attention` (flash kernels on GPUs), which returns
-no weights. Tools that need them (`coop.attention`) call `encode_with_attention`: the same
-blocks, with each attention module asked (`need_weights=True`) to form softmax(q k^T / sqrt(Dh)
-+ causal mask) explicitly. Only that call pays for the explicit (L, L) matrices.
+Attention runs through `F.scaled_dot_product_attention`, which returns no weights. Tools that
+need them (`coop.attention`) call `encode_with_attention`: the full-sequence blocks, with each
+attention module asked (`need_weights=True`) to form softmax(q k^T / sqrt(Dh) + causal mask)
+explicitly. Only that call pays for the explicit (L, L) matrices.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from coop.packing import Packing, pack
 
 
 @dataclass(frozen=True)
@@ -101,48 +107,26 @@ class CausalSelfAttention(nn.Module):
         weights = scores.softmax(dim=-1)
         return self.merge(weights @ v), weights  # (N, H, L, Dh) -> (N, L, W)
 
-    def forward_after_prefix(self, x: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor):
-        """Attention of rows that follow a prefix whose keys/values are given.
+    def forward_packed(
+        self,
+        x: torch.Tensor,
+        packing: Packing,
+        k_prefix: torch.Tensor | None = None,
+        v_prefix: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of packed rows (`coop.packing`) that follow a prefix whose keys/values are given.
 
         Args:
-            x: (N, S, W) normalised hidden states at positions P..P+S-1; with G prefixes the rows
-                come in G equal groups, group g following prefix g.
-            k_prefix, v_prefix: (G, H, P, Dh) keys and values of the prefix positions 0..P-1
-                (G = 1: one prefix shared by all rows).
+            x: (G, T, W) normalised hidden states of the rows' own tokens, packed.
+            packing: the layout of the T tokens.
+            k_prefix, v_prefix: (G, H, P, Dh) keys and values of each group's prefix, or None.
+            out: packed indices whose outputs are wanted (default: all).
+        Returns:
+            (G, T or len(out), W).
         """
-        n, length, _ = x.shape
-        prefix = k_prefix.shape[2]
-        q, k, v = self.qkv(x)  # (N, H, S, Dh)
-        k, v = _after(k_prefix, k), _after(v_prefix, v)  # (N, H, P+S, Dh)
-        mask = torch.ones(length, prefix + length, dtype=torch.bool, device=x.device)
-        mask[:, prefix:] = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # causal
-        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-
-    def forward_last_after_prefix(self, x: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor):
-        """`forward_after_prefix` for the last position of every row only: (N, 1, W).
-
-        The last position sees every key, so no mask is needed; keys and values still come from
-        all positions, queries only from the last one.
-        """
-        n, length, width = x.shape
-        weight, bias = self.in_proj_weight, self.in_proj_bias
-        q = F.linear(x[:, -1:], weight[:width], bias[:width])  # (N, 1, W)
-        q = q.view(n, 1, self.heads, width // self.heads).transpose(1, 2)  # (N, H, 1, Dh)
-        kv = F.linear(x, weight[width:], bias[width:]).view(n, length, 2, self.heads, width // self.heads)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, H, S, Dh)
-        y = F.scaled_dot_product_attention(q, _after(k_prefix, k), _after(v_prefix, v))  # (N, H, 1, Dh)
-        return self.merge(y)
-
-
-def _after(prefix: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Keys (or values) of G prefixes (G, H, P, Dh) followed by those of N = G x R rows (N, H, S, Dh),
-    the rows in G groups: (N, H, P+S, Dh)."""
-    g, heads, _, dh = prefix.shape
-    n, _, length, _ = rows.shape
-    both = torch.cat(
-        [prefix.unsqueeze(1).expand(-1, n // g, -1, -1, -1), rows.view(g, n // g, heads, length, dh)], 3
-    )
-    return both.view(n, heads, -1, dh)
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (G, T, 3W)
+        return self.out_proj(packing.attention(qkv, self.heads, k_prefix, v_prefix, out))
 
 
 class MLP(nn.Module):
@@ -174,6 +158,16 @@ class Block(nn.Module):
         y, weights = self.attn(self.ln_1(x), need_weights=True)
         x = x + y
         return x + self.mlp(self.ln_2(x)), weights
+
+    def forward_packed(self, x: torch.Tensor, packing: Packing, k_prefix=None, v_prefix=None, last=False):
+        """(G, T, W) packed rows after a prefix -> (G, T, W), or (G, N, W) at each row's last
+        token with `last` (the only one read after the last block; keys still come from all)."""
+        if not last:
+            x = x + self.attn.forward_packed(self.ln_1(x), packing, k_prefix, v_prefix)
+        else:
+            y = self.attn.forward_packed(self.ln_1(x), packing, k_prefix, v_prefix, out=packing.last)
+            x = x[:, packing.last] + y  # (G, N, W)
+        return x + self.mlp(self.ln_2(x))
 
 
 class Resblocks(nn.Module):
@@ -218,7 +212,7 @@ class TextTransformer(nn.Module):
         deep_prompts: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run token embeddings (without positions) through the Transformer, bucketed by length.
+        """Run token embeddings (without positions) through the Transformer, packed.
 
         Args:
             x: token embeddings, (N, L, W) with L > max(eos); rows past a row's [EOS] are ignored.
@@ -229,20 +223,7 @@ class TextTransformer(nn.Module):
         Returns:
             (N, E) projected [EOS] features, in row order.
         """
-        lengths = eos + 1
-        unique = torch.unique(lengths)
-        if len(unique) == 1:
-            return self._encode_bucket(x[:, : int(unique)], eos, deep_prompts, slots)
-        feats, order = [], []
-        for length in unique.tolist():
-            rows = (lengths == length).nonzero().squeeze(1)
-            deep = None
-            if deep_prompts is not None:
-                deep = deep_prompts if deep_prompts.shape[1] == 1 else deep_prompts[:, rows]
-            bucket_slots = None if slots is None else slots[rows]
-            feats.append(self._encode_bucket(x[rows, :length], eos[rows], deep, bucket_slots))
-            order.append(rows)
-        return torch.cat(feats)[torch.cat(order).argsort()]  # back to row order
+        return self._encode_packed(None, x.unsqueeze(0), eos, 0, deep_prompts, slots, self._recompute())[0]
 
     def encode_with_shared_prefix(
         self,
@@ -265,9 +246,12 @@ class TextTransformer(nn.Module):
             eos: (N,) absolute index of each row's [EOS] (>= P).
             deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots.
             slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
+
+        Blocks are recomputed in the backward pass under `grad_checkpointing`.
         """
         kv = self.prefix_keys_values(prefix, deep_prompts, slots)
-        return self.encode_after_prefixes(kv, x.unsqueeze(0), eos, deep_prompts, slots)[0]
+        start = prefix.shape[1]
+        return self._encode_packed(kv, x.unsqueeze(0), eos, start, deep_prompts, slots, self._recompute())[0]
 
     def prefix_keys_values(
         self,
@@ -309,10 +293,11 @@ class TextTransformer(nn.Module):
         deep_prompts: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Encode N rows after each of G prefixes (`prefix_keys_values`), bucketed by length.
+        """Encode N rows after each of G prefixes (`prefix_keys_values`), packed.
 
         Row n of group g attends to prefix g and then to its own tokens, so G x N prompts run
-        while every prefix is computed once.
+        while every prefix is computed once. Nothing is recomputed here: callers that want
+        checkpointing wrap the call (CoCoOp checkpoints blocks of prompts).
 
         Args:
             kv: per block, (G, H, P, Dh) keys and values of the prefixes.
@@ -325,38 +310,42 @@ class TextTransformer(nn.Module):
         Returns:
             (G, N, E) projected [EOS] features.
         """
-        g, start = kv[0][0].shape[0], kv[0][0].shape[2]
+        return self._encode_packed(kv, x, eos, kv[0][0].shape[2], deep_prompts, slots, recompute=False)
+
+    def _encode_packed(self, kv, x, eos, start: int, deep_prompts, slots, recompute: bool) -> torch.Tensor:
+        """The one forward pass of prompts: rows' tokens start.. packed, after G prefixes.
+
+        Args:
+            kv: per block, (G, H, P, Dh) prefix keys and values with P = start; None for start 0.
+            x: (G or 1, N, L, W) token embeddings of positions start.. .
+            eos, deep_prompts, slots: as in `encode_after_prefixes`.
+            recompute: checkpoint every block (recomputed in the backward pass).
+        Returns:
+            (G, N, E) projected [EOS] features.
+        """
+        g = 1 if kv is None else kv[0][0].shape[0]
         width = x.shape[-1]
+        packing = pack(eos + 1 - start, start, g)
+        h = x[:, packing.row, packing.pos] + self.positional_embedding[start + packing.pos]  # (G|1, T, W)
+        h = h.expand(g, -1, -1)  # (G, T, W)
         n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
-        in_prefix = int((slots[0] < start).sum()) if n_deep else 0
-        deep_after = n_deep and in_prefix < slots.shape[1]  # deep slots in the rows' own tokens
-        lengths = eos + 1 - start
-        feats, order = [], []
-        for length in torch.unique(lengths).tolist():
-            rows = (lengths == length).nonzero().squeeze(1)
-            n = len(rows)
-            h = x[:, rows, :length] + self.positional_embedding[start : start + length]  # (G|1, n, S, W)
-            h = h.expand(g, -1, -1, -1).reshape(g * n, length, width)  # (G n, S, W), group-major
-            if deep_after:
-                index = (slots[rows, in_prefix:] - start).repeat(g, 1)  # (G n, M-h)
-                index = index.unsqueeze(-1).expand(-1, -1, width)  # (G n, M-h, W)
-                shared = deep_prompts.shape[1] == 1
-                deep_rows = deep_prompts[:, :, in_prefix:] if shared else deep_prompts[:, rows, in_prefix:]
-            last = len(self.blocks) - 1
-            for i, (block, (k, v)) in enumerate(zip(self.blocks, kv, strict=True)):
-                if 1 <= i <= n_deep and deep_after:
-                    deep = deep_rows[i - 1].to(h.dtype)  # (1 or n, M-h, W)
-                    deep = deep.expand(g * n, -1, -1) if shared else deep.repeat(g, 1, 1)  # (G n, M-h, W)
-                    h = h.scatter(1, index, deep)
-                if i < last:
-                    h = h + block.attn.forward_after_prefix(block.ln_1(h), k, v)
-                else:  # only [EOS], every row's last token, is read after the last block
-                    h = h[:, -1:] + block.attn.forward_last_after_prefix(block.ln_1(h), k, v)  # (G n, 1, W)
-                h = h + block.mlp(block.ln_2(h))
-            at_eos = torch.zeros(len(h), dtype=torch.long, device=h.device)
-            feats.append(self._project(h, at_eos).view(g, n, -1))  # (G, n, E)
-            order.append(rows)
-        return torch.cat(feats, dim=1)[:, torch.cat(order).argsort()]  # back to row order
+        in_prefix = int((slots[0] < start).sum()) if n_deep else 0  # h slots sit in the prefix
+        if n_deep and in_prefix < slots.shape[1]:  # deep slots among the rows' own tokens
+            own = slots[:, in_prefix:] - start + packing.offsets[:, None]  # (N, M-h) packed indices
+            deep_rows = deep_prompts[:, :, in_prefix:].expand(-1, len(own), -1, -1)  # (J-1, N, M-h, W)
+        else:
+            n_deep = 0
+        last = len(self.blocks) - 1
+        kv = kv if kv is not None else [(None, None)] * len(self.blocks)  # start 0: no prefix
+        for i, (block, (k, v)) in enumerate(zip(self.blocks, kv, strict=True)):
+            if 1 <= i <= n_deep:
+                deep = deep_rows[i - 1].reshape(1, -1, width).to(h.dtype).expand(g, -1, -1)  # (G, N(M-h), W)
+                h = h.index_copy(1, own.reshape(-1), deep)
+            if recompute:
+                h = checkpoint(block.forward_packed, h, packing, k, v, i == last, use_reentrant=False)
+            else:
+                h = block.forward_packed(h, packing, k, v, last=i == last)
+        return self._project(h)  # h: (G, N, W) at each row's [EOS]
 
     def encode_with_attention(
         self,
@@ -367,8 +356,9 @@ class TextTransformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode_embeddings` that also returns every layer's attention probabilities.
 
-        All rows run at one length, max(eos) + 1: under the causal mask a row's [EOS] never sees
-        the tokens after it, so the features equal those of the length buckets.
+        All rows run at one length, max(eos) + 1, through the full-sequence blocks: under the
+        causal mask a row's [EOS] never sees the tokens after it, so the features equal those of
+        the packed pass.
 
         Args:
             x, eos, deep_prompts, slots: as in `encode_embeddings`.
@@ -376,34 +366,24 @@ class TextTransformer(nn.Module):
             (N, E) features and (layers, N, H, L, L) weights: [l, n, h, t, s] is the probability
             that query t puts on key s in head h of block l (0 for s > t).
         """
-        weights: list[torch.Tensor] = []
-        feats = self._encode_bucket(x[:, : int(eos.max()) + 1], eos, deep_prompts, slots, weights)
-        return feats, torch.stack(weights)
-
-    def _project(self, x: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-        x = self.ln_final(x)
-        pooled = x[torch.arange(x.shape[0], device=x.device), eos]  # (N, W)
-        if isinstance(self.text_projection, nn.Linear):
-            return self.text_projection(pooled)
-        return pooled @ self.text_projection  # (N, E)
-
-    def _encode_bucket(self, x, eos, deep_prompts, slots, weights: list | None = None) -> torch.Tensor:
-        """Rows of one length through every block; each block's attention weights are appended
-        to `weights` when it is a list (the explicit-softmax path, for analysis only)."""
-        n, length, width = x.shape
-        x = x + self.positional_embedding[:length]  # (N, L, W)
+        n, width = x.shape[0], x.shape[-1]
+        x = x[:, : int(eos.max()) + 1] + self.positional_embedding[: int(eos.max()) + 1]  # (N, L, W)
         n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
-        if n_deep:
-            index = slots.unsqueeze(-1).expand(-1, -1, width)  # (N, M, W)
+        weights = []
         for i, block in enumerate(self.blocks):
             if 1 <= i <= n_deep:
                 deep = deep_prompts[i - 1].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
-                x = x.scatter(1, index, deep)
-            if weights is not None:
-                x, w = block(x, need_weights=True)
-                weights.append(w)
-            elif self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self._project(x, eos)
+                x = x.scatter(1, slots.unsqueeze(-1).expand(-1, -1, width), deep)
+            x, w = block(x, need_weights=True)
+            weights.append(w)
+        return self._project(x[torch.arange(n, device=x.device), eos]), torch.stack(weights)
+
+    def _project(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(..., W) hidden states at [EOS] -> (..., E) features."""
+        pooled = self.ln_final(pooled)
+        if isinstance(self.text_projection, nn.Linear):
+            return self.text_projection(pooled)
+        return pooled @ self.text_projection
+
+    def _recompute(self) -> bool:
+        return self.grad_checkpointing and torch.is_grad_enabled()

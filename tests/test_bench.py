@@ -40,6 +40,13 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     speed = report["text_speed"]
     assert [(r["classes"], r["n_ctx"], r["precision"]) for r in speed] == [(10, 4, "fp32"), (10, 4, "bf16")]
     assert all(r["coop_ms"] > 0 and r["reference_ms"] > 0 for r in speed)
+    bound = report["text_bound"]
+    assert [(r["classes"], r["n_ctx"], r["position"]) for r in bound] == [
+        (10, 4, p) for p in ("end", "middle", "front")
+    ]
+    assert [r["prefix"] for r in bound] == [5, 3, 1] and all(
+        r["speedup"] > 0 and r["bound"] > 1 for r in bound
+    )
     assert [r["side"] for r in report["memory"]] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["peak_mib"] is None for r in report["memory"])  # no CUDA: not measured
     epoch = report["epoch"]
@@ -62,6 +69,7 @@ def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(gpu_check, "check_parity", out_of_memory)
     monkeypatch.setattr(gpu_check, "check_speed", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_text_bound", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_memory", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_maple", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_epoch", out_of_memory)

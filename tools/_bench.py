@@ -1,8 +1,10 @@
-"""Shared pieces of the benchmarks (bench_text.py, bench_train.py, bench_vl.py, gpu_check.py).
+"""Shared pieces of the benchmarks (bench_text.py, bench_cocoop.py, bench_train.py, bench_vl.py,
+gpu_check.py).
 
 Models are built with random weights (offline, seeded), prompts use the first N ImageNet class
 names, and every timing waits for the device (CUDA kernels run asynchronously) and follows
-warm-up calls, so both sides of a comparison are measured the same way in the same process.
+warm-up calls, so both sides of a comparison are measured the same way in the same process;
+`alternate` interleaves the sides' calls, so that both see the same machine load.
 """
 
 from __future__ import annotations
@@ -48,14 +50,23 @@ def build_models(model: str, device: torch.device, seed: int = 0):
     return oc, coop.CLIP.from_openclip(oc)
 
 
-def imagenet_prompts(clip: coop.CLIP, n_classes: int, n_ctx: int, position: str = "end", seed: int = 0):
+def imagenet_prompts(
+    clip: coop.CLIP,
+    n_classes: int,
+    n_ctx: int,
+    position: str = "end",
+    seed: int = 0,
+    csc: bool = False,
+    depth: int = 1,
+):
     """(PromptLearner, PromptClassifier) for the first `n_classes` ImageNet class names."""
     if not 1 <= n_classes <= len(IMAGENET_CLASSNAMES):
         raise ValueError(f"classes must be in 1..{len(IMAGENET_CLASSNAMES)}, got {n_classes}")
     torch.manual_seed(seed)
     names = list(IMAGENET_CLASSNAMES[:n_classes])
     device = clip.logit_scale.device
-    learner = coop.PromptLearner(clip, names, n_ctx=n_ctx, position=position).to(device)
+    learner = coop.PromptLearner(clip, names, n_ctx=n_ctx, position=position, csc=csc, depth=depth)
+    learner = learner.to(device)
     return learner, coop.PromptClassifier(clip, learner)
 
 
@@ -102,6 +113,87 @@ def time_text(
         if i >= warmup:
             best = min(best, time.perf_counter() - start)
     return best, out.detach().float(), learner.ctx.grad.detach().clone()
+
+
+def text_steps(
+    oc, classifier: coop.PromptClassifier, reference_chunk: int | None = None
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """{"reference": CoOp's full-77 computation, "coop": ours}, each one forward + backward.
+
+    Each step backpropagates sum(features^2) into the prompt tensors and returns the features
+    (float32, detached). The reference runs `reference_chunk` classes at a time (default: all),
+    each slice's backward before the next slice's forward: the same work and gradients (every
+    class is computed on its own and the loss is a sum over classes), the memory of one slice.
+    Its tokenisation is done here, once, outside anything that is timed.
+    """
+    learner = classifier.prompt_learner
+    inputs = reference_inputs(oc, learner)
+    step = reference_chunk or learner.n_cls
+
+    def reference() -> torch.Tensor:
+        outs = []
+        for c in range(0, learner.n_cls, step):
+            out = coop_text_features(oc, learner, inputs, classes=slice(c, c + step))
+            out.float().square().sum().backward()
+            outs.append(out.detach().float())
+        return torch.cat(outs)
+
+    def ours() -> torch.Tensor:
+        out = classifier.text_features()
+        out.float().square().sum().backward()
+        return out.detach().float()
+
+    return {"reference": reference, "coop": ours}
+
+
+def alternate(
+    steps: dict[str, Callable[[], object]],
+    learnable: Callable[[], dict[str, torch.Tensor]],
+    device: torch.device,
+    precision: str = "fp32",
+    repeats: int = 3,
+    warmup: int = 1,
+) -> dict[str, dict]:
+    """Time forward + backward steps side by side: each round runs every side once, in turn.
+
+    Args:
+        steps: side name -> a call that runs one forward + backward and returns its outputs.
+        learnable: the trained tensors by name (`PromptLearner.prompt_tensors`, `Method.learnable`);
+            their gradients are cleared before each call and read after it.
+        repeats: timed rounds after `warmup` untimed ones; the best time of each side counts.
+    Returns:
+        Per side: best "wall" and process "cpu" seconds, and the last call's "result" and
+        "grads" ({name: gradient}).
+    """
+    out = {name: {"wall": float("inf"), "cpu": float("inf")} for name in steps}
+    for i in range(warmup + repeats):
+        for name, step in steps.items():
+            for p in learnable().values():
+                p.grad = None
+            sync(device)
+            wall, cpu = time.perf_counter(), time.process_time()
+            with precision_context(device, precision):
+                result = step()
+            sync(device)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            side = out[name]
+            if i >= warmup:
+                side["wall"], side["cpu"] = min(side["wall"], wall), min(side["cpu"], cpu)
+            side["result"] = result
+            side["grads"] = {k: p.grad.detach().clone() for k, p in learnable().items()}
+    return out
+
+
+def text_bound(learner: coop.PromptLearner, context_length: int = 77) -> dict:
+    """The token bound of a prompt layout: what the reference computes per prompt (77 tokens)
+    over what ours still computes on its own after the shared prefix.
+
+    Returns:
+        {"prefix": P, "tokens": mean eos + 1, "own": mean eos + 1 - P, "bound": 77 / own}.
+    """
+    tokens = float((learner.eos + 1).float().mean())
+    own = tokens - learner.shared_prefix
+    return {"prefix": learner.shared_prefix, "tokens": tokens, "own": own, "bound": context_length / own}
 
 
 def max_rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:

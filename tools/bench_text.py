@@ -1,71 +1,143 @@
-"""Benchmark the prompt text side: our trimmed, length-bucketed Transformer vs CoOp's full-77 one.
+"""Benchmark the prompt text side: our packed, shared-prefix Transformer vs CoOp's full-77 one.
 
-(With shared context and the class at the end or in the middle, the common [SOS][v1..] prefix
-is also computed once for all classes.)
-
-    python tools/bench_text.py [--model ViT-B-16] [--classes 100] [--n-ctx 4] [--repeats 3]
+    python tools/bench_text.py [--model ViT-B-16] [--classes 100] [--n-ctx 4 16]
+                               [--position end middle front] [--repeats 3]
 
 Times forward + backward of `PromptClassifier.text_features()` for ImageNet class names (random
 weights) against the reference CoOp computation (`coop.reference`, full 77 tokens through
-open_clip's own modules) in the same process, and prints the speed ratio and the largest
-differences of outputs and gradients. Method: the reference's prompts are tokenised once,
-before timing (as CoOp does at build time); each side gets `--warmup` untimed calls, then the
-best of `--repeats` timed calls counts. Small sizes (`--model configs/models/coop-tiny.json
---classes 10`) run in seconds.
+open_clip's own modules) in the same process, for every combination of `--n-ctx` and
+`--position`, and prints for each:
+
+- the shared prefix P (tokens every prompt shares and ours computes once: [SOS][v1..vM] at the
+  end, [SOS][v1..vM/2] in the middle, [SOS] at the front or with --csc);
+- the bound: 77 / (mean tokens per prompt - P), the reference's tokens over those each prompt
+  still computes on its own, i.e. the speed-up if time were proportional to tokens;
+- the speed-up (wall and process CPU time) and its share of the bound;
+- the largest differences of outputs and of every prompt gradient.
+
+Method: the reference's prompts are tokenised once, before timing (as CoOp does at build time);
+the two sides alternate, `--warmup` untimed rounds first, then the best of `--repeats` timed
+rounds counts for each side. The reference runs `--reference-chunk` classes at a time (the same
+work and gradients, the memory of one slice: 1,000 classes at once need ~30 GB). A table of all
+settings closes the output. `--memory` measures one step of ours instead: the bytes of the
+tensors its graph saves for the backward pass and the growth of the process's peak resident
+memory. Small sizes (`--model configs/models/coop-tiny.json --classes 10`)
+run in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import build_models, imagenet_prompts, max_rel_diff, text_sides, time_text  # noqa: E402
+from _bench import alternate, build_models, imagenet_prompts, max_rel_diff, text_bound, text_steps  # noqa: E402
+
+
+def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
+    """One setting: both sides side by side; prints its lines and returns its row."""
+    learner, classifier = imagenet_prompts(
+        clip, args.classes, n_ctx, position, csc=args.csc, depth=args.depth
+    )
+    bound = text_bound(learner)
+    lengths = learner.eos + 1
+    print(f"\n== n_ctx {n_ctx}, position {position}{', csc' if args.csc else ''}, depth {args.depth}")
+    print(
+        f"tokens per prompt: mean {bound['tokens']:.2f}, max {int(lengths.max())} (reference: 77); "
+        f"shared prefix {bound['prefix']}; own tokens per prompt {bound['own']:.2f}; "
+        f"bound 77 / {bound['own']:.2f} = {bound['bound']:.2f}x"
+    )
+    res = alternate(text_steps(oc, classifier, args.reference_chunk), learner.prompt_tensors, torch.device(args.device),
+                    "fp32", args.repeats, args.warmup)  # fmt: skip
+    ref, ours = res["reference"], res["coop"]
+    wall, cpu = ref["wall"] / ours["wall"], ref["cpu"] / ours["cpu"]
+    print(f"reference CoOp (77 tokens): {ref['wall'] * 1000:9.1f} ms  (CPU time {ref['cpu'] * 1000:9.1f} ms)")
+    print(
+        f"coop (packed, shared prefix): {ours['wall'] * 1000:7.1f} ms  (CPU time {ours['cpu'] * 1000:9.1f} ms)"
+    )
+    print(
+        f"speed-up: {wall:.2f}x wall = {wall / bound['bound']:.0%} of the bound, {cpu:.2f}x CPU time = "
+        f"{cpu / bound['bound']:.0%} (best of {args.repeats} after {args.warmup} warm-up call(s) each, "
+        "the sides alternating)"
+    )
+    out_diff = float((ours["result"] - ref["result"]).abs().max())
+    grads = {k: max_rel_diff(ours["grads"][k], g) for k, g in ref["grads"].items()}
+    print(
+        f"max |diff| output: {out_diff:.2e} (scale {float(ref['result'].abs().max()):.2f}); gradients, "
+        f"max |diff| / max |reference|: {', '.join(f'{k} {d:.1e}' for k, d in grads.items())}"
+    )
+    return {"n_ctx": n_ctx, "position": position, **bound, "speedup": wall, "speedup_cpu": cpu}
+
+
+def memory(clip, args, n_ctx: int, position: str) -> dict:
+    """Memory of one forward + backward of ours: what the graph saves and the peak it reaches."""
+    learner, classifier = imagenet_prompts(
+        clip, args.classes, n_ctx, position, csc=args.csc, depth=args.depth
+    )
+    storages = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:  # every storage saved for the backward pass, once
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = classifier.text_features()
+    out.float().square().sum().backward()
+    row = {
+        "saved_mib": sum(storages.values()) / 2**20,
+        "peak_rss_growth_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak)
+        / 2**10,  # KiB on Linux
+    }
+    print(
+        f"M={n_ctx}, {position}: tensors saved for backward {row['saved_mib']:.0f} MiB, peak resident memory "
+        f"+{row['peak_rss_growth_mib']:.0f} MiB over the process's earlier peak"
+    )
+    return row
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ViT-B-16", help="open_clip model name or model-config JSON")
     ap.add_argument("--classes", type=int, default=100, help="first N ImageNet class names")
-    ap.add_argument("--n-ctx", type=int, default=4)
-    ap.add_argument("--position", default="end", choices=("end", "middle", "front"))
+    ap.add_argument("--n-ctx", type=int, nargs="+", default=[4])
+    ap.add_argument("--position", nargs="+", default=["end"], choices=("end", "middle", "front"))
+    ap.add_argument("--csc", action="store_true", help="class-specific context")
+    ap.add_argument("--depth", type=int, default=1, help="prompt depth J (deep prompts for J > 1)")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per side (the best counts)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed calls per side first")
+    ap.add_argument("--reference-chunk", type=int, default=100, help="classes per reference slice")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--memory", action="store_true", help="only the memory of one step of ours, no timing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    device = torch.device(args.device)
-    oc, clip = build_models(args.model, device)
-    learner, classifier = imagenet_prompts(clip, args.classes, args.n_ctx, args.position)
-    lengths = (learner.eos + 1).float()
-    print(
-        f"model {args.model}, {learner.n_cls} ImageNet classes, n_ctx {args.n_ctx}, position {args.position}"
-    )
-    print(f"tokens per prompt: mean {lengths.mean():.1f}, max {int(lengths.max())} (reference: 77)")
-    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
-
-    sides = text_sides(oc, classifier)
-    t_ref, out_ref, g_ref = time_text(sides["reference"], learner, device, "fp32", args.repeats, args.warmup)
-    t_ours, out_ours, g_ours = time_text(sides["coop"], learner, device, "fp32", args.repeats, args.warmup)
-
-    print(f"reference CoOp (77 tokens): {t_ref * 1000:8.1f} ms  forward+backward")
-    path = "cut, bucketed, shared prefix" if learner.shared_prefix > 1 else "cut, bucketed"
-    print(f"coop ({path}): {t_ours * 1000:8.1f} ms  forward+backward")
-    print(
-        f"speed-up: {t_ref / t_ours:.2f}x (best of {args.repeats} after {args.warmup} warm-up call(s) each)"
-    )
-    print(
-        f"max |diff| output: {float((out_ours - out_ref).abs().max()):.2e} "
-        f"(scale {float(out_ref.abs().max()):.2f}), ctx grad relative: {max_rel_diff(g_ours, g_ref):.2e}"
-    )
+    oc, clip = build_models(args.model, torch.device(args.device))
+    if args.memory:
+        print(f"model {args.model}, {args.classes} ImageNet classes, fp32, one forward + backward of ours")
+        for m in args.n_ctx:
+            for p in args.position:
+                memory(clip, args, m, p)
+        return 0
+    print(f"model {args.model}, {args.classes} ImageNet classes, fp32, forward + backward")
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
+    rows = [measure(oc, clip, args, m, p) for m in args.n_ctx for p in args.position]
+    print("\n| setting | prefix | bound | speed-up | share of bound | (CPU time: speed-up, share) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| M={r['n_ctx']}, {r['position']} | {r['prefix']} | 77 / ({r['tokens']:.2f} - {r['prefix']}) = "
+            f"{r['bound']:.2f}x | {r['speedup']:.2f}x | {r['speedup'] / r['bound']:.0%} | "
+            f"{r['speedup_cpu']:.2f}x, {r['speedup_cpu'] / r['bound']:.0%} |"
+        )
     return 0
 
 

@@ -13,6 +13,9 @@ random weights (offline). It checks, against the reference CoOp computation (`co
   text speed forward + backward of the text side, ours vs reference, at 100 and 1,000 classes,
              M = 4 and 16, class at the end, shared context, fp32 and bf16 (best of 3 after a
              warm-up call);
+  text bound the same text side per layout (end, middle, front; M = 4 and 16; 100 and 1,000
+             classes; fp32, the sides alternating, as tools/bench_text.py): shared prefix P, the
+             bound 77 / (mean tokens per prompt - P) and the speed-up as a share of it;
   memory     peak GPU memory (torch.cuda.max_memory_allocated) of one 1,000-class training step,
              M = 16, batch 32: ours, ours with grad checkpointing, and the reference;
   epoch      one 16-shot ImageNet-sized epoch: 16,000 synthetic 224x224 images (tensors already
@@ -45,13 +48,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import (  # noqa: E402
+    alternate,
     build_models,
     imagenet_method,
     imagenet_prompts,
     max_rel_diff,
     precision_context,
     sync,
+    text_bound,
     text_sides,
+    text_steps,
     time_text,
 )
 
@@ -108,6 +114,45 @@ def check_speed(oc, clip, classes, n_ctxs, device, repeats: int) -> list[dict]:
             del learner, classifier, sides
             free(device)
     return rows
+
+
+# -- the text side at its token bound, per layout ------------------------------------------------
+
+BOUND_POSITIONS = ("end", "middle", "front")
+REFERENCE_CHUNK = 100  # classes per reference slice: 1,000 classes at once need ~30 GB in fp32
+
+
+def check_text_bound(oc, clip, classes, n_ctxs, device, repeats: int) -> list[dict]:
+    """Speed-up of the text side over the reference as a share of the token bound, per layout.
+
+    Forward + backward in fp32, shared context, the sides alternating (`_bench.alternate`); the
+    bound is 77 / (mean tokens per prompt - shared prefix), as tools/bench_text.py prints it.
+    """
+    rows = []
+    for n in classes:
+        for n_ctx in n_ctxs:
+            for position in BOUND_POSITIONS:
+                learner, classifier = imagenet_prompts(clip, n, n_ctx, position)
+                steps = text_steps(oc, classifier, REFERENCE_CHUNK)
+                t = alternate(steps, learner.prompt_tensors, device, "fp32", repeats)
+                bound = text_bound(learner)
+                speedup = t["reference"]["wall"] / t["coop"]["wall"]
+                rows.append({"classes": n, "n_ctx": n_ctx, "position": position, "prefix": bound["prefix"],
+                             "bound": bound["bound"], "reference_ms": 1000 * t["reference"]["wall"],
+                             "coop_ms": 1000 * t["coop"]["wall"], "speedup": speedup,
+                             "share": speedup / bound["bound"]})  # fmt: skip
+                del learner, classifier, steps, t
+                free(device)
+    return rows
+
+
+def print_text_bound(rows: list[dict]) -> None:
+    print("text forward+backward against the token bound (fp32, shared context)")
+    print(f"  {'classes':>7} {'M':>3} {'position':>8} {'prefix':>6} {'bound':>7} {'reference':>11} {'coop':>9}"
+          f" {'speed-up':>8} {'share':>6}")  # fmt: skip
+    for r in rows:
+        print(f"  {r['classes']:>7} {r['n_ctx']:>3} {r['position']:>8} {r['prefix']:>6} {r['bound']:>6.1f}x"
+              f" {r['reference_ms']:>8.1f} ms {r['coop_ms']:>6.1f} ms {r['speedup']:>7.1f}x {r['share']:>6.0%}")  # fmt: skip
 
 
 def train_step(classifier, optimizer, x, y, device, encode: bool = False, text=None) -> float:
@@ -337,6 +382,7 @@ PRINTERS = {
     "parity": print_parity,
     "text_speed": print_speed,
     "memory": print_memory,
+    "text_bound": print_text_bound,
     "epoch": print_epoch,
     "maple": print_maple,
 }
@@ -377,6 +423,9 @@ def main(argv=None) -> int:
     sections = {
         "parity": lambda: check_parity(oc, clip, sizes["parity"], device),
         "text_speed": lambda: check_speed(oc, clip, sizes["speed"], sizes["n_ctx"], device, sizes["repeats"]),
+        "text_bound": lambda: check_text_bound(
+            oc, clip, sizes["speed"], sizes["n_ctx"], device, sizes["repeats"]
+        ),
         "memory": lambda: check_memory(oc, clip, sizes["memory"], device),
         "epoch": lambda: check_epoch(clip, sizes["memory"], sizes["images"], device),
         "maple": lambda: check_maple(device, args.tiny),

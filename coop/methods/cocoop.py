@@ -12,9 +12,9 @@ Only `ctx` and the meta-net train. The original runs one image at a time, all cl
 - with shared context and the class at the end or in the middle, image b's `[SOS][ctx_b..]` is a
   prefix of all its classes' prompts: the B prefixes are computed once each and n_cls suffixes
   attend to each (`TextTransformer.prefix_keys_values` / `encode_after_prefixes`), cut after
-  [EOS] and bucketed by length;
+  [EOS] and packed into one sequence (`coop.packing`), the same packing after every prefix;
 - with class-specific context or the class at the front, only [SOS] is shared: the B x n_cls
-  prompts run in full (still cut and bucketed).
+  prompts run after it as one packed sequence (still cut after [EOS]).
 
 Memory: with `train.grad_checkpointing`, training runs the prompts in blocks of at most
 `cocoop.chunk_prompts` (images x classes), each recomputed in the backward pass

@@ -1,0 +1,154 @@
+"""Packed rows: every prompt's own tokens in one sequence, so each block runs as one matrix multiply.
+
+N prompts that follow a shared prefix of P tokens (`TextTransformer.prefix_keys_values`) still
+compute S_n = eos_n + 1 - P tokens each, and the S_n differ from class to class. Instead of one pass
+per length, the rows' own tokens are concatenated into one packed sequence of T = sum(S_n) tokens:
+
+    packed:  [row 0: S_0 tokens][row 1: S_1 tokens] ... [row N-1]            (G, T, W)
+
+Layer norms, the q|k|v projection, the output projection and the MLP act on each token alone, so
+they run on the packed (G, T, W) tensor as single matrix multiplies, with no padding.
+
+Attention is the only step that mixes tokens: a token at position t of row n sees the P prefix
+keys and row n's keys at positions <= t, nothing of any other row. It runs in chunks of whole
+rows: rows are laid, in order, into chunks of `size` slots (a row never straddles two chunks, so
+`size` >= the longest row; the slots a row leaves free stay empty), and each chunk is one batch
+entry of `F.scaled_dot_product_attention` with keys [prefix (P) | the chunk's slots (size)] and a
+boolean mask:
+
+    mask[chunk, query slot, key] = True  for the P prefix keys,
+                                   True  for a slot of the same row at a position <= the query's.
+
+Masked keys get probability exactly 0, so every token sees what it sees in the full-77 reference
+(the prefix, then its own earlier tokens) and the same softmax over them: the computation is the
+reference's up to the order of floating-point sums. Empty slots hold copies of token 0; they are
+masked for every real query, and their own outputs are never read, so they receive zero gradient.
+A chunk computes size + P scores per query, a little more than the reference's average
+(P + S) / 2 per row, but without padding the linear layers and without a copy of the prefix per
+row: keys and values of the prefix are repeated once per chunk. The same layout serves G groups
+(CoCoOp: one prefix per image, the same rows after each): group g's chunks attend to prefix g.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 32  # slots per attention chunk (at least the longest row); measured in docs/text_speed.md
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Index tensors of one packed layout (built by `pack`).
+
+    Attributes:
+        row: (T,) the row of each packed token.
+        pos: (T,) its position among the row's own tokens, 0..S_n-1.
+        last: (N,) the packed index of each row's last token ([EOS]).
+        offsets: (N,) the packed index of each row's first token.
+        slot: (T,) the chunk slot (0..chunks*size-1) of each packed token.
+        source: (chunks*size,) the packed token held by each slot (empty slots: token 0).
+        mask: (G*chunks, 1, size, P+size) which keys each slot's query sees.
+        size: slots per chunk.
+        chunks: chunks per group.
+    """
+
+    row: torch.Tensor
+    pos: torch.Tensor
+    last: torch.Tensor
+    offsets: torch.Tensor
+    slot: torch.Tensor
+    source: torch.Tensor
+    mask: torch.Tensor
+    size: int
+    chunks: int
+
+    def attention(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        k_prefix: torch.Tensor | None = None,
+        v_prefix: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of packed tokens to the prefix and to their own row's earlier tokens.
+
+        Args:
+            qkv: (G, T, 3W) packed q | k | v projections (OpenCLIP's layout).
+            heads: attention heads H.
+            k_prefix, v_prefix: (G, H, P, Dh) keys and values of the prefix of each group, or
+                None for P = 0.
+            out: packed indices whose outputs are wanted (default: every token).
+        Returns:
+            (G, T or len(out), W) attention outputs before the output projection.
+        """
+        g, _, width3 = qkv.shape
+        n, c, width = self.chunks, self.size, width3 // 3
+        dh = width // heads
+        # Queries apart from keys/values: the attention keeps q for its backward pass, and with a
+        # prefix the chunk layout's own k, v are copied into [prefix | own] and can be freed.
+        q = qkv[:, self.source, :width].view(g, n, c, heads, dh).transpose(2, 3)  # (G, n, H, C, Dh)
+        kv = qkv[:, self.source, width:].view(g, n, c, 2, heads, dh)  # (G, n, C, 2, H, Dh), chunk layout
+        k, v = kv.permute(3, 0, 1, 4, 2, 5).unbind(0)  # each (G, n, H, C, Dh)
+        if k_prefix is not None:
+            k = torch.cat([k_prefix.unsqueeze(1).expand(-1, n, -1, -1, -1), k], 3)  # (G, n, H, P+C, Dh)
+            v = torch.cat([v_prefix.unsqueeze(1).expand(-1, n, -1, -1, -1), v], 3)
+        keys = k.shape[3]
+        y = F.scaled_dot_product_attention(
+            q.reshape(g * n, heads, c, dh),
+            k.reshape(g * n, heads, keys, dh),
+            v.reshape(g * n, heads, keys, dh),
+            attn_mask=self.mask,
+        )  # (G n, H, C, Dh)
+        y = y.view(g, n, heads, c, dh).transpose(2, 3).reshape(g, n * c, heads * dh)  # (G, n C, W)
+        return y[:, self.slot if out is None else self.slot[out]]  # back to packed order
+
+
+def pack(lengths: torch.Tensor, prefix: int, groups: int = 1, chunk: int | None = None) -> Packing:
+    """The packed layout of N rows of `lengths` own tokens after a `prefix`-token prefix.
+
+    Args:
+        lengths: (N,) own tokens per row (>= 1), on the device the layout is for.
+        prefix: P, the prefix keys every query sees (0: none).
+        groups: G, how many times the rows repeat, each after its own prefix.
+        chunk: slots per attention chunk (default `CHUNK`); raised to the longest row when shorter.
+    """
+    device = lengths.device
+    sizes = lengths.tolist()
+    size = max(chunk or CHUNK, max(sizes))
+    chunk_of, start_of = [], []  # greedy: rows in order, a new chunk when the row does not fit
+    current, used = -1, size
+    for s in sizes:
+        if used + s > size:
+            current, used = current + 1, 0
+        chunk_of.append(current)
+        start_of.append(used)
+        used += s
+    chunks = current + 1
+    offsets = torch.cumsum(lengths, 0) - lengths  # (N,)
+    row = torch.repeat_interleave(torch.arange(len(sizes), device=device), lengths)  # (T,)
+    pos = torch.arange(len(row), device=device) - offsets[row]  # (T,)
+    first_slot = torch.tensor(chunk_of, device=device) * size + torch.tensor(start_of, device=device)
+    slot = first_slot[row] + pos  # (T,)
+    source = torch.zeros(chunks * size, dtype=torch.long, device=device)
+    source[slot] = torch.arange(len(row), device=device)
+    row_at = torch.full((chunks * size,), -1, device=device)  # empty slots: row -1
+    row_at[slot] = row
+    pos_at = torch.zeros(chunks * size, dtype=torch.long, device=device)
+    pos_at[slot] = pos
+    r, p = row_at.view(chunks, size), pos_at.view(chunks, size)
+    own = (r[:, :, None] == r[:, None, :]) & (p[:, None, :] <= p[:, :, None])  # (n, C, C), query x key
+    mask = torch.cat([own.new_ones(chunks, size, prefix), own], 2).unsqueeze(1)  # (n, 1, C, P+C)
+    return Packing(
+        row=row,
+        pos=pos,
+        last=offsets + lengths - 1,
+        offsets=offsets,
+        slot=slot,
+        source=source,
+        mask=mask.repeat(groups, 1, 1, 1),  # (G n, 1, C, P+C)
+        size=size,
+        chunks=chunks,
+    )
