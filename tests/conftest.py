@@ -119,6 +119,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# The longest files first: `make test` runs `--dist loadfile` (a file per worker), so a long file
+# collected last would run alone at the end.
+LONG_FILES = ("test_federated.py", "test_train.py", "test_protocols.py", "test_research.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order kept within a file
+
+
 def run_tool_in_process(script: Path, args: list[str]):
     """Run `python <script> <args>` in this process: the script's own `__main__` path, its exit code,
     stdout and stderr, as `subprocess.run(..., capture_output=True, text=True)` returns them, without
