@@ -173,6 +173,22 @@ def train_step(classifier, optimizer, x, y, device, encode: bool = False, text=N
     return loss.item()
 
 
+def reset_peak(device) -> int:
+    """Reset CUDA's peak-memory counter; the bytes allocated now (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_fields(device, start: int) -> dict:
+    """Peak CUDA memory since the last reset, and its growth over `start` bytes, in MiB (None off CUDA)."""
+    if device.type != "cuda":
+        return {"peak_mib": None, "step_mib": None}
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_mib": peak / 2**20, "step_mib": (peak - start) / 2**20}
+
+
 def check_memory(oc, clip, n_classes: int, device) -> list[dict]:
     """Peak memory of one training step (after one warm-up step) on precomputed image features."""
     learner, classifier = imagenet_prompts(clip, n_classes, 16, "end")
@@ -188,16 +204,10 @@ def check_memory(oc, clip, n_classes: int, device) -> list[dict]:
         train_step(classifier, opt, x, y, device, text=text)
         sync(device)
         row = {"side": name, "classes": n_classes, "n_ctx": 16, "batch": BATCH, "precision": "bf16"}
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            start = torch.cuda.memory_allocated(device)
+        start = reset_peak(device)
         train_step(classifier, opt, x, y, device, text=text)
         sync(device)
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-            row |= {"peak_mib": peak / 2**20, "step_mib": (peak - start) / 2**20}
-        else:
-            row |= {"peak_mib": None, "step_mib": None}
+        row |= peak_fields(device, start)
         rows.append(row)
     clip.text.grad_checkpointing = False
     return rows
@@ -341,9 +351,7 @@ def maple_steps(model: str, sizes: dict, device) -> list[dict]:
         for i in range(1 + sizes["repeats"]):  # a warm-up step, then the timed ones
             method.zero_grad(set_to_none=True)
             sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                start = torch.cuda.memory_allocated(device)
+            start = reset_peak(device)
             t0 = time.perf_counter()
             with precision_context(device, "bf16"):
                 loss = step()
@@ -353,11 +361,7 @@ def maple_steps(model: str, sizes: dict, device) -> list[dict]:
                 best = min(best, time.perf_counter() - t0)
         row = {"model": Path(model).stem, "side": side, "classes": sizes["classes"], "batch": sizes["batch"]}
         row["ms"] = best * 1000
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-            row |= {"peak_mib": peak / 2**20, "step_mib": (peak - start) / 2**20}
-        else:
-            row |= {"peak_mib": None, "step_mib": None}
+        row |= peak_fields(device, start)
         rows.append(row)
     clip.text.grad_checkpointing = False
     return rows
