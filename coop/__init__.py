@@ -8,9 +8,10 @@ logits = classifier(images)                      # (B, n_cls)
 """
 
 from coop.image_encoder import ImageTransformer, VisionConfig
-from coop.model import CLIP, cosine_logits, load_clip
+from coop.model import CLIP, cosine_logits
 from coop.prompt import PromptClassifier, PromptLearner
 from coop.text_encoder import TextConfig, TextTransformer
+from coop.weights import load_clip
 
 __all__ = [
     "CLIP",

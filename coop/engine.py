@@ -51,7 +51,8 @@ from coop.data import (
 from coop.data.images import derive_seed
 from coop.features import autocast, cached_features, resolve_precision
 from coop.methods import Method, build_method
-from coop.model import CLIP, load_clip
+from coop.model import CLIP
+from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
 

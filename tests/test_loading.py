@@ -12,7 +12,7 @@ from conftest import TINY_CONFIG, randomise_text_tower
 from torch import nn
 
 import coop
-from coop import model as coop_model
+from coop import weights as coop_weights
 
 # OpenAI's key layout infers heads as width // 64, so the tiny model uses 64-wide heads.
 OPENAI_TINY = {
@@ -97,13 +97,13 @@ def test_openai_torchscript_file_gets_quickgelu_and_matches_open_clip(openai_fil
 
     plain = tmp_path / "plain.pt"
     torch.save(ref.state_dict(), plain)
-    assert coop_model.is_torchscript(path) and not coop_model.is_torchscript(plain)
+    assert coop_weights.is_torchscript(path) and not coop_weights.is_torchscript(plain)
 
 
 def test_torchscript_file_of_another_architecture_is_one_clear_error(openai_file):
     _, path = openai_file
     with pytest.raises(
-        coop_model.ModelError, match=r"cannot load the weights in .*ViT-tiny.pt into model coop-tiny"
+        coop_weights.ModelError, match=r"cannot load the weights in .*ViT-tiny.pt into model coop-tiny"
     ):
         coop.load_clip(str(TINY_CONFIG), pretrained=str(path))
 
@@ -116,7 +116,7 @@ def test_plain_state_dict_names_the_activation(tmp_path, caplog):
     weights = tmp_path / "weights.bin"
     torch.save(randomise_text_tower(open_clip.CLIP(**cfg)).state_dict(), weights)
 
-    with caplog.at_level(logging.INFO, logger="coop.model"):
+    with caplog.at_level(logging.INFO, logger="coop.weights"):
         clip = coop.load_clip(gelu_name, pretrained=str(weights))
     lines = [r.getMessage() for r in caplog.records if "GELU" in r.getMessage()]
     assert not clip.text.cfg.quick_gelu
@@ -124,7 +124,7 @@ def test_plain_state_dict_names_the_activation(tmp_path, caplog):
     assert "model.name=coop-tiny-twin-quickgelu" in lines[0]
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="coop.model"):
+    with caplog.at_level(logging.INFO, logger="coop.weights"):
         assert coop.load_clip(quick_name, pretrained=str(weights)).text.cfg.quick_gelu
         coop.load_clip(str(TINY_CONFIG), pretrained=str(weights))  # no -quickgelu twin: nothing to say
     assert not [r for r in caplog.records if "GELU" in r.getMessage()]
@@ -134,12 +134,12 @@ def test_missing_weights_file_is_one_line_without_network(monkeypatch, tmp_path)
     def no_network(*args, **kwargs):
         raise AssertionError("a missing file must not reach for the network")
 
-    monkeypatch.setattr(coop_model, "_hub_reachable", no_network)
-    monkeypatch.setattr(coop_model, "try_to_load_from_cache", no_network)
+    monkeypatch.setattr(coop_weights, "_hub_reachable", no_network)
+    monkeypatch.setattr(coop_weights, "try_to_load_from_cache", no_network)
     missing = tmp_path / "clip" / "ViT-B-16.pt"
     for pretrained in (str(missing), "ViT-B-16.pt"):
         with pytest.raises(FileNotFoundError, match="weights file not found: .*ViT-B-16.pt") as info:
             coop.load_clip(str(TINY_CONFIG), pretrained=pretrained)
         assert "\n" not in str(info.value)
         with pytest.raises(FileNotFoundError, match="weights file not found"):
-            coop_model.pretrained_available(str(TINY_CONFIG), pretrained)
+            coop_weights.pretrained_available(str(TINY_CONFIG), pretrained)

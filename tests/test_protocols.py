@@ -20,9 +20,9 @@ from test_methods import coop_search_by_hand
 from coop.config import load_config
 from coop.data import ImageDataset, build_dataset
 from coop.engine import clip_transforms
-from coop.model import load_clip
 from coop.runner import evaluate_checkpoint_targets, train_run
 from coop.sweep import load_grid, plan
+from coop.weights import load_clip
 
 pytestmark = pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")
 

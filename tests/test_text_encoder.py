@@ -9,6 +9,7 @@ from conftest import TINY_CONFIG, build_openclip
 
 import coop
 from coop import model as coop_model
+from coop import weights as coop_weights
 
 TEXTS = [
     "a photo of a dog.",
@@ -112,10 +113,10 @@ def test_load_clip_bad_names():
 
 
 def test_offline_tag_gives_one_clear_error(monkeypatch):
-    monkeypatch.setattr(coop_model, "try_to_load_from_cache", lambda *a, **k: None)
+    monkeypatch.setattr(coop_weights, "try_to_load_from_cache", lambda *a, **k: None)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(
-        coop_model.WeightsUnavailableError, match="not in the local cache.*local weights file"
+        coop_weights.WeightsUnavailableError, match="not in the local cache.*local weights file"
     ):
         coop.load_clip("RN50", pretrained="openai")
 
@@ -125,7 +126,7 @@ def test_openai_tag_gets_quickgelu(monkeypatch, tmp_path):
     oc = build_openclip("RN50-quickgelu")
     ckpt = tmp_path / "rn50_openai.pt"
     torch.save(oc.state_dict(), ckpt)
-    monkeypatch.setattr(coop_model, "_cached_or_download", lambda *a: str(ckpt))
+    monkeypatch.setattr(coop_weights, "_cached_or_download", lambda *a: str(ckpt))
     clip = coop.load_clip("RN50", pretrained="openai")
     assert clip.text.cfg.quick_gelu
     ids = clip.tokenize(TEXTS)

@@ -50,7 +50,7 @@ BAD_INPUT = (
     ("coop.checkpoint", "CheckpointError"),
     ("coop.methods", "TransferError"),
     ("coop.model", "ModelError"),
-    ("coop.model", "WeightsUnavailableError"),
+    ("coop.weights", "WeightsUnavailableError"),
     ("coop.prompt", "PromptError"),
 )
 # A run that failed for a reason the message explains: one line and exit 1.

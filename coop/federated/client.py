@@ -41,7 +41,8 @@ from coop.federated.task import (
     run_precision,
 )
 from coop.methods import Method
-from coop.model import CLIP, load_clip
+from coop.model import CLIP
+from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,234 @@
+"""Build a CLIP by name and load its weights: `load_clip(name, pretrained)`.
+
+    clip = coop.load_clip("ViT-B-16", pretrained="openai")      # or pretrained=None / a file
+
+Weights come from an OpenCLIP tag (cached, else downloaded) or a local file: an OpenCLIP state dict
+(.bin / .pt / .safetensors), or OpenAI's original TorchScript archive (the `ViT-B-16.pt` that
+OpenAI's `clip` package keeps in ~/.cache/clip), which always gets QuickGELU. Offline, a tag whose
+weights are not cached is a `WeightsUnavailableError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import warnings
+import zipfile
+from pathlib import Path
+
+import open_clip
+import torch
+from huggingface_hub import try_to_load_from_cache
+from torch import nn
+
+from coop.model import CLIP, ModelError
+
+log = logging.getLogger(__name__)
+
+HUB_HOST = "huggingface.co"
+NO_WEIGHTS = (None, "", "none", "None")
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
+# Entries of OpenAI's TorchScript state dict that are sizes, not weights (OpenAI's build_model drops them).
+OPENAI_NON_WEIGHTS = ("input_resolution", "context_length", "vocab_size")
+
+
+class WeightsUnavailableError(RuntimeError):
+    """A pretrained tag's weights are neither in the local cache nor downloadable (offline)."""
+
+
+def resolve_model_name(name: str) -> str:
+    """An OpenCLIP model name, or a path to a model-config JSON (registered under its file stem)."""
+    if name.endswith(".json"):
+        path = Path(name)
+        if not path.is_file():
+            raise ModelError(f"model config file not found: {path}")
+        open_clip.add_model_config(path)
+        return path.stem
+    if name not in open_clip.list_models():
+        raise ModelError(
+            f"unknown open_clip model '{name}' (see open_clip.list_models(), or pass a config .json)"
+        )
+    return name
+
+
+def load_clip(name: str, pretrained: str | None = None, device: str | torch.device = "cpu") -> CLIP:
+    """Build a CLIP by OpenCLIP model name (or config JSON path) and wrap it.
+
+    Args:
+        name: OpenCLIP model name such as "ViT-B-16", or a path to an OpenCLIP model-config JSON.
+        pretrained: None / "none" for random weights, an OpenCLIP tag (e.g. "openai"), or a local
+            weights file: an OpenCLIP state dict, or OpenAI's original TorchScript `.pt` (loading it
+            runs TorchScript code, so use files you trust). Tags whose weights were trained with
+            QuickGELU (all OpenAI ones) and OpenAI's TorchScript files get QuickGELU; a plain state
+            dict gets the activation of `name` (`-quickgelu` names have QuickGELU), and when `name`
+            has a `-quickgelu` twin a log line says which one is in use.
+            Random weights are drawn with seed 0, so every process builds the same model.
+        device: where the model lives.
+
+    Raises:
+        ModelError: unknown model name or tag, weights that do not fit the model, an unsupported tower.
+        FileNotFoundError: `pretrained` names a file that does not exist.
+        WeightsUnavailableError: a tag's weights are not cached and cannot be downloaded.
+    """
+    model_name = resolve_model_name(name)
+    kwargs, weights, local = {}, None, False
+    if pretrained in NO_WEIGHTS:
+        pass
+    elif _is_path(pretrained):
+        weights, local = _existing_file(pretrained), True
+        log.info("loading weights from file %s", weights)
+    else:
+        tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
+        if not tag_cfg:
+            tags = open_clip.list_pretrained_tags_by_model(model_name)
+            raise ModelError(
+                f"pretrained '{pretrained}' is neither a file nor an open_clip tag of {model_name} (tags: {tags})"
+            )
+        if tag_cfg.get("quick_gelu", False):
+            kwargs["force_quick_gelu"] = True
+        kwargs["force_preprocess_cfg"] = {k: tag_cfg[k] for k in ("mean", "std") if k in tag_cfg}
+        weights = _cached_or_download(model_name, pretrained, tag_cfg)
+    openai_archive = weights is not None and is_torchscript(weights)
+    if openai_archive:
+        kwargs["force_quick_gelu"] = True  # OpenAI trained every CLIP with QuickGELU
+    quiet = _RandomInitNotice() if weights is not None else logging.Filter()  # the weights follow
+    root = logging.getLogger()
+    root.addFilter(quiet)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # random weights (pretrained=None) are the same in every process
+            model = open_clip.create_model(model_name, pretrained=None, device=device, **kwargs)
+    finally:
+        root.removeFilter(quiet)
+    if weights is not None:
+        _load_weights(model, weights, model_name, openai_archive)
+    tokenizer = open_clip.get_tokenizer(model_name)
+    clip = CLIP.from_openclip(model, tokenizer=tokenizer, name=model_name).to(device)
+    if local and not openai_archive:
+        _say_activation(clip, model_name)
+    return clip
+
+
+def pretrained_available(name: str, pretrained: str | None) -> bool:
+    """Whether `load_clip(name, pretrained)` can get its weights here (file, cache or reachable hub).
+
+    A file path that does not exist is an error (FileNotFoundError), not unavailable weights.
+    """
+    if pretrained in NO_WEIGHTS:
+        return True
+    if _is_path(pretrained):
+        _existing_file(pretrained)
+        return True
+    tag_cfg = open_clip.get_pretrained_cfg(resolve_model_name(name), pretrained)
+    return bool(tag_cfg) and (_cached_path(tag_cfg) is not None or _hub_reachable())
+
+
+def _is_path(pretrained: str) -> bool:
+    """A file path rather than an OpenCLIP tag (tags have no slashes and no file suffix)."""
+    text = str(pretrained)
+    return os.path.isfile(text) or "/" in text or os.sep in text or text.endswith(WEIGHT_SUFFIXES)
+
+
+def _existing_file(pretrained: str) -> str:
+    path = os.path.expanduser(str(pretrained))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights file not found: {path}")
+    return path
+
+
+def is_torchscript(path: str | os.PathLike) -> bool:
+    """Whether `path` is a TorchScript archive (OpenAI's original CLIP files) rather than a state dict.
+
+    Both are zip files; only TorchScript ones hold `constants.pkl` and a `code/` folder.
+    """
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(n.split("/")[1:2] in (["constants.pkl"], ["code"]) for n in archive.namelist())
+
+
+def openai_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The weights of an OpenAI TorchScript CLIP file, under OpenAI's keys (= OpenCLIP's CLIP keys)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated, yet reads these files
+        state = torch.jit.load(str(path), map_location="cpu").state_dict()
+    return {k: v for k, v in state.items() if k not in OPENAI_NON_WEIGHTS}
+
+
+def _load_weights(model: nn.Module, path: str, model_name: str, openai_archive: bool) -> None:
+    """Load a weights file into `model`, strictly; weights of another architecture are a ModelError."""
+    try:
+        if openai_archive:
+            model.load_state_dict(openai_state_dict(path))  # fp16 values into fp32 parameters
+        else:
+            open_clip.load_checkpoint(model, path)
+    except (RuntimeError, KeyError, pickle.UnpicklingError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[0]
+        if len(detail) > 300:
+            detail = detail[:300] + " ..."
+        raise ModelError(f"cannot load the weights in {path} into model {model_name}: {detail}") from e
+
+
+class _RandomInitNotice(logging.Filter):
+    """Drops open_clip's "initialized randomly" warning for a model whose weights are loaded next."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No pretrained weights loaded")
+
+
+def _say_activation(clip: CLIP, model_name: str) -> None:
+    """A plain state dict does not say which activation it was trained with: name the one in use."""
+    twin = f"{model_name}-quickgelu"
+    if clip.text.cfg.quick_gelu or twin not in open_clip.list_models():
+        return
+    log.info(
+        "model %s runs these weights with GELU; weights trained with QuickGELU (all of OpenAI's) need "
+        "the %s config: model.name=%s",
+        model_name,
+        twin,
+        twin,
+    )
+
+
+def _cached_path(tag_cfg: dict) -> str | None:
+    hub = tag_cfg.get("hf_hub", "")
+    if not hub:
+        return None
+    repo, filename = (hub.rstrip("/"), "") if hub.endswith("/") else os.path.split(hub)
+    names = [filename] if filename else ["open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
+    for fname in names:
+        path = try_to_load_from_cache(repo, fname)
+        if isinstance(path, str) and os.path.isfile(path):
+            return path
+    return None
+
+
+def _cached_or_download(model_name: str, tag: str, tag_cfg: dict) -> str:
+    """Path of the tag's checkpoint: from the local cache, else downloaded; clear error offline."""
+    cached = _cached_path(tag_cfg)
+    if cached is not None:
+        return cached
+    if not _hub_reachable():
+        raise WeightsUnavailableError(
+            f"open_clip weights '{tag}' for {model_name} are not in the local cache and the hub cannot be "
+            f"reached (offline?). Download them once where there is internet, or pass a local weights file: "
+            f"model.pretrained=/path/to/open_clip_pytorch_model.bin (with a '-quickgelu' model name for "
+            f"OpenAI weights), or OpenAI's original file, e.g. model.pretrained=~/.cache/clip/ViT-B-16.pt"
+        )
+    path = open_clip.pretrained.download_pretrained(tag_cfg)
+    if not path:
+        raise WeightsUnavailableError(f"could not download open_clip weights '{tag}' for {model_name}")
+    return path
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection((HUB_HOST, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
