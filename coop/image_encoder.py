@@ -33,7 +33,7 @@ from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from coop.text_encoder import Resblocks
+from coop.text_encoder import Resblocks, load_checked
 
 
 class ModelError(ValueError):
@@ -95,18 +95,7 @@ class ImageTransformer(nn.Module):
             ValueError: its state-dict keys or shapes differ from ours.
         """
         tower = cls(vision_config_from_openclip(visual, name))
-        src, dst = visual.state_dict(), tower.state_dict()
-        if set(src) != set(dst):
-            missing, extra = sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
-            raise ValueError(
-                f"image-tower keys differ from OpenCLIP's: missing {missing[:3]}, extra {extra[:3]}"
-            )
-        for key, value in src.items():
-            if value.shape != dst[key].shape:
-                raise ValueError(
-                    f"shape mismatch for visual.{key}: {tuple(value.shape)} vs {tuple(dst[key].shape)}"
-                )
-        tower.load_state_dict({k: v.float() for k, v in src.items()})
+        load_checked(tower, visual.state_dict(), "image", prefix="visual.")
         tower.preprocess_cfg = dict(getattr(visual, "preprocess_cfg", {}) or {})
         return tower.to(next(visual.parameters()).device)
 

@@ -26,7 +26,7 @@ from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
 from coop.image_encoder import ImageTransformer, ModelError, vision_config_from_openclip
-from coop.text_encoder import TextConfig, TextTransformer
+from coop.text_encoder import TextConfig, TextTransformer, load_checked
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +118,7 @@ class CLIP(nn.Module):
         cfg = text_config_from_openclip(model)
         text = TextTransformer(cfg)
         src = {k: v for k, v in model.state_dict().items() if k.startswith(TEXT_KEYS)}
-        dst = text.state_dict()
-        if set(src) != set(dst):
-            missing, extra = sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
-            raise ValueError(
-                f"text-tower keys differ from OpenCLIP's: missing {missing[:3]}, extra {extra[:3]}"
-            )
-        for key, value in src.items():
-            if value.shape != dst[key].shape:
-                raise ValueError(f"shape mismatch for {key}: {tuple(value.shape)} vs {tuple(dst[key].shape)}")
-        text.load_state_dict({k: v.float() for k, v in src.items()})
+        load_checked(text, src, "text")
         text.to(next(model.parameters()).device)
         if tokenizer is None:
             tokenizer = SimpleTokenizer(context_length=cfg.context_length)

@@ -178,6 +178,31 @@ class Resblocks(nn.Module):
         self.resblocks = nn.ModuleList(Block(cfg, causal) for _ in range(cfg.layers))
 
 
+def load_checked(module: nn.Module, src: dict[str, torch.Tensor], tower: str, prefix: str = "") -> None:
+    """Copy OpenCLIP weights `src` into `module` (as fp32) after checking every key and shape.
+
+    Args:
+        module: our tower, whose state-dict keys must equal `src`'s.
+        src: the OpenCLIP tower's state dict (keys without `prefix`).
+        tower: "text" or "image", for the messages.
+        prefix: what OpenCLIP's full keys start with (e.g. "visual."), for the messages.
+    Raises:
+        ValueError: keys or shapes differ; the message names the first differences.
+    """
+    dst = module.state_dict()
+    if set(src) != set(dst):
+        missing, extra = sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
+        raise ValueError(
+            f"{tower}-tower keys differ from OpenCLIP's: missing {missing[:3]}, extra {extra[:3]}"
+        )
+    for key, value in src.items():
+        if value.shape != dst[key].shape:
+            raise ValueError(
+                f"shape mismatch for {prefix}{key}: {tuple(value.shape)} vs {tuple(dst[key].shape)}"
+            )
+    module.load_state_dict({k: v.float() for k, v in src.items()})
+
+
 class TextTransformer(nn.Module):
     """CLIP's text encoder; `state_dict()` keys equal OpenCLIP's text-tower keys."""
 
