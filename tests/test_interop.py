@@ -263,6 +263,12 @@ def test_bad_files_are_one_line(model, tmp_path):
     assert lines == ["ctx is (16, 48), interop-wide's text width is 64",
                      "meta_net.linear2.bias is (48,), interop-wide's text width is 64"]  # fmt: skip
     assert not (tmp_path / "d").exists()
+    csc = dassl_file(tmp_path / "csc.pth.tar", {"ctx": rand(5, 4, W)})
+    with pytest.raises(
+        ImportShapeError,
+        match=r"ctx is \(5, 4, 64\): class-specific context for 5 classes, the config has 3$",
+    ):
+        import_checkpoint("coop", csc, tmp_path / "e", overrides(model), evaluate=False)
 
 
 def test_import_tool(model, tmp_path):

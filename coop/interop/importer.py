@@ -39,9 +39,10 @@ from coop.weights import load_clip
 log = logging.getLogger(__name__)
 
 # What an axis of a learned tensor measures, to say why a shape is wrong: (our name, axis).
-TEXT, IMAGE = "text width", "image width"
+TEXT, IMAGE, CLASSES = "text width", "image width", "classes"
 AXIS_MEANING = {
     ("ctx", -1): TEXT,
+    ("ctx", -3): CLASSES,  # class-specific context
     ("deep_ctx", -1): TEXT,
     ("vision_ctx", -1): IMAGE,
     ("vision_deep_ctx", -1): IMAGE,
@@ -91,7 +92,11 @@ def shape_problems(
             got, want = got[1:], want[1:]  # one layer's prompt
         axes = [i for i in range(len(want)) if len(got) == len(want) and got[i] != want[i]]
         meaning = _meaning(name, axes[0], len(want)) if axes else None
-        if meaning:
+        if meaning == CLASSES:
+            lines.append(
+                f"{what} is {got}: class-specific context for {got[0]} classes, the config has {want[0]}"
+            )
+        elif meaning:
             lines.append(f"{what} is {got}, {model}'s {meaning} is {want[axes[0]]}")
         else:
             lines.append(f"{what} is {got}; this config's model needs {want}")
