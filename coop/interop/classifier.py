@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from coop.checkpoint import load_checkpoint
 from coop.config import load_config
+from coop.data import DataError
 from coop.data.folders import IMAGE_EXTENSIONS
 from coop.data.images import load_image
 from coop.engine import clip_transforms, resolve_device, use_fp16
@@ -153,7 +154,7 @@ def predict_files(
             try:
                 images.append(clf.transform(load_image(str(f))))
                 ok.append(j)
-            except Exception as e:  # noqa: BLE001 - an unreadable image is reported, not fatal
+            except DataError as e:  # an unreadable image is reported, not fatal
                 log.warning("skipping %s: %s", f, e)
         if images:
             probs, idx = clf.predict(torch.stack(images)).topk(k, dim=-1)  # (b, k)
