@@ -19,6 +19,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from coop.recipes import METHOD_DEFAULTS, YIELDS_TO
+
 METHODS = (
     "coop",
     "cocoop",
@@ -51,10 +53,19 @@ DEFAULTS = {
         "epochs": None,
         "batch_size": 32,
         "lr": 0.002,
-        "momentum": 0.9,
+        "optimizer": "sgd",  # sgd | adam | adamw (coop.schedule)
+        "momentum": 0.9,  # sgd
+        "betas": [0.9, 0.999],  # adam, adamw
+        "eps": 1e-8,  # adam, adamw
         "weight_decay": 5e-4,
+        "schedule": "cosine",  # cosine (Dassl's, per epoch) | cosine_iter (per iteration) | constant
+        "min_lr": 0.0,  # where the cosine ends
         "warmup_epochs": 1,
         "warmup_lr": 1e-5,
+        "iterations": None,  # total optimizer steps instead of epochs (the last epoch is cut short)
+        "iterations_per_shot": None,  # ... or this many steps per shot (CLIP-LoRA: 500)
+        "augment": True,  # false: train on the test transform (no random crop or flip)
+        "crop_scale": [0.08, 1.0],  # the train crop's RandomResizedCrop scale
         "precision": "amp",
         "aug_views": 0,
         "eval_batch_size": 100,
@@ -96,63 +107,12 @@ DEFAULTS = {
     "device": "auto",
 }
 
-# The recipes of the original code, applied where no layer sets the key:
-# CoCoOp's vit_b16_c4_ep10_batch1_ctxv1 and KgCoOp's vit_b16_ep100_ctxv1 (both SGD lr 0.002 with
-# CoOp's schedule, as in DEFAULTS); the MaPLe repository's VPT vit_b16_c2_ep5_batch4_4, IVLP
-# vit_b16_c2_ep5_batch4_2+2ctx and MaPLe vit_b16_c2_ep5_batch4_2ctx, and the PromptSRC repository's
-# vit_b16_c2_ep20_batch4_4+4ctx (the same SGD, warm-up and cosine; their PREC=fp16 is
-# `train.precision=fp16`, the default here stays amp).
-METHOD_DEFAULTS = {
-    "cocoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 10, "train.batch_size": 1},
-    "kgcoop": {"prompt.ctx_init": "a photo of a", "train.epochs": 100, "train.batch_size": 128},
-    "vpt": {
-        "vision.n_ctx": 8,
-        "vision.depth": 12,
-        "train.lr": 0.0025,
-        "train.epochs": 5,
-        "train.batch_size": 4,
-    },
-    "ivlp": {
-        "prompt.n_ctx": 2,
-        "prompt.ctx_init": "a photo of a",
-        "prompt.depth": 12,
-        "vision.n_ctx": 2,
-        "vision.depth": 12,
-        "train.lr": 0.0035,
-        "train.epochs": 5,
-        "train.batch_size": 4,
-    },
-    "promptsrc": {
-        "prompt.n_ctx": 4,
-        "prompt.ctx_init": "a photo of a",
-        "prompt.depth": 9,
-        "vision.n_ctx": 4,
-        "vision.depth": 9,
-        "train.lr": 0.0025,
-        "train.epochs": 20,
-        "train.batch_size": 4,
-    },
-    "maple": {
-        "prompt.n_ctx": 2,
-        "prompt.ctx_init": "a photo of a",
-        "prompt.depth": 9,
-        "train.lr": 0.0035,
-        "train.epochs": 5,
-        "train.batch_size": 4,
-    },
-}
-# A method default not applied when the other key is set: a default context phrase fixes M in
-# CoCoOp and KgCoOp, so it yields to an explicit prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M
-# random vectors). IVLP and MaPLe set both, as their configs do (the phrase applies for n_ctx <= 4).
-YIELDS_TO = {
-    "cocoop": {"prompt.ctx_init": "prompt.n_ctx"},
-    "kgcoop": {"prompt.ctx_init": "prompt.n_ctx"},
-}
-
 CHOICES = {
     "method": METHODS,
     "prompt.position": ("end", "middle", "mid", "front"),
     "train.precision": ("amp", "fp32", "fp16"),
+    "train.optimizer": ("sgd", "adam", "adamw"),
+    "train.schedule": ("cosine", "cosine_iter", "constant"),
     "data.subsample_classes": ("all", "base", "new"),
     "fl.method": ("promptfl", "latent_domains"),
     "fl.partition": ("iid", "dirichlet", "pathological", "domain", "promptfl"),
@@ -247,8 +207,21 @@ def method_defaults(layers: list[tuple[str, DictConfig]]) -> dict:
         method = tree.get("method", method)
         given |= set(flatten(tree))
     defaults = METHOD_DEFAULTS.get(method, {}) if isinstance(method, str) else {}
-    yields = YIELDS_TO.get(method, {}) if isinstance(method, str) else {}
-    return {k: v for k, v in defaults.items() if k not in given and yields.get(k) not in given}
+    yields = {**LENGTH_YIELDS, **(YIELDS_TO.get(method, {}) if isinstance(method, str) else {})}
+
+    def yielded(key: str) -> bool:
+        other = yields.get(key, ())
+        return any(o in given for o in ((other,) if isinstance(other, str) else other))
+
+    return {k: v for k, v in defaults.items() if k not in given and not yielded(k)}
+
+
+# A recipe's run length yields to a length that a layer sets in the other unit.
+LENGTH_YIELDS = {
+    "train.epochs": ("train.iterations", "train.iterations_per_shot"),
+    "train.iterations": ("train.epochs", "train.iterations_per_shot"),
+    "train.iterations_per_shot": ("train.epochs", "train.iterations"),
+}
 
 
 def _key_from_message(message: str) -> str:
@@ -286,6 +259,7 @@ def validate(cfg: DictConfig) -> None:
     epochs = cfg.train.epochs
     if epochs is not None and (not _is_int(epochs) or epochs < 0):
         raise ConfigError(f"train.epochs must be a non-negative integer or null, got {epochs!r}")
+    validate_optimizer(cfg)
     if epochs == 0 and cfg.method in ("coop", "kgcoop") and not cfg.prompt.ctx_init:
         raise ConfigError(
             "train.epochs=0 evaluates untrained prompts: set prompt.ctx_init (e.g. 'a photo of a')"
@@ -318,10 +292,49 @@ def validate(cfg: DictConfig) -> None:
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")
     epochs, warmup = resolved_epochs(cfg), cfg.train.warmup_epochs
-    if epochs > 0 and warmup >= epochs:
+    iterations = cfg.train.iterations is not None or cfg.train.iterations_per_shot is not None
+    if epochs > 0 and warmup >= epochs and not iterations:  # with iterations: coop.schedule.plan_schedule
         raise ConfigError(
             f"train.warmup_epochs={warmup} must be less than the {epochs} training epochs "
             f"(train.epochs={cfg.train.epochs}), or the cosine schedule never starts"
+        )
+
+
+def _pair(value) -> list | None:
+    items = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else None
+    return items if items is not None and len(items) == 2 and all(map(_is_number, items)) else None
+
+
+def validate_optimizer(cfg: DictConfig) -> None:
+    """The optimizer, schedule and augmentation keys of `train` (`coop.schedule`)."""
+    t = cfg.train
+    betas = _pair(t.betas)
+    if betas is None or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas!r}")
+    if not _is_number(t.eps) or not t.eps > 0:
+        raise ConfigError(f"train.eps must be a number > 0, got {t.eps!r}")
+    if not _is_number(t.min_lr) or not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr must be a number in [0, train.lr={t.lr}], got {t.min_lr!r}")
+    for key in ("iterations", "iterations_per_shot"):
+        value = t[key]
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ConfigError(f"train.{key} must be an integer >= 1 or null, got {value!r}")
+    if t.iterations is not None and t.iterations_per_shot is not None:
+        raise ConfigError(
+            f"train.iterations={t.iterations} and train.iterations_per_shot={t.iterations_per_shot} "
+            "both set the run's length; set one of them to null"
+        )
+    if (t.iterations is not None or t.iterations_per_shot is not None) and t.epochs is not None:
+        raise ConfigError(
+            f"train.epochs={t.epochs} and train.iterations{'' if t.iterations else '_per_shot'} both set "
+            "the run's length; set train.epochs=null"
+        )
+    if not isinstance(t.augment, bool):
+        raise ConfigError(f"train.augment must be true or false, got {t.augment!r}")
+    scale = _pair(t.crop_scale)
+    if scale is None or not 0 < scale[0] <= scale[1] <= 1:
+        raise ConfigError(
+            f"train.crop_scale must be [min, max] with 0 < min <= max <= 1, got {t.crop_scale!r}"
         )
 
 
@@ -414,13 +427,15 @@ def method_settings(cfg: DictConfig) -> str:
 def run_name(cfg: DictConfig) -> str:
     """CoOp-style run folder: <dataset>/<model>/shots<K>/<settings>/seed<S>.
 
-    The settings part is `method_settings` (for CoOp nctx<M>_csc<C>_pos<P>_depth<J>); base-to-new
-    runs (data.subsample_classes base/new) add "_base"/"_new" to it.
+    The settings part is `method_settings` (for CoOp nctx<M>_csc<C>_pos<P>_depth<J>); runs without
+    augmentation (train.augment=false) add "_noaug", base-to-new runs (data.subsample_classes
+    base/new) "_base"/"_new".
     """
     classes = "" if cfg.data.subsample_classes == "all" else f"_{cfg.data.subsample_classes}"
+    augment = "" if cfg.train.augment else "_noaug"  # never one folder for both
     return (
         f"{cfg.data.name}/{model_tag(cfg.model.name)}/shots{cfg.data.shots}/"
-        f"{method_settings(cfg)}{classes}/seed{cfg.data.seed}"
+        f"{method_settings(cfg)}{augment}{classes}/seed{cfg.data.seed}"
     )
 
 

@@ -8,8 +8,9 @@
 `coop.runner.train_run` strings these together into a run folder with resuming and checkpoints.
 
 CoOp's recipe, as Dassl runs it:
-- the lr schedule (`epoch_lr`): a constant warm-up, then a cosine that restarts after it
-  (Dassl's WARMUP_RECOUNT=True), so the first epoch after warm-up trains at exactly the base lr;
+- the lr schedule (`coop.schedule`): a constant warm-up, then a cosine that restarts after it
+  (Dassl's WARMUP_RECOUNT=True), so the first epoch after warm-up trains at exactly the base lr
+  (other methods' recipes choose a per-iteration cosine or a constant rate, and their optimizer);
 - `train.precision=fp16` (`use_fp16`): CoOp's PREC=fp16, the whole CLIP model and the prompts in
   half precision, trained by plain SGD; the default `amp` keeps fp32 prompts under bf16 autocast.
 
@@ -52,12 +53,10 @@ from coop.data.images import derive_seed
 from coop.features import autocast, cached_features, resolve_precision
 from coop.methods import Method, build_method
 from coop.model import CLIP
+from coop.schedule import Schedule, set_lr, steps_per_epoch
 from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
-
-# Stored in checkpoints; a run trained under another schedule is not resumed under this one.
-LR_SCHEDULE = "constant warm-up, then cosine restarted after warm-up (Dassl WARMUP_RECOUNT)"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -84,12 +83,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def clip_transforms(clip: CLIP):
-    """CoOp's (train, test) transforms at the image tower's size and normalisation."""
+def clip_transforms(clip: CLIP, crop_scale=(0.08, 1.0), augment: bool = True):
+    """CoOp's (train, test) transforms at the image tower's size and normalisation.
+
+    Args:
+        clip: the model, whose preprocessing config gives size, mean and std.
+        crop_scale: the train crop's RandomResizedCrop scale range (`train.crop_scale`).
+        augment: False (`train.augment=false`): training uses the test transform, no randomness.
+    """
     pre = clip.preprocess_cfg
-    return build_transforms(
-        pre.get("size", clip.image_size), pre.get("mean", CLIP_MEAN), pre.get("std", CLIP_STD)
+    train, test = build_transforms(
+        pre.get("size", clip.image_size),
+        pre.get("mean", CLIP_MEAN),
+        pre.get("std", CLIP_STD),
+        crop_scale=tuple(float(c) for c in crop_scale),
     )
+    return (train if augment else test), test
 
 
 def use_fp16(clip: CLIP, method: Method) -> None:
@@ -125,7 +134,7 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
     if clip is None:
         clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
-    train_tf, test_tf = clip_transforms(clip)
+    train_tf, test_tf = clip_transforms(clip, cfg.train.crop_scale, bool(cfg.train.augment))
     precision = resolve_precision(cfg.train.precision, device)
     if precision != cfg.train.precision:
         log.info(
@@ -139,22 +148,10 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
             "its prompted image tower on the images at every step; set train.aug_views=0"
         )
     if ckpt is not None:
-        method.load_learnable(ckpt["prompt"], ckpt["classnames"])
+        method.load_trained(ckpt["prompt"], ckpt["classnames"])
     if precision == "fp16":
         use_fp16(clip, method)
     return Setup(cfg, device, clip, dataset, method.to(device), train_tf, test_tf, precision)
-
-
-def epoch_lr(epoch: int, *, lr: float, epochs: int, warmup_epochs: int, warmup_lr: float) -> float:
-    """The learning rate of 0-based `epoch` under CoOp's schedule, as Dassl runs it.
-
-    Epochs e < W = `warmup_epochs` train at the constant `warmup_lr`. Then Dassl's
-    CosineAnnealingLR(T_max=epochs) starts counting from zero (WARMUP_RECOUNT=True): epoch e >= W
-    trains at lr * 0.5 (1 + cos(pi (e - W) / epochs)), so epoch W trains at exactly `lr`.
-    """
-    if epoch < warmup_epochs:
-        return warmup_lr
-    return lr * 0.5 * (1 + math.cos(math.pi * (epoch - warmup_epochs) / max(epochs, 1)))
 
 
 def seed_epoch(seed: int, epoch: int) -> torch.Generator:
@@ -165,9 +162,17 @@ def seed_epoch(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(s)
 
 
-def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats) -> dict:
-    """One epoch of SGD on `s.method.loss`; `train_feats` = ((V, N, E), labels) cached, or None to
-    re-encode (feature methods) or to hand the augmented images to the method (pixel methods)."""
+def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Schedule | None = None) -> dict:
+    """One epoch of SGD on `s.method.loss`.
+
+    Args:
+        s, optimizer, epoch: the run, its optimizer and the 0-based epoch.
+        train_feats: ((V, N, E), labels) cached, or None to re-encode (feature methods) or to hand
+            the augmented images to the method (pixel methods).
+        schedule: sets the rate before every step of a per-iteration schedule, and ends the
+            epoch early where the run's iteration budget (`train.iterations`) runs out; None:
+            every batch at the optimizer's current rate.
+    """
     cfg, method, device, precision = s.cfg, s.method, s.device, s.precision
     dtype = s.clip.logit_scale.dtype  # half under fp16, where images and features go in as half
     batch_size = int(cfg.train.batch_size)
@@ -199,14 +204,19 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats) -> dict:
     else:
         feats, labels = train_feats
         view = torch.randint(feats.shape[0], (n,), generator=gen)
-        n_batches = n // batch_size if n >= batch_size else 1
+        n_batches = steps_per_epoch(n, batch_size)
         batches = (
             (feats[view[idx], idx], labels[idx], None)
             for idx in (order[b * batch_size : (b + 1) * batch_size] for b in range(n_batches))
         )
     method.train()
     total_loss, correct, seen = 0.0, 0, 0
+    max_steps = None if schedule is None else schedule.steps_in_epoch(epoch)
     for step, (x, y, _) in enumerate(batches):
+        if step == max_steps:
+            break
+        if schedule is not None and schedule.per_step:
+            set_lr(optimizer, schedule.lr_at(epoch, step))
         x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, precision):
             if train_feats is None and method.input == "features":

@@ -15,8 +15,9 @@ when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` e
 with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.tensorboard`).
 `.lock` is held while a process writes the folder (`coop.lock`): a second one refuses.
 
-The lr of an epoch is a function of the epoch alone (`coop.engine.epoch_lr`), set before the epoch
-starts, so a resumed run needs no scheduler state beyond the epoch it resumes at. A checkpoint that
+The lr of a step is a function of (epoch, step) alone (`coop.schedule`), so a resumed run needs no
+scheduler state beyond the epoch it resumes at; `history.csv`'s `lr` is the rate of each epoch's
+first step. A checkpoint that
 is unreadable, truncated or not a coop checkpoint stops the run with a one-line `CheckpointError`.
 """
 
@@ -42,16 +43,13 @@ from coop.config import (
     flatten,
     load_config,
     model_tag,
-    resolved_epochs,
     to_yaml,
 )
 from coop.data import DataError
 from coop.engine import (
-    LR_SCHEDULE,
     NonFiniteLossError,
     Setup,
     default_output_dir,
-    epoch_lr,
     evaluate_run,
     setup,
     train_one_epoch,
@@ -61,6 +59,7 @@ from coop.engine import (
 from coop.io import atomic_write, write_json
 from coop.lock import run_lock
 from coop.model import CLIP
+from coop.schedule import Schedule, build_optimizer, plan_schedule, set_lr
 from coop.tensorboard import OFF, Board, open_board
 
 log = logging.getLogger(__name__)
@@ -148,14 +147,10 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     s = setup(cfg)
     method = s.method
     trained = [p for p in method.learnable().values() if p.requires_grad]
-    optimizer = torch.optim.SGD(
-        trained or [torch.zeros(1, requires_grad=True)],  # methods without parameters never step
-        lr=float(cfg.train.lr),
-        momentum=float(cfg.train.momentum),
-        weight_decay=float(cfg.train.weight_decay),
-    )
-    start, history = restore(ckpt, s, optimizer, folder) if ckpt is not None else (0, [])
-    epochs = resolved_epochs(cfg) if method.trainer == "sgd" else 0
+    optimizer = build_optimizer(method.param_groups(), cfg.train)
+    schedule = plan_schedule(cfg, len(s.dataset.train))
+    start, history = restore(ckpt, s, optimizer, folder, schedule) if ckpt is not None else (0, [])
+    epochs = schedule.epochs if method.trainer == "sgd" else 0
     log.info(
         "%s | %s | %s (%s) | %d classes, %d shots, seed %d | %d epochs | %d learnable parameters | %s %s",
         cfg.data.name,
@@ -180,7 +175,7 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
                 "prompt": {k: v.detach().cpu() for k, v in method.learnable().items()},
                 "method_state": method.training_state(),
                 "optimizer": optimizer.state_dict(),
-                "lr_schedule": LR_SCHEDULE,
+                "lr_schedule": schedule.name,
                 "epoch": epoch,
                 "finished": finished,
                 "history": history,
@@ -190,7 +185,7 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
 
     extra = {}
     if method.trainer == "sgd":
-        fit(s, optimizer, start, epochs, history, checkpoint, folder, board)
+        fit(s, optimizer, schedule, start, history, checkpoint, folder, board)
     elif method.trainer == "fit":
         extra = fit_closed_form(s)
     metrics = finalize(s, epochs, history, metrics_path, extra)
@@ -202,19 +197,19 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     return metrics
 
 
-def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[dict]]:
+def restore(ckpt: dict, s: Setup, optimizer, folder: Path, schedule: Schedule) -> tuple[int, list[dict]]:
     """Load a checkpoint's prompts, optimizer and RNG state; returns (start epoch, history).
 
     Checkpoints written before the lr schedule restarted its cosine after warm-up trained every
     epoch >= W at another rate; such a run can only be resumed while it is still in warm-up.
     """
     start, warmup = int(ckpt["epoch"]), int(s.cfg.train.warmup_epochs)
-    if ckpt.get("lr_schedule") != LR_SCHEDULE and warmup > 0 and start > warmup:
+    if ckpt.get("lr_schedule") != schedule.name and warmup > 0 and start > warmup:
         raise RunError(
             f"{folder} was trained for {start} epochs under an older lr schedule (its cosine did not "
             "restart after warm-up); use another output_dir"
         )
-    s.method.load_learnable(ckpt["prompt"], ckpt["classnames"])
+    s.method.load_trained(ckpt["prompt"], ckpt["classnames"])
     s.method.load_training_state(ckpt.get("method_state", {}))
     optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng"]["torch"])
@@ -224,31 +219,31 @@ def restore(ckpt: dict, s: Setup, optimizer, folder: Path) -> tuple[int, list[di
 
 
 def fit(
-    s: Setup, optimizer, start: int, epochs: int, history: list[dict], checkpoint, folder: Path, board: Board
+    s: Setup,
+    optimizer,
+    schedule: Schedule,
+    start: int,
+    history: list[dict],
+    checkpoint,
+    folder: Path,
+    board: Board,
 ) -> None:
     """Train epochs start..epochs-1, appending to `history` (and `board`), checkpointing after each."""
-    cfg, tensors = s.cfg, list(s.method.learnable().values())
+    tensors, epochs = list(s.method.learnable().values()), schedule.epochs
     train_feats = training_features(s) if start < epochs else None
     log_every = max(1, epochs // 10)
     bar = trange(start, epochs, initial=start, total=epochs, desc="epochs", dynamic_ncols=True)
     for epoch in bar:
         t0 = time.perf_counter()
-        lr = epoch_lr(
-            epoch,
-            lr=float(cfg.train.lr),
-            epochs=epochs,
-            warmup_epochs=int(cfg.train.warmup_epochs),
-            warmup_lr=float(cfg.train.warmup_lr),
-        )
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = schedule.lr_at(epoch, 0)
+        set_lr(optimizer, lr)
         kept = (
             f"the last good checkpoint is {folder / 'checkpoint.pt'} (epoch {epoch})"
             if epoch
             else "no checkpoint was written"
         )
         try:
-            stats = train_one_epoch(s, optimizer, epoch, train_feats)
+            stats = train_one_epoch(s, optimizer, epoch, train_feats, schedule)
         except NonFiniteLossError as e:
             raise NonFiniteLossError(f"{e}; {kept}") from None
         if not all(torch.isfinite(p).all() for p in tensors):

@@ -34,10 +34,12 @@ def build_transforms(
     image_size: int | Sequence[int],
     mean: Sequence[float] = CLIP_MEAN,
     std: Sequence[float] = CLIP_STD,
+    crop_scale: tuple[float, float] = (0.08, 1.0),
 ) -> tuple[Callable, Callable]:
     """CoOp's transforms: (train, test).
 
     Train: RandomResizedCrop(scale 0.08-1, bicubic) + horizontal flip + ToTensor + Normalize.
+    (Some methods' recipes crop less: MMRL's and Tip-Adapter's views use scale 0.5-1.)
     Test: Resize of the shorter side (bicubic) + CenterCrop + ToTensor + Normalize.
 
     Args:
@@ -45,6 +47,7 @@ def build_transforms(
             Dassl does, so a non-square crop never cuts into padding.
         mean: per-channel normalisation mean (CLIP's by default).
         std: per-channel normalisation std.
+        crop_scale: the (min, max) area share of the train crop.
     """
     if isinstance(image_size, int):
         size, short_side = image_size, image_size
@@ -55,7 +58,7 @@ def build_transforms(
     normalize = T.Normalize(mean=list(mean), std=list(std))
     train = T.Compose(
         [
-            T.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=bicubic),
+            T.RandomResizedCrop(size, scale=tuple(crop_scale), interpolation=bicubic),
             T.RandomHorizontalFlip(),
             T.ToTensor(),
             normalize,

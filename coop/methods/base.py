@@ -17,8 +17,14 @@ What a method consumes is one of two kinds (`Method.input`):
                 `logits(images, prepared)` and `loss(images, labels)` take images
 
 A checkpoint stores `method.learnable()` only (plain tensors, `weights_only=True`), and
-`load_learnable(tensors, classnames)` restores them into a method built for the same classes or,
-where the method allows it, for other classes (evaluation on another dataset).
+`load_trained(tensors, classnames)` restores them into a method built for the same classes or,
+where the method allows it, for other classes (evaluation on another dataset). The method then
+knows whether it scores the classes it was trained on (`on_training_classes`): a head with one
+row per training class (DePT) or logits fused for the training classes (MMRL) exist only then.
+
+SGD methods hand their tensors to the optimizer in `param_groups()`, each group with its own
+`lr_scale` (and optionally `weight_decay`); `train.optimizer` and `train.schedule` pick the
+optimizer and the schedule (`coop.schedule`).
 """
 
 from __future__ import annotations
@@ -53,14 +59,46 @@ class Method(nn.Module):
         super().__init__()
         self.clip = clip.requires_grad_(False).eval()
         self.classnames = list(classnames)
+        self.trained_classnames = list(classnames)  # replaced by `load_trained`
 
     @property
     def n_cls(self) -> int:
         return len(self.classnames)
 
+    @property
+    def trained_class_index(self) -> torch.Tensor | None:
+        """For each class scored, its index among the classes the method was trained on, or None
+        if some class scored is not one of them (base-to-new's new classes, another dataset).
+
+        The training classes in another order or a subset of them (ImageNet-A's and -R's 200 of
+        ImageNet's 1,000) map to their rows; a training dataset's own list maps to arange(C).
+        """
+        where = {name: i for i, name in enumerate(self.trained_classnames)}
+        if any(name not in where for name in self.classnames):
+            return None
+        return torch.tensor([where[name] for name in self.classnames], dtype=torch.long)
+
+    @property
+    def on_training_classes(self) -> bool:
+        """Whether every class scored is one the method was trained on (`trained_class_index`)."""
+        return self.trained_class_index is not None
+
     def learnable(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint stores, by name (parameters train with SGD, buffers are fitted)."""
         return {}
+
+    def param_groups(self) -> list[dict]:
+        """The trained tensors as optimizer parameter groups: dicts with "params" and optionally
+        "lr_scale" (times the schedule's rate) and "weight_decay". By default one group holds
+        every learnable tensor that requires grad."""
+        return [{"params": [p for p in self.learnable().values() if p.requires_grad]}]
+
+    def load_trained(self, tensors: dict[str, torch.Tensor], classnames: list[str]) -> None:
+        """Restore tensors learned for `classnames` (a checkpoint's classes) into this method,
+        which may score other classes; remembers the training classes (`on_training_classes`)
+        before `load_learnable` runs, so that it can consult them."""
+        self.trained_classnames = list(classnames)
+        self.load_learnable(tensors, classnames)
 
     def load_learnable(self, tensors: dict[str, torch.Tensor], classnames: list[str]) -> None:
         """Copy saved tensors (learned for `classnames`) into this method's own classes."""

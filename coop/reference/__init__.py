@@ -6,6 +6,8 @@ vision prompts of VPT, IVLP and MaPLe concatenated onto the sequence of open_cli
 `VisionTransformer` modules, as the MaPLe repository's `VisionTransformer_MaPLe` and
 `ResidualAttentionBlock_IVLP` do). It is slow on purpose and serves as ground truth for the tests
 and as the baseline of `tools/bench_text.py`, `tools/bench_cocoop.py` and `tools/bench_vl.py`.
+
+Methods added later keep their reference in a module of their own, `coop.reference.<method>`.
 """
 
 from __future__ import annotations
