@@ -7,7 +7,7 @@ The library behind `tools/sweep.py`:
     run_processes(runs, [train_command(r, TRAIN, None) for r in runs], jobs=2, gpus=[], echo=False)
 
 A grid maps dotted config keys to a value (fixed) or a list (swept). A value the grid FILE fixes
-is a protocol setting: for a method whose recipe (`coop.config.METHOD_DEFAULTS`) sets that key,
+is a protocol setting: for a method whose recipe (`coop.recipes.METHOD_DEFAULTS`) sets that key,
 or a key that would cancel one of its entries (`YIELDS_TO`), the recipe keeps its own value, so
 `configs/protocols/few_shot.yaml`'s `prompt.n_ctx: 16` gives CoOp its 16 vectors and leaves MaPLe
 its 2. Swept keys and every `key=value` of the command line apply to every method. Each point becomes
@@ -35,8 +35,9 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from coop.config import METHOD_DEFAULTS, YIELDS_TO, ConfigError, flatten, load_config, run_name
+from coop.config import LENGTH_YIELDS, ConfigError, flatten, load_config, run_name
 from coop.data import DATASETS
+from coop.recipes import METHOD_DEFAULTS, YIELDS_TO
 
 log = logging.getLogger("coop.sweep")
 
@@ -64,8 +65,15 @@ class Grid(dict):
 
 
 def recipe_keys(method: str) -> set[str]:
-    """The keys of `method`'s recipe, and the keys whose value would cancel one of its entries."""
-    return set(METHOD_DEFAULTS.get(method, {})) | set(YIELDS_TO.get(method, {}).values())
+    """The keys of `method`'s recipe, and the keys whose value would cancel one of its entries
+    (`YIELDS_TO`, `LENGTH_YIELDS`: e.g. prompt.n_ctx cancels CoCoOp's phrase)."""
+    recipe = METHOD_DEFAULTS.get(method, {})
+    yields = {**LENGTH_YIELDS, **YIELDS_TO.get(method, {})}
+    cancel = set()
+    for key in recipe:
+        other = yields.get(key, ())
+        cancel |= {other} if isinstance(other, str) else set(other)
+    return set(recipe) | cancel
 
 
 def load_grid(path: str | None, overrides: list[str]) -> Grid:

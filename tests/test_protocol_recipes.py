@@ -6,8 +6,9 @@ import pytest
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from coop.config import METHOD_DEFAULTS, load_config
+from coop.config import load_config
 from coop.methods import METHODS
+from coop.recipes import METHOD_DEFAULTS
 from coop.sweep import format_value, load_grid, plan, recipe_keys
 
 GRIDS = sorted((REPO / "configs" / "protocols").glob("*.yaml"))

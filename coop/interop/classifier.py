@@ -109,7 +109,7 @@ def load_classifier(
     names = list(trained if classnames is None else classnames)
     torch.manual_seed(int(cfg.data.seed))  # any tensor the method does not load starts as in training
     method = build_method(clip.float(), names, cfg)
-    method.load_learnable(tensors, trained)
+    method.load_trained(tensors, trained)  # as evaluation does: it knows the training classes
     precision = resolve_precision(cfg.train.precision, device)
     if precision == "fp16":
         use_fp16(clip, method)
