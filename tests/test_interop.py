@@ -43,6 +43,7 @@ from coop.reference import (
     reference_inputs,
     vpt_logits,
 )
+from coop.results import load_runs
 from coop.runner import evaluate_checkpoint, train_run
 
 # Vision width 96 against text width 64, so that a transposed coupling or a swapped tower shows.
@@ -228,6 +229,10 @@ def test_import_evaluates_and_every_tool_reads_the_folder(model, tmp_path):
     assert (folder / "eval_imagefolder.json").is_file()
     again = evaluate_checkpoint(folder / "checkpoint.pt")  # tools/eval.py's path
     assert again["accuracy"] == metrics["accuracy"]
+    runs = load_runs(tmp_path)  # tools/collect.py's
+    assert list(runs["complete"]) == [True] and runs["method"][0] == "kgcoop"
+    tensors, card = read_export(export_run(folder, tmp_path / "kgcoop.safetensors"))
+    assert card["method"] == "kgcoop" and set(tensors) == {"ctx"}
     with pytest.raises(Exception, match="already holds a run"):
         import_checkpoint("kgcoop", path, folder, overrides(model))
 
