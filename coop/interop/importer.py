@@ -128,7 +128,7 @@ def import_checkpoint(
     path, folder = Path(path), Path(out)
     state, epoch = read_state_dict(path)
     tensors, origin = map_names(method, state, str(path))
-    cfg = load_config(None, [f"method={method}", *implied_overrides(method, tensors), *overrides])
+    cfg = load_config(None, [f"method={method}", *implied_overrides(tensors), *overrides])
     cfg.output_dir = str(folder)
     if (folder / "checkpoint.pt").is_file():
         raise InteropError(f"{folder} already holds a run (checkpoint.pt); use another --out")

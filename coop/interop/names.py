@@ -34,19 +34,24 @@ CONTEXT = ("coop", "cocoop", "kgcoop", "ivlp", "maple", "promptsrc")  # methods 
 VISION = ("vpt", "ivlp", "promptsrc")  # methods with VPT-style vision prompts
 IMPORTABLE = ("coop", "cocoop", "kgcoop", "vpt", "ivlp", "maple", "promptsrc")
 
-# (pattern on the name after "prompt_learner.", methods, our name; "{0}"/"{1}" take the groups).
-# Stacked entries ("deep_ctx", "vision_deep_ctx") carry the layer index as their first group.
+# (pattern on the name after "prompt_learner.", methods, our name, first layer index). Stacked
+# entries (`deep_ctx`, `vision_deep_ctx`, layer index in the first group) start at that index:
+# MaPLe's compound prompts count from 0, the VPT_shallow blocks from 1 (block 0 takes `ctx`).
 MAPPED = (
-    (r"ctx", CONTEXT, "ctx"),
-    (r"compound_prompts_text\.(\d+)", ("maple",), "deep_ctx"),
-    (r"text_encoder\.transformer\.resblocks\.(\d+)\.VPT_shallow", ("ivlp", "promptsrc"), "deep_ctx"),
-    (r"image_encoder\.VPT", VISION, "vision_ctx"),
-    (r"image_encoder\.transformer\.resblocks\.(\d+)\.VPT_shallow", VISION, "vision_deep_ctx"),
-    (r"proj\.(weight|bias)", ("maple",), "proj.{0}"),
-    (r"compound_prompt_projections\.(\d+)\.(weight|bias)", ("maple",), "compound_prompt_projections.{0}.{1}"),
-    (r"meta_net\.(linear[12])\.(weight|bias)", ("cocoop",), "meta_net.{0}.{1}"),
+    (r"ctx", CONTEXT, "ctx", None),
+    (r"compound_prompts_text\.(\d+)", ("maple",), "deep_ctx", 0),
+    (r"text_encoder\.transformer\.resblocks\.(\d+)\.VPT_shallow", ("ivlp", "promptsrc"), "deep_ctx", 1),
+    (r"image_encoder\.VPT", VISION, "vision_ctx", None),
+    (r"image_encoder\.transformer\.resblocks\.(\d+)\.VPT_shallow", VISION, "vision_deep_ctx", 1),
+    (r"proj\.(weight|bias)", ("maple",), "proj.{0}", None),
+    (
+        r"compound_prompt_projections\.(\d+)\.(weight|bias)",
+        ("maple",),
+        "compound_prompt_projections.{0}.{1}",
+        None,
+    ),
+    (r"meta_net\.(linear[12])\.(weight|bias)", ("cocoop",), "meta_net.{0}.{1}", None),
 )
-STACKED = {"deep_ctx", "vision_deep_ctx"}
 
 DROPPED = (
     (r"token_(prefix|suffix|midfix)", IMPORTABLE),  # frozen class-name embeddings
@@ -94,9 +99,9 @@ def map_names(
         name = full.removeprefix("prompt_learner.")
         rule, m = _match(MAPPED, name)
         if rule is not None and method in rule[1]:
-            ours = rule[2]
-            if ours in STACKED:
-                stacks.setdefault(ours, {})[int(m.group(1))] = (full, tensor)
+            ours, first = rule[2], rule[3]
+            if first is not None:
+                stacks.setdefault((ours, first), {})[int(m.group(1))] = (full, tensor)
             else:
                 ours = ours.format(*m.groups())
                 tensors[ours], origin[ours] = tensor.detach().float(), full
@@ -107,9 +112,7 @@ def map_names(
         owners = sorted(set(rule[1]) if rule is not None else set())
         hint = f" ({'/'.join(owners)} checkpoints hold it: check --from)" if owners else ""
         raise MappingError(f"{where}: '{full}' is not a name that a {method} checkpoint holds{hint}")
-    for ours, layers in stacks.items():
-        # MaPLe's compound prompts count from 0, the VPT_shallow blocks from 1 (block 0 takes `ctx`)
-        first = 0 if any("compound_prompts_text" in n for n, _ in layers.values()) else 1
+    for (ours, first), layers in stacks.items():
         expected = list(range(first, first + len(layers)))
         if sorted(layers) != expected:
             names = ", ".join(layers[i][0] for i in sorted(layers))
@@ -122,10 +125,13 @@ def map_names(
             shapes = ", ".join(f"{layers[i][0]} {tuple(layers[i][1].shape)}" for i in expected)
             raise MappingError(f"{where}: the deep prompts differ in shape: {shapes}") from None
         origin[ours] = ", ".join(layers[i][0] for i in expected)
+    ctx = tensors.get("ctx")
+    if ctx is not None and ctx.dim() not in (2, 3):
+        raise MappingError(f"{where}: '{origin['ctx']}' is {tuple(ctx.shape)}, not (M, W) or (n_cls, M, W)")
     return tensors, origin
 
 
-def implied_overrides(method: str, tensors: dict[str, torch.Tensor]) -> list[str]:
+def implied_overrides(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The `key=value` settings the tensors fix: M and csc from `ctx`, the depths from the deep
     prompts, the vision token count. The class-token position is not in the file (`prompt.position`)."""
     out = []
