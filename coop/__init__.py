@@ -5,9 +5,13 @@ clip = coop.load_clip("ViT-B-16", pretrained="openai")
 learner = coop.PromptLearner(clip, ["cat", "dog"], n_ctx=4, position="end")
 classifier = coop.PromptClassifier(clip, learner)
 logits = classifier(images)                      # (B, n_cls)
+
+clf = coop.load_classifier("runs/.../seed1")     # a run folder or a tools/export.py file
+probs = clf.predict(images)                      # (B, n_cls), images from clf.transform
 """
 
 from coop.image_encoder import ImageTransformer, VisionConfig
+from coop.interop import Classifier, load_classifier
 from coop.model import CLIP, cosine_logits
 from coop.prompt import PromptClassifier, PromptLearner
 from coop.text_encoder import TextConfig, TextTransformer
@@ -15,6 +19,7 @@ from coop.weights import load_clip
 
 __all__ = [
     "CLIP",
+    "Classifier",
     "ImageTransformer",
     "PromptClassifier",
     "PromptLearner",
@@ -22,6 +27,7 @@ __all__ = [
     "TextTransformer",
     "VisionConfig",
     "cosine_logits",
+    "load_classifier",
     "load_clip",
 ]
 __version__ = "0.1.0"

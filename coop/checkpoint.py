@@ -13,6 +13,8 @@ A `checkpoint.pt` is a plain dict that loads with `torch.load(path, weights_only
     config       the resolved run config (plain dict)
     classnames   list[str]
     ...          the method's `describe()` fields (e.g. n_ctx, position; the linear probe's C)
+    imported     only in a run imported from an original codebase (`coop.interop`):
+                 {"from": method, "file": path, "epoch": Dassl epoch}; it has no optimizer or RNG state
 
 `load_checkpoint` turns every unusable file (missing, not a torch.save file, truncated, or a
 torch.save of something else) into a one-line `CheckpointError` that names the file.

@@ -6,7 +6,11 @@ The library behind `tools/sweep.py`:
     runs = plan(grid, Path("runs/position"))          # validated, with folders and status
     run_processes(runs, [train_command(r, TRAIN, None) for r in runs], jobs=2, gpus=[], echo=False)
 
-A grid maps dotted config keys to a value (fixed) or a list (swept). Each point becomes
+A grid maps dotted config keys to a value (fixed) or a list (swept). A value the grid FILE fixes
+is a protocol setting: for a method whose recipe (`coop.recipes.METHOD_DEFAULTS`) sets that key,
+or a key that would cancel one of its entries (`YIELDS_TO`), the recipe keeps its own value, so
+`configs/protocols/few_shot.yaml`'s `prompt.n_ctx: 16` gives CoOp its 16 vectors and leaves MaPLe
+its 2. Swept keys and every `key=value` of the command line apply to every method. Each point becomes
 `OUT/<coop.config.run_name(cfg)>`; swept keys that the name lacks (e.g. train.lr) are appended to
 its settings part. Runs execute as subprocesses of `tools/train.py` (local, one GPU per worker) or
 as submitit jobs (SLURM, or submitit's local executor).
@@ -31,8 +35,9 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from coop.config import ConfigError, flatten, load_config, run_name
+from coop.config import LENGTH_YIELDS, ConfigError, flatten, load_config, run_name
 from coop.data import DATASETS
+from coop.recipes import METHOD_DEFAULTS, YIELDS_TO
 
 log = logging.getLogger("coop.sweep")
 
@@ -52,14 +57,33 @@ class Run:
     error: str = ""
 
 
-def load_grid(path: str | None, overrides: list[str]) -> dict[str, list]:
+class Grid(dict):
+    """{dotted key: list of values}; `fixed`: the keys that the grid file sets to one value and the
+    command line does not set, the protocol settings that yield to a method's recipe."""
+
+    fixed: frozenset[str] = frozenset()
+
+
+def recipe_keys(method: str) -> set[str]:
+    """The keys of `method`'s recipe, and the keys whose value would cancel one of its entries
+    (`YIELDS_TO`, `LENGTH_YIELDS`: e.g. prompt.n_ctx cancels CoCoOp's phrase)."""
+    recipe = METHOD_DEFAULTS.get(method, {})
+    yields = {**LENGTH_YIELDS, **YIELDS_TO.get(method, {})}
+    cancel = set()
+    for key in recipe:
+        other = yields.get(key, ())
+        cancel |= {other} if isinstance(other, str) else set(other)
+    return set(recipe) | cancel
+
+
+def load_grid(path: str | None, overrides: list[str]) -> Grid:
     """Grid file <- `key=value` overrides, as {dotted key: list of values} (scalars -> [v]).
 
     Args:
         path: YAML grid file (nested mappings are read as dotted keys) or None.
         overrides: `key=value` strings; values are YAML, so `[1,2]` is a list.
     """
-    grid = {}
+    grid, from_file = {}, set()
     if path:
         if not Path(path).is_file():
             raise FileNotFoundError(f"grid file not found: {path}")
@@ -70,12 +94,14 @@ def load_grid(path: str | None, overrides: list[str]) -> dict[str, list]:
         if not isinstance(data, dict):
             raise ConfigError(f"grid file {path} must be a mapping of config keys to values or lists")
         grid = flatten(data)
+        from_file = {k for k, v in grid.items() if not isinstance(v, list) or len(v) == 1}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"argument '{item}' is not of the form key=value")
         try:
             grid[key.strip()] = yaml.safe_load(text) if text.strip() else ""
+            from_file.discard(key.strip())
         except yaml.YAMLError:
             raise ConfigError(f"cannot parse the value of '{item}'") from None
     values = {k: v if isinstance(v, list) else [v] for k, v in grid.items()}
@@ -84,7 +110,9 @@ def load_grid(path: str | None, overrides: list[str]) -> dict[str, list]:
             raise ConfigError("output_dir is set by the sweep (--out); remove it from the grid")
         if not v:
             raise ConfigError(f"grid key {key} has an empty list of values")
-    return values
+    grid = Grid(values)
+    grid.fixed = frozenset(from_file)
+    return grid
 
 
 def _parse_dotlist_value(text: str):
@@ -138,7 +166,8 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
     """Expand the grid into runs, validate every point's config and find their folders.
 
     Args:
-        grid: {dotted key: values} from `load_grid`; lists of more than one value are swept.
+        grid: {dotted key: values} from `load_grid`; lists of more than one value are swept; a
+            `Grid`'s fixed keys yield to the recipe of each point's method.
         out: sweep root folder.
         config: optional base config file passed to train.py as `--config`.
         check_data: also require an existing data.root (all datasets but the bundled textile).
@@ -156,6 +185,10 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
         where = " ".join(f"{k}={format_value(v)}" for k, v in swept.items()) or "(single point)"
         try:
             cfg = load_config(config, overrides)
+            yielding = getattr(grid, "fixed", frozenset()) & recipe_keys(cfg.method)
+            if yielding & set(point):  # the method's recipe keeps these keys
+                overrides = [f"{k}={format_value(v)}" for k, v in point.items() if k not in yielding]
+                cfg = load_config(config, overrides)
         except ConfigError as e:
             raise ConfigError(f"point {where}: {e}") from None
         if cfg.data.name not in DATASETS:

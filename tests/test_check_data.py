@@ -124,6 +124,13 @@ def test_wrong_counts_against_coop(tmp_path):
         "6 train images, CoOp's split has 13,500" in text and "4 test images, CoOp's split has 8,100" in text
     )
     assert "split_zhou_EuroSAT.json" in text
+    report = check_dataset("eurosat", data)
+    assert report.usable and not report.ok and not report.errors and len(report.differences) == 4
+    # an empty split is not a size difference: a run would fail without it
+    split = data / "eurosat" / SPLIT_JSON_LAYOUTS["eurosat"][2]
+    split.write_text(json.dumps({**json.loads(split.read_text()), "val": []}))
+    report = check_dataset("eurosat", data)
+    assert not report.usable and report.errors[0][0] == "0 val images, CoOp's split has 5,400"
     variant(data, "imagenet_a")
     text = problems(check_dataset("imagenet_a", data))
     assert "2 classes, CoOp's split has 200" in text and "4 test images, CoOp's split has 7,500" in text
@@ -168,9 +175,23 @@ def test_tool_table_exit_status_and_read_only(tmp_path, capsys, published_as_gen
     assert "| dtd | ok | 2 | 6 | 2 | 4 |" in out and "1 of 1 dataset(s) usable" in out
     assert check_data(data, "--dataset", "dtd", "imagenet", "eurosat", "oxford_pets") == 1
     out = capsys.readouterr().out
-    assert "| imagenet | 3 problem(s) | 2 | 2 | 2 | 2 |" in out  # 2 classes (not 1000), train, test
-    assert "| eurosat | 4 problem(s) |" in out and "| oxford_pets | 2 problem(s) | – |" in out
-    assert "- oxford_pets: " in out and "split_zhou_OxfordPets.json from https://drive.google.com/" in out
+    # other sizes than CoOp's split: usable, a difference (2 classes, not 1000; train; test)
+    assert "| imagenet | usable, differs from CoOp's split (3) | 2 | 2 | 2 | 2 |" in out
+    assert "| eurosat | usable, differs from CoOp's split (4) |" in out
+    assert "| oxford_pets | not usable: 2 error(s) | – |" in out  # its folder is missing
+    assert (
+        "- oxford_pets (error): " in out
+        and "split_zhou_OxfordPets.json from https://drive.google.com/" in out
+    )
+    assert "- eurosat (differs): 2 classes, CoOp's split has 10" in out
+    assert "3 of 4 dataset(s) usable" in out and "2 of them differ from CoOp's split sizes" in out
+    # repeated --dataset adds up; differences pass unless --strict
+    assert check_data(data, "--dataset", "dtd", "--dataset", "eurosat") == 0
+    out = capsys.readouterr().out
+    assert "| dtd | ok |" in out and "| eurosat | usable" in out and "2 of 2 dataset(s) usable" in out
+    assert check_data(data, "--dataset", "dtd", "--dataset", "eurosat", "--strict") == 1
+    assert check_data(data, "--dataset", "dtd", "--strict") == 0
+    capsys.readouterr()
     assert snapshot(data) == before  # nothing written into DATA (no ImageNet listing cache either)
     # any image folder, also through a split file
     folder = tmp_path / "mine"
@@ -192,6 +213,6 @@ def test_tool_table_exit_status_and_read_only(tmp_path, capsys, published_as_gen
     assert "1 of all 5 images do not decode" in capsys.readouterr().out  # val/b/0.png is missing
     with pytest.raises(FileNotFoundError, match="DATA folder not found"):
         check_data(tmp_path / "nowhere")
-    assert "problems" in format_reports([check_dataset("dtd", tmp_path / "empty_data")]).replace(
-        "problem(s)", "problems"
+    assert "| dtd | not usable: 2 error(s) |" in format_reports(
+        [check_dataset("dtd", tmp_path / "empty_data")]
     )

@@ -52,6 +52,7 @@ BAD_INPUT = (
     ("coop.model", "ModelError"),
     ("coop.weights", "WeightsUnavailableError"),
     ("coop.prompt", "PromptError"),
+    ("coop.interop", "InteropError"),
 )
 # A run that failed for a reason the message explains: one line and exit 1.
 RUN_FAILED = (("coop.engine", "NonFiniteLossError"),)

@@ -5,6 +5,7 @@
     python tools/collect.py runs/ --table datasets              # the papers' layout
     python tools/collect.py runs/latent_domains --table domains # leave-one-domain-out
     python tools/collect.py runs/base_to_new --table datasets --published   # beside the papers
+    python tools/collect.py runs/b2n --table base_to_new --published       # CoCoOp's Table 1 layout
 
 Reads every `metrics.json` (with its `config.yaml`) under ROOT and groups the finished runs by
 `--by` (default: the config keys whose values differ between runs, except data.seed and the keys
@@ -23,6 +24,12 @@ seeds with the number of seeds; writes `results_datasets.csv` and `results_datas
 (coop/published.py: ViT-B/16 runs with OpenAI weights; the protocol is read from the runs), the
 paper's row and a Δ row (ours minus the paper's), same columns, and one line per paper row naming
 its sources and how many of its figures were checked against the paper.
+
+--table base_to_new: base-to-new runs (data.subsample_classes=base): one row per method and
+setting; per dataset Base, New (mean ± std over seeds, n) and H (their harmonic mean), then the
+Average block, whose H is the harmonic mean of the averaged Base and New (the papers' convention,
+not the mean of the per-dataset H); writes `results_base_to_new.csv` and `results_base_to_new.md`.
+With --published, the paper's row and a Δ row under each of ours, as for --table datasets.
 
 --table domains: leave-one-domain-out runs (data.target_domain set, e.g. federated runs on
 multi-domain data): one row per method and setting, one column per target domain (the accuracy
@@ -43,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
+from coop import base_to_new  # noqa: E402
 from coop.reproduce import with_published  # noqa: E402
 from coop.results import (  # noqa: E402
     dataset_table,
@@ -63,7 +71,10 @@ def main(argv=None) -> int:
     ap.add_argument("root", help="folder holding run folders (searched recursively)")
     ap.add_argument("--by", nargs="+", metavar="KEY", help="grouping config keys (default: those that vary)")
     ap.add_argument(
-        "--table", choices=("settings", "datasets", "domains"), default="settings", help="table layout"
+        "--table",
+        choices=("settings", "datasets", "base_to_new", "domains"),
+        default="settings",
+        help="table layout",
     )
     ap.add_argument(
         "--metric", default="accuracy", help="cell metric of --table datasets/domains (default accuracy)"
@@ -73,12 +84,14 @@ def main(argv=None) -> int:
         "--ddof", type=int, default=1, choices=(0, 1), help="std: 1 = sample (default), 0 = population"
     )
     ap.add_argument(
-        "--published", action="store_true", help="--table datasets: add the papers' rows and Δ rows"
+        "--published",
+        action="store_true",
+        help="--table datasets or base_to_new: add the papers' rows and Δ rows",
     )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    if args.published and args.table != "datasets":
-        ap.error("--published needs --table datasets")
+    if args.published and args.table not in ("datasets", "base_to_new"):
+        ap.error("--published needs --table datasets or --table base_to_new")
     setup_logging(args.verbose)
 
     root = Path(args.root)
@@ -102,6 +115,19 @@ def main(argv=None) -> int:
             markdown += "\n\nPaper rows:\n" + "".join(f"- {n}\n" for n in notes).rstrip("\n")
         intro = f"{n_done} finished run(s); {args.metric}, mean ± std over seeds (n = seeds)"
         stem = "results_datasets"
+    elif args.table == "base_to_new":
+        table = base_to_new.base_to_new_table(runs, args.by, ddof=args.ddof)
+        notes = []
+        if args.published:
+            table, notes = base_to_new.with_published(table, runs)
+        markdown = base_to_new.format_base_to_new_markdown(table)
+        if notes:
+            markdown += "\n\nPaper rows:\n" + "".join(f"- {n}\n" for n in notes).rstrip("\n")
+        intro = (
+            f"{n_done} finished run(s); Base and New accuracy, mean ± std over seeds (n = seeds); "
+            "H = harmonic mean of the mean Base and New"
+        )
+        stem = "results_base_to_new"
     elif args.table == "domains":
         table = domain_table(runs, args.metric, args.by, ddof=args.ddof)
         markdown = format_dataset_markdown(table)

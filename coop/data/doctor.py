@@ -12,11 +12,15 @@ Per dataset it checks, read-only (nothing is ever written into DATA):
    misplaced, with where to move it;
 2. that the reader parses the split (the reader's own one-line error otherwise);
 3. the number of classes and of images per split, against CoOp's published split sizes
-   (`coop.data.catalog.COOP_SPLIT_SIZES`);
+   (`coop.data.catalog.COOP_SPLIT_SIZES`): an empty split is an error, other sizes a difference;
 4. that every image the split lists exists;
 5. that images decode: a sample of `sample` images, or all of them (`sample=None`).
 
-Every problem comes with one line saying what to do: which file to fetch, from where CoOp's
+Findings are of two kinds. **Errors** make the dataset unusable: a run would fail or silently
+lose images (a missing or misplaced file, a split the reader cannot parse, an empty split,
+missing or corrupt images). **Differences** leave it usable but not comparable with the papers:
+the data reads, and its sizes differ from CoOp's published split. Every finding comes with one
+line saying what to do: which file to fetch, from where CoOp's
 DATASETS.md says to get it (`coop.data.catalog.DOWNLOADS`), and where to put it. Entry point:
 `tools/check_data.py`.
 """
@@ -110,15 +114,36 @@ def read_source(name: str, root: str, split_file: str | None = None) -> Source:
 
 @dataclass
 class Report:
-    """The doctor's findings for one dataset: counts (None where unreadable) and (problem, fix) pairs."""
+    """The doctor's findings for one dataset: counts (None where unreadable) and (problem, fix)
+    pairs, split into errors (unusable) and differences (usable, differs from CoOp's split)."""
 
     name: str
     counts: dict[str, int] | None = None
-    problems: list[tuple[str, str]] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    differences: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        """A run can read every image of every split."""
+        return not self.errors
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """Usable and of CoOp's published split sizes."""
+        return not self.errors and not self.differences
+
+    @property
+    def problems(self) -> list[tuple[str, str]]:
+        """Errors, then differences."""
+        return self.errors + self.differences
+
+    @property
+    def status(self) -> str:
+        if self.errors:
+            return f"not usable: {len(self.errors)} error(s)"
+        if self.differences:
+            return f"usable, differs from CoOp's split ({len(self.differences)})"
+        return "ok"
 
 
 def index_tree(root: str, depth: int = SEARCH_DEPTH) -> dict[str, list[str]]:
@@ -187,21 +212,23 @@ def check_paths(name: str, lay: Layout, index) -> list[tuple[str, str]]:
     return problems
 
 
-def check_counts(name: str, lay: Layout, src: Source) -> list[tuple[str, str]]:
-    """(problem, fix) for every count that differs from CoOp's published split sizes."""
+def check_counts(name: str, lay: Layout, src: Source) -> tuple[list, list]:
+    """(errors, differences) as (problem, fix) pairs: a split that CoOp's has and this one lacks
+    (empty) is an error; every other count that differs from CoOp's published sizes a difference."""
     if name not in COOP_SPLIT_SIZES:
-        return []
+        return [], []
     # a split file (or FGVC's lists) decides the counts; for the others, the image folders do
     from_files = name in SPLIT_JSON_LAYOUTS or name == "fgvc_aircraft"
     role, target = ("files", lay.files[0]) if from_files else ("images", lay.images)
     got = counts_of(src)
-    problems = []
+    errors, differences = [], []
     for key, want in zip(("classes", "train", "val", "test"), COOP_SPLIT_SIZES[name], strict=True):
         if want is not None and got[key] != want:
             unit = "classes" if key == "classes" else f"{key} images"
             fix = "an incomplete or different download: " + _fetch(name, role, target)
-            problems.append((f"{got[key]:,} {unit}, CoOp's split has {want:,}", fix))
-    return problems
+            found = errors if got[key] == 0 else differences
+            found.append((f"{got[key]:,} {unit}, CoOp's split has {want:,}", fix))
+    return errors, differences
 
 
 def counts_of(src: Source) -> dict[str, int]:
@@ -276,31 +303,33 @@ def check_dataset(name: str, root, sample: int | None = 50, split_file: str | No
             cache["tree"] = index_tree(root)
         return cache["tree"]
 
-    report = Report(name, problems=check_paths(name, lay, index))
-    if report.problems:
+    report = Report(name, errors=check_paths(name, lay, index))
+    if report.errors:
         return report
     try:
         src = read_source(name, root, split_file)
     except DataError as e:
         target = lay.files[0] if lay.files else lay.folder
-        report.problems.append(
+        report.errors.append(
             (f"the reader cannot use it: {e}", "fetch it again: " + _fetch(name, "files", target))
         )
         return report
     report.counts = counts_of(src)
-    report.problems += check_counts(name, lay, src) + check_images(name, src, sample)
+    errors, report.differences = check_counts(name, lay, src)
+    report.errors += errors + check_images(name, src, sample)
     return report
 
 
 def format_reports(reports: list[Report]) -> str:
-    """A Markdown table (one row per dataset: ok / problems, counts), then one line per problem."""
+    """A Markdown table (one row per dataset: its status and counts), then one line per finding:
+    errors first ("error"), then differences ("differs")."""
     lines = ["| dataset | status | classes | train | val | test |", "|---|---|---|---|---|---|"]
     for r in reports:
-        status = "ok" if r.ok else f"{len(r.problems)} problem(s)"
         c = r.counts or {}
         cells = [f"{c[k]:,}" if k in c else "–" for k in ("classes", "train", "val", "test")]
-        lines.append(f"| {r.name} | {status} | " + " | ".join(cells) + " |")
-    todo = [f"- {r.name}: {problem} -> {fix}" for r in reports for problem, fix in r.problems]
+        lines.append(f"| {r.name} | {r.status} | " + " | ".join(cells) + " |")
+    todo = [f"- {r.name} (error): {problem} -> {fix}" for r in reports for problem, fix in r.errors]
+    todo += [f"- {r.name} (differs): {problem} -> {fix}" for r in reports for problem, fix in r.differences]
     if todo:
         lines += ["", "What to do:", *todo]
     return "\n".join(lines)

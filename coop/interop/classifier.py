@@ -1,0 +1,168 @@
+"""A trained prompt as a classifier: `coop.load_classifier(path)` on a run folder or an exported file.
+
+    clf = coop.load_classifier("prompts.safetensors", device="cuda")
+    probs = clf.predict(torch.stack([clf.transform(img) for img in images]))   # (B, n_cls)
+    clf.classnames[probs.argmax(-1)[0]]
+    other = coop.load_classifier("prompts.safetensors", classnames=["cat", "dog"])
+
+The classifier is the run's method (`coop.methods`) rebuilt from its config, with the learned
+tensors loaded and CLIP's weights from `model.pretrained`: its logits are those of `tools/eval.py`
+(the same method, precision and test transform). Other class names work where the method
+transfers (shared context, vision prompts, CoCoOp's meta-net), as `eval.targets` does; class-specific
+context and the linear probe's rows refuse with a TransferError.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from coop.checkpoint import load_checkpoint
+from coop.config import load_config
+from coop.data import DataError
+from coop.data.folders import IMAGE_EXTENSIONS
+from coop.data.images import load_image
+from coop.engine import clip_transforms, resolve_device, use_fp16
+from coop.features import autocast, resolve_precision
+from coop.interop.export import read_export, run_checkpoint
+from coop.methods import Method, build_method
+from coop.weights import load_clip
+
+log = logging.getLogger(__name__)
+
+
+class Classifier:
+    """A method with its learned tensors, ready to score preprocessed images.
+
+    Args:
+        method: the built method (learned tensors loaded).
+        transform: the test transform (PIL image -> (3, H, W) tensor).
+        device: where the model runs.
+        precision: what runs there (`coop.features.resolve_precision`).
+    """
+
+    def __init__(self, method: Method, transform, device: torch.device, precision: str):
+        self.method, self.transform = method.eval(), transform
+        self.device, self.precision = device, precision
+        self._prepared = None  # text features (and vision prompts): once, not per batch
+
+    @property
+    def classnames(self) -> list[str]:
+        return self.method.classnames
+
+    @torch.no_grad()
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (B, n_cls) of preprocessed images (B, 3, H, W)."""
+        method, clip = self.method, self.method.clip
+        x = images.to(self.device, clip.logit_scale.dtype)
+        with autocast(self.device, self.precision):
+            if self._prepared is None:
+                self._prepared = method.prepare()
+            if method.input == "features":
+                x = clip.encode_image(x)  # (B, E): the frozen tower
+            return method.logits(x, self._prepared).float()
+
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """Class probabilities (B, n_cls): the softmax of `logits`."""
+        return self.logits(images).softmax(dim=-1)
+
+
+def read_prompts(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    """(learned tensors, run config, trained class names) of a run folder, checkpoint.pt or
+    exported `.safetensors` file."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        tensors, card = read_export(path)
+        return tensors, card["config"], card["classnames"]
+    ckpt = load_checkpoint(run_checkpoint(path))
+    return ckpt["prompt"], ckpt["config"], list(ckpt["classnames"])
+
+
+def load_classifier(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    classnames: list[str] | None = None,
+    pretrained: str | None = "config",
+) -> Classifier:
+    """The classifier of a run folder, its `checkpoint.pt`, or a file from `tools/export.py`.
+
+    Args:
+        path: the run or the exported file.
+        device: where to run ("cpu", "cuda", "auto").
+        classnames: score these classes instead of the trained ones (where the method transfers).
+        pretrained: "config" for the run's `model.pretrained`, or another tag / weights file.
+
+    Raises:
+        CheckpointError, ExportError: the file cannot be read.
+        TransferError: the learned tensors cannot score `classnames`.
+    """
+    tensors, config, trained = read_prompts(path)
+    cfg = load_config(None, [], base=config)
+    device = resolve_device(str(device))
+    weights = cfg.model.pretrained if pretrained == "config" else pretrained
+    clip = load_clip(cfg.model.name, pretrained=weights, device=device)
+    names = list(trained if classnames is None else classnames)
+    torch.manual_seed(int(cfg.data.seed))  # any tensor the method does not load starts as in training
+    method = build_method(clip.float(), names, cfg)
+    method.load_trained(tensors, trained)  # as evaluation does: it knows the training classes
+    precision = resolve_precision(cfg.train.precision, device)
+    if precision == "fp16":
+        use_fp16(clip, method)
+    log.info(
+        "%s (%s, %s) on %d classes from %s",
+        cfg.method,
+        cfg.model.name,
+        weights,
+        len(names),
+        path,
+    )
+    return Classifier(method.to(device), clip_transforms(clip)[1], device, precision)
+
+
+def list_image_files(folder: str | os.PathLike) -> list[Path]:
+    """Every image file under `folder` (recursively, by extension), sorted."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"image folder not found: {folder}")
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def predict_files(
+    clf: Classifier, files: list[Path], topk: int = 5, batch_size: int = 64, progress: bool = True
+) -> Iterator[tuple[Path, list[tuple[str, float]] | None]]:
+    """(file, [(class, probability)] * topk) per image, best first; None for an unreadable image.
+
+    Args:
+        clf: the classifier.
+        files: the images.
+        topk: classes per image (at most the number of classes).
+        batch_size: images per forward pass.
+        progress: show a progress bar.
+    """
+    k = min(int(topk), len(clf.classnames))
+    bar = tqdm(total=len(files), desc="images", unit="img", disable=not progress, dynamic_ncols=True)
+    for start in range(0, len(files), batch_size):
+        chunk = files[start : start + batch_size]
+        top: list[list[tuple[str, float]] | None] = [None] * len(chunk)
+        images, ok = [], []
+        for j, f in enumerate(chunk):
+            try:
+                images.append(clf.transform(load_image(str(f))))
+                ok.append(j)
+            except DataError as e:  # an unreadable image is reported, not fatal
+                log.warning("skipping %s: %s", f, e)
+        if images:
+            probs, idx = clf.predict(torch.stack(images)).topk(k, dim=-1)  # (b, k)
+            for j, p, i in zip(ok, probs.tolist(), idx.tolist(), strict=True):
+                top[j] = [(clf.classnames[c], q) for c, q in zip(i, p, strict=True)]
+        yield from zip(chunk, top, strict=True)
+        bar.update(len(chunk))
+    bar.close()
+
+
+__all__ = ["Classifier", "list_image_files", "load_classifier", "predict_files", "read_prompts"]
