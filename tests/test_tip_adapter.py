@@ -226,3 +226,18 @@ def test_fp16_halves_the_cache_and_keeps_alpha_beta(tiny_clip):
         half = method.logits(x.half())
     assert half.dtype == torch.float16
     torch.testing.assert_close(half.float(), full, rtol=2e-2, atol=0.5)
+
+
+def test_published_rn50_curves_sit_under_our_rows(tmp_path):
+    from test_results import collect, write_run
+
+    from coop.published import lookup
+
+    fig = lookup("tip_adapter_f", "few_shot", "dtd", shots=16, model="RN50")
+    assert (fig.value, fig.checked) == (66.55, True) and lookup("tip_adapter_f", "few_shot", "dtd") is None
+    assert lookup("tip_adapter", "few_shot", "eurosat", shots=1, model="RN50").value == 54.38
+    rn50 = ["method=tip_adapter_f", "model.name=RN50", "data.name=dtd", "data.shots=16"]
+    write_run(tmp_path / "dtd", rn50, metrics={"accuracy": 66.0})
+    assert collect(tmp_path, "--table", "datasets", "--published", "--out", tmp_path / "t") == 0
+    md = (tmp_path / "t" / "results_datasets.md").read_text()
+    assert "| tip_adapter_f: paper" in md and "66.55" in md and "1 of 1 cell(s) checked" in md
