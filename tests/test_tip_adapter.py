@@ -241,3 +241,22 @@ def test_published_rn50_curves_sit_under_our_rows(tmp_path):
     assert collect(tmp_path, "--table", "datasets", "--published", "--out", tmp_path / "t") == 0
     md = (tmp_path / "t" / "results_datasets.md").read_text()
     assert "| tip_adapter_f: paper" in md and "66.55" in md and "1 of 1 cell(s) checked" in md
+
+
+def test_other_classes_keep_their_cache_columns_by_name(tiny_clip):
+    method, _ = tip(tiny_clip, "tip_adapter", "dtd")
+    gen = torch.Generator().manual_seed(2)
+    method.fit((torch.randn(2, 8, tiny_clip.embed_dim, generator=gen), torch.arange(8) % 4))
+    saved = {k: v.clone() for k, v in method.learnable().items()}
+    cfg = load_config(None, ["method=tip_adapter", "data.name=dtd", "model.pretrained=none"])
+    other = build_method(tiny_clip, [CLASSES[1], "a class never cached"], cfg)
+    other.load_trained(saved, CLASSES)
+    assert torch.equal(other.values[:, 0], saved["values"][:, 1]) and not other.values[:, 1].any()
+    assert (other.alpha, other.beta) == (method.alpha, method.beta)
+    x = torch.randn(3, tiny_clip.embed_dim, generator=gen)
+    with torch.no_grad():
+        zero_shot = 100.0 * torch.nn.functional.normalize(x, dim=-1) @ other.zero_shot_weights().t()
+        torch.testing.assert_close(
+            other.logits(x)[:, 1], zero_shot[:, 1]
+        )  # no cache entries: zero-shot alone
+        torch.testing.assert_close(other.logits(x)[:, 0], method.logits(x)[:, 1])
