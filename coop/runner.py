@@ -148,6 +148,8 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
 
     s = setup(cfg)
     method = s.method
+    if method.tunes_on_val:
+        require_val(s)  # before any feature is encoded
     fitted, extra = method_fit(s)  # before the optimizer: `fit` may create the trained tensors
     trained = [p for p in method.learnable().values() if p.requires_grad]
     optimizer = build_optimizer(method.param_groups(), cfg.train)
@@ -281,13 +283,18 @@ def method_fit(s: Setup) -> tuple[tuple | None, dict]:
     return train, s.method.fit(train)
 
 
-def tune_on_val(s: Setup, train) -> dict:
-    """The method's `tune` on the val split's features (never the test split's): the linear
-    probe's C, Tip-Adapter's alpha and beta. Returns what it chose, for metrics.json."""
+def require_val(s: Setup) -> None:
+    """DataError unless the run's dataset has a val split for the method's `tune`."""
     if not s.dataset.val:
         raise DataError(
             f"method={s.cfg.method} chooses its hyper-parameters on the val split, and {s.cfg.data.name} has none"
         )
+
+
+def tune_on_val(s: Setup, train) -> dict:
+    """The method's `tune` on the val split's features (never the test split's): the linear
+    probe's C, Tip-Adapter's alpha and beta. Returns what it chose, for metrics.json."""
+    require_val(s)
     val, val_labels = val_features(s)
     return s.method.tune(train, (val[0], val_labels))
 

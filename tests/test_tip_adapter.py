@@ -260,3 +260,17 @@ def test_other_classes_keep_their_cache_columns_by_name(tiny_clip):
             other.logits(x)[:, 1], zero_shot[:, 1]
         )  # no cache entries: zero-shot alone
         torch.testing.assert_close(other.logits(x)[:, 0], method.logits(x)[:, 1])
+
+
+def test_a_dataset_without_val_is_refused_before_encoding(image_folder, tmp_path, monkeypatch):
+    from conftest import tiny_args
+
+    import coop.runner
+    from coop.data import DataError
+
+    monkeypatch.setattr(coop.runner, "requested_features", lambda *a: pytest.fail("encoded features"))
+    with pytest.raises(
+        DataError, match="method=tip_adapter chooses its hyper-parameters on the val split"
+    ) as e:
+        train_run(load_config(None, tiny_args(image_folder, tmp_path / "run", method="tip_adapter")))
+    assert "\n" not in str(e.value)
