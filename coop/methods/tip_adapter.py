@@ -167,11 +167,10 @@ class TipAdapter(Method):
         vx, vy = val
         keys = self.cache_keys()
         with torch.no_grad(), torch.autocast(vx.device.type, enabled=False):
-            f = normalise(vx.to(keys.device, keys.dtype))
-            beta, alpha, acc = search_alpha_beta(
-                f, self.zero_shot_weights(), keys, self.values, vy.to(keys.device), self.search_scale,
-                self.search_step,
-            )  # fmt: skip
+            f = normalise(vx.to(keys.device, keys.dtype))  # (N, E)
+            labels = vy.to(keys.device)
+            zs, scale, steps = self.zero_shot_weights(), self.search_scale, self.search_step
+            beta, alpha, acc = search_alpha_beta(f, zs, keys, self.values, labels, scale, steps)
         self.alpha, self.beta = alpha, beta
         log.info("%s: alpha=%.4g beta=%.4g (val accuracy %.2f%%)", self.name, alpha, beta, acc)
         return {"tip_alpha": alpha, "tip_beta": beta, "val_accuracy": acc}
@@ -199,8 +198,12 @@ class TipAdapter(Method):
                 values[:, j] = saved[:, index[name]]
         missing = sum(name not in index for name in self.classnames)
         if missing:
-            log.info("%s: %d of %d classes have no cache entries: zero-shot logits alone for them",
-                     self.name, missing, self.n_cls)  # fmt: skip
+            log.info(
+                "%s: %d of %d classes have no cache entries: zero-shot logits alone",
+                self.name,
+                missing,
+                self.n_cls,
+            )
         self.set_keys(tensors[self.keys_name].clone())
         self.values = values.to(self.values.device, self.values.dtype)
         self.alpha, self.beta = float(tensors["alpha"]), float(tensors["beta"])
