@@ -339,8 +339,6 @@ def validate_tip(cfg: DictConfig) -> None:
         )
     if not isinstance(tip.search, bool):
         raise ConfigError(f"tip.search must be true or false, got {tip.search!r}")
-    if not isinstance(cfg.train.drop_last, bool):
-        raise ConfigError(f"train.drop_last must be true or false, got {cfg.train.drop_last!r}")
 
 
 def _pair(value) -> list | None:
@@ -374,6 +372,8 @@ def validate_optimizer(cfg: DictConfig) -> None:
         )
     if not isinstance(t.augment, bool):
         raise ConfigError(f"train.augment must be true or false, got {t.augment!r}")
+    if not isinstance(t.drop_last, bool):
+        raise ConfigError(f"train.drop_last must be true or false, got {t.drop_last!r}")
     scale = _pair(t.crop_scale)
     if scale is None or not 0 < scale[0] <= scale[1] <= 1:
         raise ConfigError(
@@ -381,13 +381,8 @@ def validate_optimizer(cfg: DictConfig) -> None:
         )
 
 
-PROMPT_CSC_IGNORED = (
-    "zeroshot",
-    "linear_probe",
-    "vpt",
-    "tip_adapter",
-    "tip_adapter_f",
-)  # methods without learned text context
+# methods without learned text context
+PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "tip_adapter", "tip_adapter_f")
 
 
 def check_base_to_new(cfg: DictConfig) -> None:
