@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from coop.recipes import METHOD_DEFAULTS, YIELDS_TO
+from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 
 METHODS = (
     "coop",
@@ -31,6 +31,8 @@ METHODS = (
     "ivlp",
     "maple",
     "promptsrc",
+    "tip_adapter",
+    "tip_adapter_f",
 )  # see coop.methods
 
 DEFAULTS = {
@@ -66,6 +68,7 @@ DEFAULTS = {
         "iterations_per_shot": None,  # ... or this many steps per shot (CLIP-LoRA: 500)
         "augment": True,  # false: train on the test transform (no random crop or flip)
         "crop_scale": [0.08, 1.0],  # the train crop's RandomResizedCrop scale
+        "drop_last": True,  # an epoch's last, smaller batch is dropped (Dassl); false: Tip-Adapter-F
         "precision": "amp",
         "aug_views": 0,
         "eval_batch_size": 100,
@@ -83,6 +86,15 @@ DEFAULTS = {
         "templates": "promptsrc",
         "gpa_mean": 15.0,
         "gpa_std": 1.0,
+    },
+    "tip": {  # tip_adapter, tip_adapter_f (coop.methods.tip_adapter); per dataset: coop.recipes
+        "augment_epochs": 10,  # augmented views averaged into each cache key
+        "init_alpha": 1.17,  # the residual ratio Tip-Adapter-F trains at (and the start without search)
+        "init_beta": 1.0,  # the sharpness Tip-Adapter-F trains at
+        "search": True,  # grid-search alpha and beta on the val split
+        "search_scale": [7, 3],  # [beta, alpha]: the grids' upper ends (excluded)
+        "search_step": [200, 20],  # [beta, alpha]: the grids' sizes
+        "templates": "tip",  # Tip-Adapter's: CoOp's per dataset, its 7-template ensemble for ImageNet
     },
     "eval": {"targets": []},
     "fl": {
@@ -198,15 +210,22 @@ def load_config(
 
 
 def method_defaults(layers: list[tuple[str, DictConfig]]) -> dict:
-    """The `METHOD_DEFAULTS` entries of the method the layers choose that none of them sets."""
-    method, given = DEFAULTS["method"], set()
+    """The `METHOD_DEFAULTS` entries of the method the layers choose, updated by its
+    `DATASET_RECIPES` entries for the dataset they choose, that none of them sets."""
+    method, given, trees = DEFAULTS["method"], set(), []
     for _, layer in layers:
         tree = OmegaConf.to_container(layer, resolve=False)
         if not isinstance(tree, dict):
             continue  # merging reports it
         method = tree.get("method", method)
         given |= set(flatten(tree))
+        trees.append(tree)
+    dataset = next(
+        (d for d in reversed([flatten(t).get("data.name") for t in trees]) if isinstance(d, str)),
+        DEFAULTS["data"]["name"],
+    )
     defaults = METHOD_DEFAULTS.get(method, {}) if isinstance(method, str) else {}
+    defaults = {**defaults, **DATASET_RECIPES.get(method, {}).get(dataset, {})}
     yields = {**LENGTH_YIELDS, **(YIELDS_TO.get(method, {}) if isinstance(method, str) else {})}
 
     def yielded(key: str) -> bool:
@@ -271,6 +290,7 @@ def validate(cfg: DictConfig) -> None:
     weight = cfg.kgcoop.weight
     if not _is_number(weight) or not weight >= 0:
         raise ConfigError(f"kgcoop.weight must be a number >= 0, got {weight!r}")
+    validate_tip(cfg)
     if not isinstance(cfg.train.tensorboard, bool):
         raise ConfigError(f"train.tensorboard must be true or false, got {cfg.train.tensorboard!r}")
     split_file = cfg.data.split_file
@@ -298,6 +318,27 @@ def validate(cfg: DictConfig) -> None:
             f"train.warmup_epochs={warmup} must be less than the {epochs} training epochs "
             f"(train.epochs={cfg.train.epochs}), or the cosine schedule never starts"
         )
+
+
+def validate_tip(cfg: DictConfig) -> None:
+    """The `tip.*` keys (Tip-Adapter's cache model and its alpha/beta search)."""
+    tip = cfg.tip
+    if not _is_int(tip.augment_epochs) or tip.augment_epochs < 1:
+        raise ConfigError(f"tip.augment_epochs must be an integer >= 1, got {tip.augment_epochs!r}")
+    for key in ("init_alpha", "init_beta"):
+        if not _is_number(tip[key]) or not tip[key] >= 0:
+            raise ConfigError(f"tip.{key} must be a number >= 0, got {tip[key]!r}")
+    scale, steps = _pair(tip.search_scale), _pair(tip.search_step)
+    if scale is None or not all(v > 0 for v in scale):
+        raise ConfigError(
+            f"tip.search_scale must be two numbers > 0 ([beta, alpha]), got {tip.search_scale!r}"
+        )
+    if steps is None or not all(_is_int(v) and v >= 1 for v in steps):
+        raise ConfigError(
+            f"tip.search_step must be two integers >= 1 ([beta, alpha]), got {tip.search_step!r}"
+        )
+    if not isinstance(tip.search, bool):
+        raise ConfigError(f"tip.search must be true or false, got {tip.search!r}")
 
 
 def _pair(value) -> list | None:
@@ -331,6 +372,8 @@ def validate_optimizer(cfg: DictConfig) -> None:
         )
     if not isinstance(t.augment, bool):
         raise ConfigError(f"train.augment must be true or false, got {t.augment!r}")
+    if not isinstance(t.drop_last, bool):
+        raise ConfigError(f"train.drop_last must be true or false, got {t.drop_last!r}")
     scale = _pair(t.crop_scale)
     if scale is None or not 0 < scale[0] <= scale[1] <= 1:
         raise ConfigError(
@@ -338,7 +381,8 @@ def validate_optimizer(cfg: DictConfig) -> None:
         )
 
 
-PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt")  # methods without learned text context
+# methods without learned text context
+PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "tip_adapter", "tip_adapter_f")
 
 
 def check_base_to_new(cfg: DictConfig) -> None:
@@ -404,7 +448,8 @@ def method_settings(cfg: DictConfig) -> str:
     coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple and promptsrc: the same
     after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
     _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
-    (a literal template by its hash); linear_probe: linear_probe.
+    (a literal template by its hash); linear_probe: linear_probe; tip_adapter and tip_adapter_f:
+    <method>_views<tip.augment_epochs>.
     """
     if cfg.method == "zeroshot":
         templates = str(cfg.zeroshot.templates)
@@ -413,6 +458,8 @@ def method_settings(cfg: DictConfig) -> str:
         return f"zeroshot_{templates}"
     if cfg.method == "linear_probe":
         return "linear_probe"
+    if cfg.method in ("tip_adapter", "tip_adapter_f"):
+        return f"{cfg.method}_views{cfg.tip.augment_epochs}"
     vision = f"vctx{cfg.vision.n_ctx}_vdepth{cfg.vision.depth}"
     if cfg.method == "vpt":
         return f"vpt_{vision}"

@@ -52,6 +52,7 @@ from coop.data import (
 from coop.data.images import derive_seed
 from coop.features import autocast, cached_features, resolve_precision
 from coop.methods import Method, build_method
+from coop.methods.base import FeatureRequest
 from coop.model import CLIP
 from coop.schedule import Schedule, set_lr, steps_per_epoch
 from coop.weights import load_clip
@@ -175,7 +176,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
     """
     cfg, method, device, precision = s.cfg, s.method, s.device, s.precision
     dtype = s.clip.logit_scale.dtype  # half under fp16, where images and features go in as half
-    batch_size = int(cfg.train.batch_size)
+    batch_size, drop_last = int(cfg.train.batch_size), bool(cfg.train.drop_last)
     gen = seed_epoch(int(cfg.data.seed), epoch)
     n = len(s.dataset.train) if train_feats is None else train_feats[0].shape[1]
     if n == 0:
@@ -192,7 +193,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
             images,
             batch_size=batch_size,
             sampler=order.tolist(),
-            drop_last=n >= batch_size,  # as Dassl does for few-shot loaders
+            drop_last=drop_last and n >= batch_size,  # as Dassl does for few-shot loaders
             num_workers=int(cfg.data.num_workers),
             collate_fn=collate_skip_none,
             generator=gen,
@@ -204,7 +205,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
     else:
         feats, labels = train_feats
         view = torch.randint(feats.shape[0], (n,), generator=gen)
-        n_batches = steps_per_epoch(n, batch_size)
+        n_batches = steps_per_epoch(n, batch_size, drop_last)
         batches = (
             (feats[view[idx], idx], labels[idx], None)
             for idx in (order[b * batch_size : (b + 1) * batch_size] for b in range(n_batches))
@@ -345,7 +346,7 @@ def training_features(s: Setup, views: int | None = None):
 
     Args:
         s: the run.
-        views: overrides `train.aug_views` (the linear probe takes 1: the test transform).
+        views: overrides `train.aug_views`.
     """
     views = int(s.cfg.train.aug_views) if views is None else views
     if views == 0:
@@ -353,6 +354,24 @@ def training_features(s: Setup, views: int | None = None):
     if views == 1:  # one deterministic pass with the test transform
         return _features(s, "train", s.test_tf, "train features")
     return _features(s, "train", s.train_tf, "train features", views, int(s.cfg.data.seed))
+
+
+# The seed stream of a method's own augmented views (`requested_features`): drawn independently of
+# the views that SGD epochs see (image i's crop in epoch e is seeded by (seed, e, i)).
+REQUEST_STREAM = 7_919
+
+
+def requested_features(s: Setup, request: FeatureRequest):
+    """The training features a method asks for (`Method.fit_request`): ((V, N, E), labels).
+
+    Unaugmented: one pass with the test transform (the linear probe). Augmented: V passes through
+    the train transform (`train.crop_scale`, flip; Tip-Adapter's cache takes 10 at scale 0.5-1),
+    pass v of image i seeded by (seed, REQUEST_STREAM, v, i), cached on disk like every view.
+    """
+    if not request.augment:
+        return _features(s, "train", s.test_tf, "train features")
+    seed = derive_seed(int(s.cfg.data.seed), REQUEST_STREAM)
+    return _features(s, "train", s.train_tf, "train features (method views)", int(request.views), seed)
 
 
 def default_output_dir(cfg: DictConfig) -> str:

@@ -1,7 +1,9 @@
 """Each method's recipe: the values of its original code's configs where they differ from CoOp's.
 
-`coop.config.load_config` applies `METHOD_DEFAULTS[method]` to every key that no file, override or
-saved config sets; `YIELDS_TO` names the defaults that step back when another key is set.
+`coop.config.load_config` applies `METHOD_DEFAULTS[method]`, updated by
+`DATASET_RECIPES[method][dataset]` where an original's configs differ per dataset, to every key
+that no file, override or saved config sets; `YIELDS_TO` names the defaults that step back when
+another key is set.
 """
 
 # The recipes of the original code, applied where no layer sets the key:
@@ -48,6 +50,51 @@ METHOD_DEFAULTS = {
         "train.epochs": 5,
         "train.batch_size": 4,
     },
+    # Tip-Adapter (gaopengcuhk/Tip-Adapter, main.py and utils.py): the cache keys average 10 views
+    # of RandomResizedCrop(scale 0.5-1, bicubic) + flip; the search grids have 200 x 20 points.
+    "tip_adapter": {"train.crop_scale": [0.5, 1.0]},
+    # Tip-Adapter-F trains the keys with AdamW(lr 0.001, eps 1e-4, PyTorch's weight decay 0.01),
+    # CosineAnnealingLR(T_max = train_epoch * len(loader)) stepped every iteration down to 0, no
+    # warm-up, batch 256 with the last, smaller batch kept, 20 epochs (EuroSAT 100, below).
+    "tip_adapter_f": {
+        "train.crop_scale": [0.5, 1.0],
+        "train.optimizer": "adamw",
+        "train.lr": 0.001,
+        "train.eps": 1e-4,
+        "train.weight_decay": 0.01,
+        "train.schedule": "cosine_iter",
+        "train.min_lr": 0.0,
+        "train.warmup_epochs": 0,
+        "train.batch_size": 256,
+        "train.drop_last": False,
+        "train.epochs": 20,
+    },
+}
+
+# Tip-Adapter's configs/<dataset>.yaml (the same file for 1 to 16 shots and both methods): init_beta,
+# init_alpha, search_scale [beta, alpha] (search_step is [200, 20] everywhere); train_epoch 20
+# except EuroSAT's 100. Its `fgvc` is our fgvc_aircraft. Datasets without a file (the ImageNet
+# variants, imagefolder, textile) keep the `tip.*` defaults, which are ImageNet's.
+TIP_SETTINGS = {  # dataset: (init_beta, init_alpha, [beta scale, alpha scale])
+    "imagenet": (1.0, 1.17, [7, 3]),
+    "caltech101": (1.0, 3.0, [12, 5]),
+    "oxford_pets": (1.0, 1.17, [7, 3]),
+    "stanford_cars": (1.0, 3.0, [20, 10]),
+    "oxford_flowers": (1.0, 10.0, [50, 50]),
+    "food101": (1.0, 1.17, [10, 10]),
+    "fgvc_aircraft": (1.0, 5.0, [30, 30]),
+    "sun397": (1.0, 1.17, [12, 10]),
+    "dtd": (1.0, 2.0, [13, 13]),
+    "eurosat": (1.0, 2.0, [12, 10]),
+    "ucf101": (1.0, 3.0, [7, 3]),
+}
+_TIP = {
+    dataset: {"tip.init_beta": beta, "tip.init_alpha": alpha, "tip.search_scale": scale}
+    for dataset, (beta, alpha, scale) in TIP_SETTINGS.items()
+}
+DATASET_RECIPES = {
+    "tip_adapter": _TIP,
+    "tip_adapter_f": {**_TIP, "eurosat": {**_TIP["eurosat"], "train.epochs": 100}},
 }
 # A method default not applied when the other key is set: a default context phrase fixes M in
 # CoCoOp and KgCoOp, so it yields to an explicit prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M

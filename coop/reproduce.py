@@ -11,7 +11,8 @@ has a number): the paper's own mean where the columns are exactly its 11 dataset
 mean of its cells.
 
 Which published figure a cell gets is read from the runs behind the row, never guessed from names:
-- only ViT-B/16 runs with OpenAI weights have counterparts (every published figure is one);
+- only runs with OpenAI weights and one backbone have counterparts, the figures of that backbone
+  (ViT-B/16 for all but Tip-Adapter's RN50 curves);
 - `data.subsample_classes=base`: base-to-new (the cell metric `accuracy` is the base accuracy,
   `new_accuracy` the new one);
 - trained on ImageNet with `eval.targets`: cross-dataset for the targets and ImageNet itself,
@@ -30,7 +31,7 @@ from coop.config import model_tag
 from coop.published import DATASETS_11, DG_TARGETS, lookup
 from coop.results import _group_value
 
-MODEL, WEIGHTS = "ViT-B-16", "openai"  # what every published figure ran
+WEIGHTS = "openai"  # what every published figure ran
 PROTOCOL_NAMES = {
     "few_shot": "few-shot",
     "base_to_new": "base-to-new",
@@ -56,25 +57,27 @@ def runs_of(row: pd.Series, keys: list[str], done: pd.DataFrame) -> pd.DataFrame
     return done[mask]
 
 
-def protocol_of(runs: pd.DataFrame) -> tuple[str, int] | None:
-    """("base_to_new" | "transfer" | "few_shot", shots) of the runs, or None without a counterpart."""
+def protocol_of(runs: pd.DataFrame) -> tuple[str, int, str] | None:
+    """("base_to_new" | "transfer" | "few_shot", shots, model) of the runs, or None without a
+    counterpart."""
     if not len(runs):
         return None
     models = {model_tag(str(m)) for m in runs.get("model.name", [])}
     weights = {str(w) for w in runs.get("model.pretrained", [])}
     shots = {int(s) for s in runs.get("data.shots", [])}
-    if models != {MODEL} or weights != {WEIGHTS} or len(shots) != 1:
+    if len(models) != 1 or weights != {WEIGHTS} or len(shots) != 1:
         return None
+    model = models.pop()
     if "base" in set(runs.get("data.subsample_classes", [])):
-        return "base_to_new", shots.pop()
+        return "base_to_new", shots.pop(), model
     targets = runs["eval.targets"] if "eval.targets" in runs else pd.Series([], dtype=object)
     trained = set(runs.get("data.name", []))
     if trained == {"imagenet"} and len(targets) and all(isinstance(t, list) and t for t in targets):
-        return "transfer", shots.pop()
-    return "few_shot", shots.pop()
+        return "transfer", shots.pop(), model
+    return "few_shot", shots.pop(), model
 
 
-def figure_for(method: str, protocol: str, dataset: str, metric: str, shots: int):
+def figure_for(method: str, protocol: str, dataset: str, metric: str, shots: int, model: str = "ViT-B-16"):
     if protocol == "transfer":
         protocol = "domain_generalization" if dataset in DG_TARGETS else "cross_dataset"
     if protocol == "base_to_new":
@@ -82,13 +85,21 @@ def figure_for(method: str, protocol: str, dataset: str, metric: str, shots: int
             return None
     elif metric != "accuracy":
         return None
-    return lookup(method, protocol, dataset, metric, shots)
+    return lookup(method, protocol, dataset, metric, shots, model)
 
 
-def paper_average(method: str, protocol: str, datasets: list[str], metric: str, shots: int, cells: dict):
+def paper_average(
+    method: str,
+    protocol: str,
+    datasets: list[str],
+    metric: str,
+    shots: int,
+    cells: dict,
+    model: str = "ViT-B-16",
+):
     """The paper's row's `average`: its own mean over exactly its 11 datasets, else our rule."""
     if protocol in ("few_shot", "base_to_new") and sorted(datasets) == sorted(DATASETS_11):
-        fig = lookup(method, protocol, "average", metric, shots)
+        fig = lookup(method, protocol, "average", metric, shots, model)
         if fig is not None:
             return fig.value
     values = [cells.get(ds) for ds in datasets]
@@ -114,17 +125,23 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame, metric: str = "accur
         found = protocol_of(runs_of(ours, keys, done))
         if found is None:
             continue
-        protocol, shots = found
+        protocol, shots, model = found
         # only where we have a number: the paper's row is that number's counterpart
         have = [ds for ds in datasets if pd.notna(ours[f"{ds}_mean"])]
-        figs = {ds: figure_for(ours["method"], protocol, ds, metric, shots) for ds in have}
+        figs = {ds: figure_for(ours["method"], protocol, ds, metric, shots, model) for ds in have}
         figs = {ds: f for ds, f in figs.items() if f is not None}
         if not figs:
             continue
         average = math.nan
         if pd.notna(ours["average"]):
             average = paper_average(
-                ours["method"], protocol, datasets, metric, shots, {ds: f.value for ds, f in figs.items()}
+                ours["method"],
+                protocol,
+                datasets,
+                metric,
+                shots,
+                {ds: f.value for ds, f in figs.items()},
+                model,
             )
         paper = {k: ours[k] for k in keys} | {"method": f"{ours['method']}: paper"}
         delta = {k: ours[k] for k in keys} | {"method": f"{ours['method']}: Δ"}

@@ -4,8 +4,9 @@
     from coop.runner import train_run
     metrics = train_run(load_config(None, ["model.pretrained=none", "data.shots=4"]))
 
-The runner never branches on the method (`cfg.method`, see `coop.methods`): it trains what the
-method's `trainer` says (SGD epochs, a closed-form fit, or nothing), then evaluates.
+The runner never branches on the method (`cfg.method`, see `coop.methods`): it runs the steps the
+method has (`fit` on the training features it asks for, SGD epochs when `trainer == "sgd"`, `tune`
+on the val split when `tunes_on_val`), then evaluates on test.
 
 Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one row per epoch;
 `lr` is the rate that epoch trained at), `checkpoint.pt` (the method's learned tensors +
@@ -51,6 +52,7 @@ from coop.engine import (
     Setup,
     default_output_dir,
     evaluate_run,
+    requested_features,
     setup,
     train_one_epoch,
     training_features,
@@ -146,6 +148,9 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
 
     s = setup(cfg)
     method = s.method
+    if method.tunes_on_val:
+        require_val(s)  # before any feature is encoded
+    fitted, extra = method_fit(s)  # before the optimizer: `fit` may create the trained tensors
     trained = [p for p in method.learnable().values() if p.requires_grad]
     optimizer = build_optimizer(method.param_groups(), cfg.train)
     schedule = plan_schedule(cfg, len(s.dataset.train))
@@ -183,14 +188,13 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
             },
         )
 
-    extra = {}
     if method.trainer == "sgd":
         fit(s, optimizer, schedule, start, history, checkpoint, folder, board)
-    elif method.trainer == "fit":
-        extra = fit_closed_form(s)
+    if method.tunes_on_val:
+        extra.update(tune_on_val(s, fitted))
     metrics = finalize(s, epochs, history, metrics_path, extra)
     board.evaluation("test", metrics, step=epochs)
-    state.update(method.describe())  # what the fit chose, e.g. the linear probe's C
+    state.update(method.describe())  # what the fit and the tuning chose, e.g. the linear probe's C
     checkpoint(epochs, finished=True)
     if pending_evaluations(cfg, folder):
         evaluate_targets(cfg, read_resume_checkpoint(ckpt_path), folder, s.clip, board)
@@ -266,15 +270,33 @@ def fit(
             )
 
 
-def fit_closed_form(s: Setup) -> dict:
-    """A closed-form fit (the linear probe) on train and val features under the test transform."""
+def method_fit(s: Setup) -> tuple[tuple | None, dict]:
+    """The method's `fit` on the training features it requests (`Method.fit_request`), if any.
+
+    Returns:
+        (those features ((V, N, E), labels) or None, the extra metrics `fit` returned).
+    """
+    request = s.method.fit_request
+    if request is None:
+        return None, {}
+    train = requested_features(s, request)
+    return train, s.method.fit(train)
+
+
+def require_val(s: Setup) -> None:
+    """DataError unless the run's dataset has a val split for the method's `tune`."""
     if not s.dataset.val:
         raise DataError(
-            f"method={s.cfg.method} chooses its hyper-parameter on the val split, and {s.cfg.data.name} has none"
+            f"method={s.cfg.method} chooses its hyper-parameters on the val split, and {s.cfg.data.name} has none"
         )
-    train, train_labels = training_features(s, views=1)
+
+
+def tune_on_val(s: Setup, train) -> dict:
+    """The method's `tune` on the val split's features (never the test split's): the linear
+    probe's C, Tip-Adapter's alpha and beta. Returns what it chose, for metrics.json."""
+    require_val(s)
     val, val_labels = val_features(s)
-    return s.method.fit((train[0], train_labels), (val[0], val_labels))
+    return s.method.tune(train, (val[0], val_labels))
 
 
 def run_fields(cfg: DictConfig, method, epochs: int, history: list[dict]) -> dict:

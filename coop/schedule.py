@@ -63,9 +63,12 @@ def cosine(t: int, total: int, lr: float, min_lr: float) -> float:
     return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * t / total))
 
 
-def steps_per_epoch(n: int, batch_size: int) -> int:
-    """Optimizer steps of one epoch over `n` items: full batches only (drop_last, as Dassl's
-    few-shot loaders), or one batch of all items when there are fewer than `batch_size`."""
+def steps_per_epoch(n: int, batch_size: int, drop_last: bool = True) -> int:
+    """Optimizer steps of one epoch over `n` items: full batches only (`train.drop_last`, as
+    Dassl's few-shot loaders), or one batch of all items when there are fewer than `batch_size`;
+    without drop_last (Tip-Adapter-F's loader) a last, smaller batch too."""
+    if not drop_last:
+        return max(1, -(-n // batch_size))
     return n // batch_size if n >= batch_size else 1
 
 
@@ -162,7 +165,7 @@ def plan_schedule(cfg, n_train: int) -> Schedule:
         n_train: items in the (few-shot) train split.
     """
     train = cfg.train
-    per_epoch = steps_per_epoch(n_train, int(train.batch_size))
+    per_epoch = steps_per_epoch(n_train, int(train.batch_size), bool(train.drop_last))
     steps = total_steps(train, int(cfg.data.shots))
     epochs = resolved_epochs(cfg) if steps is None else -(-steps // per_epoch)
     if steps is not None and 0 < epochs <= int(train.warmup_epochs):

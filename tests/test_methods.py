@@ -111,7 +111,7 @@ def test_linear_probe_search_equals_coops(tiny_clip):
 
     method = build_method(tiny_clip, CLASSES, method_cfg("linear_probe"))
     as_t = lambda a: torch.from_numpy(a).float()  # noqa: E731
-    extra = method.fit((as_t(tx), torch.from_numpy(ty)), (as_t(vx), torch.from_numpy(vy)))
+    extra = method.tune((as_t(tx), torch.from_numpy(ty)), (as_t(vx), torch.from_numpy(vy)))
     assert extra["C"] == c
     preds = method.logits(as_t(sx)).argmax(-1).numpy()
     np.testing.assert_array_equal(preds, clf.predict(as_t(sx).double().numpy()))
@@ -121,7 +121,7 @@ def test_linear_probe_binary_and_subset_transfer(tiny_clip):
     tx, ty = clusters(8, n_cls=2, dim=tiny_clip.embed_dim)
     vx, vy = clusters(4, n_cls=2, dim=tiny_clip.embed_dim, seed=1)
     method = build_method(tiny_clip, CLASSES[:2], method_cfg("linear_probe"))
-    method.fit(
+    method.tune(
         (torch.from_numpy(tx).float(), torch.from_numpy(ty)),
         (torch.from_numpy(vx).float(), torch.from_numpy(vy)),
     )
@@ -133,7 +133,7 @@ def test_linear_probe_binary_and_subset_transfer(tiny_clip):
     tx, ty = clusters(8, dim=tiny_clip.embed_dim)
     vx, vy = clusters(4, dim=tiny_clip.embed_dim, seed=1)
     full = build_method(tiny_clip, CLASSES, method_cfg("linear_probe"))
-    full.fit(
+    full.tune(
         (torch.from_numpy(tx).float(), torch.from_numpy(ty)),
         (torch.from_numpy(vx).float(), torch.from_numpy(vy)),
     )

@@ -16,6 +16,7 @@ from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
 from coop.methods.maple import MaPLe
 from coop.methods.promptsrc import PromptSRC
+from coop.methods.tip_adapter import TipAdapter, TipAdapterF
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model import CLIP
@@ -30,6 +31,8 @@ METHODS: dict[str, type[Method]] = {
     "ivlp": IVLP,
     "maple": MaPLe,
     "promptsrc": PromptSRC,
+    "tip_adapter": TipAdapter,
+    "tip_adapter_f": TipAdapterF,
 }
 
 
@@ -53,6 +56,8 @@ __all__ = [
     "Method",
     "MetaNet",
     "PromptSRC",
+    "TipAdapter",
+    "TipAdapterF",
     "TransferError",
     "VPT",
     "VisionPromptMethod",

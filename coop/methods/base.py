@@ -4,11 +4,16 @@
     prepared = method.prepare()                      # per-evaluation state, e.g. text features
     logits = method.logits(image_features, prepared) # (B, n_cls)
 
-How a method learns is one of three kinds (`Method.trainer`):
+How a method learns is up to three steps, each optional, which the runner runs in this order:
 
-    "sgd"   learnable tensors trained by the runner's epoch loop through `loss`
-    "fit"   a closed-form fit on cached features (`fit`), e.g. the linear probe
-    "none"  nothing to learn (zero-shot CLIP)
+    fit(train)        a closed-form step on the training features that the method asks for
+                      (`fit_request`: how many views, augmented or not), before any SGD step;
+                      e.g. Tip-Adapter's cache model
+    SGD epochs        `trainer == "sgd"`: learnable tensors trained by the runner's epoch loop
+                      through `loss` ("none": no SGD, e.g. zero-shot CLIP)
+    tune(train, val)  `tunes_on_val`: hyper-parameters chosen on the val split's features, after
+                      SGD or as the whole fit (the linear probe's C, Tip-Adapter's alpha and beta);
+                      never on test
 
 What a method consumes is one of two kinds (`Method.input`):
 
@@ -29,12 +34,28 @@ optimizer and the schedule (`coop.schedule`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
 from coop.model import CLIP
+
+
+@dataclass(frozen=True)
+class FeatureRequest:
+    """The training features a method's `fit` (and `tune`) takes: ((views, N, E), labels).
+
+    Args:
+        views: passes over the few-shot train split.
+        augment: each pass through the train transform (`train.crop_scale`, flip), seeded per
+            image and pass; False: the test transform (then views is 1).
+    """
+
+    views: int = 1
+    augment: bool = False
 
 
 class TransferError(ValueError):
@@ -53,6 +74,8 @@ class Method(nn.Module):
     name = "method"
     trainer = "none"
     input = "features"
+    tunes_on_val = False  # whether the runner calls `tune` with the val split's features
+    fit_request: FeatureRequest | None = None  # the training features `fit` and `tune` take
     phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
@@ -128,8 +151,18 @@ class Method(nn.Module):
         logits = self.logits(image_features)
         return F.cross_entropy(logits.float(), labels), logits
 
-    def fit(self, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor]) -> dict:
-        """Closed-form fit on (features, labels) pairs; returns extra metrics (trainer == "fit")."""
+    def fit(self, train: tuple[torch.Tensor, torch.Tensor]) -> dict:
+        """A closed-form step on the training features of `fit_request` ((V, N, E), labels), run
+        before the optimizer is built (also when a run resumes: the checkpoint's tensors then
+        replace what it set); returns extra metrics. By default nothing."""
+        return {}
+
+    def tune(
+        self, train: tuple[torch.Tensor, torch.Tensor] | None, val: tuple[torch.Tensor, torch.Tensor]
+    ) -> dict:
+        """Choose hyper-parameters on the val split's features (N, E) and labels (`tunes_on_val`),
+        after SGD training; `train` is what `fit` got (None without `fit_request`). Returns the
+        choice for metrics.json (`describe` should report it too)."""
         raise NotImplementedError
 
     def to_half(self) -> None:

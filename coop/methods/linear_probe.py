@@ -7,7 +7,8 @@ few-shot train and val splits. The regularisation strength C is chosen on val as
 2. bisect 8 times in log space, starting from [C*/10, 10 C*]: fit both ends, keep the better one
    (the left one on ties), and halve the interval towards it (in log10).
 
-The classifier of the last step is the result. It runs on cached features in seconds.
+The classifier of the last step is the result. It runs on cached features in seconds, as the
+engine's `tune` step (`Method.tunes_on_val`): no SGD, the search is the whole fit.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from coop.data import DataError
-from coop.methods.base import Method, TransferError
+from coop.methods.base import FeatureRequest, Method, TransferError
 from coop.model import CLIP
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ class LinearProbe(Method):
     """A linear classifier (n_cls, E) on raw image features, fitted in closed form by `fit`."""
 
     name = "linear_probe"
-    trainer = "fit"
-    test_transform_only = True  # train features come from the test transform, as CoOp extracts them
+    trainer = "none"
+    tunes_on_val = True
+    fit_request = FeatureRequest(views=1, augment=False)  # the test transform, as CoOp extracts them
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
@@ -98,8 +100,10 @@ class LinearProbe(Method):
             self.bias.copy_(tensors["bias"][rows])
             self.C.copy_(tensors["C"])
 
-    def fit(self, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    def tune(self, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor]) -> dict:
+        """CoOp's C search on (features (V=1, N, E) or (N, E), labels) of train and val."""
         (tx, ty), (vx, vy) = train, val
+        tx = tx[0] if tx.dim() == 3 else tx  # (N, E): the one test-transform view
         if len(vy) == 0:
             raise DataError("linear_probe chooses C on the val split, and it is empty")
         to_np = lambda t: t.detach().cpu().double().numpy()  # noqa: E731
