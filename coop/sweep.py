@@ -37,7 +37,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from coop.config import LENGTH_YIELDS, ConfigError, flatten, load_config, run_name
 from coop.data import DATASETS
-from coop.recipes import METHOD_DEFAULTS, YIELDS_TO
+from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 
 log = logging.getLogger("coop.sweep")
 
@@ -65,9 +65,12 @@ class Grid(dict):
 
 
 def recipe_keys(method: str) -> set[str]:
-    """The keys of `method`'s recipe, and the keys whose value would cancel one of its entries
-    (`YIELDS_TO`, `LENGTH_YIELDS`: e.g. prompt.n_ctx cancels CoCoOp's phrase)."""
-    recipe = METHOD_DEFAULTS.get(method, {})
+    """The keys of `method`'s recipe (its per-dataset entries included), and the keys whose value
+    would cancel one of its entries (`YIELDS_TO`, `LENGTH_YIELDS`: e.g. prompt.n_ctx cancels
+    CoCoOp's phrase)."""
+    recipe = {**METHOD_DEFAULTS.get(method, {})}
+    for per_dataset in DATASET_RECIPES.get(method, {}).values():
+        recipe.update(per_dataset)
     yields = {**LENGTH_YIELDS, **YIELDS_TO.get(method, {})}
     cancel = set()
     for key in recipe:
