@@ -48,6 +48,18 @@ METHOD_DEFAULTS = {
         "train.epochs": 5,
         "train.batch_size": 4,
     },
+    # CLIP-LoRA's main.py/lora.py/run_utils.py: the same values for every dataset and shot count.
+    "clip_lora": {
+        "train.optimizer": "adamw",
+        "train.lr": 2e-4,
+        "train.weight_decay": 1e-2,
+        "train.betas": [0.9, 0.999],
+        "train.schedule": "cosine_iter",
+        "train.min_lr": 1e-6,
+        "train.warmup_epochs": 0,
+        "train.iterations_per_shot": 500,
+        "train.batch_size": 32,
+    },
 }
 # A method default not applied when the other key is set: a default context phrase fixes M in
 # CoCoOp and KgCoOp, so it yields to an explicit prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M
