@@ -139,10 +139,12 @@ class LoRAAdapters(nn.Module):
             raise LoRAError(f"lora.dropout must be in [0, 1), got {dropout}")
         self.towers = [t for t in TOWERS if t in towers]
         self.modules_of = nn.ModuleDict()
-        self._blocks = {}  # tower -> ModuleList of that tower's blocks (not registered: CLIP's own)
+        # tower -> that tower's blocks, every tower of ours (a plain dict: CLIP's, not registered here)
+        self._blocks = {"text": clip.text.blocks}
+        if hasattr(clip.visual, "blocks"):
+            self._blocks["vision"] = clip.visual.blocks
         for tower in self.towers:
-            blocks = clip.text.blocks if tower == "text" else clip.visual.blocks
-            self._blocks[tower] = blocks
+            blocks = self._blocks[tower]
             width = blocks[0].attn.in_proj_weight.shape[1]
             chosen = resolve_layers(layers, len(blocks), tower)
             self.modules_of[tower] = nn.ModuleDict(
@@ -164,11 +166,12 @@ class LoRAAdapters(nn.Module):
         }
 
     def attach(self) -> None:
-        """Make every adapted block's attention add its update; other blocks' stay frozen-only."""
+        """Make every adapted block's attention add its update, and every other block of both
+        towers the frozen projection (replacing adapters that another method attached before)."""
         for tower, blocks in self._blocks.items():
+            adapted = self.modules_of[tower] if tower in self.modules_of else {}
             for i, block in enumerate(blocks):
-                module = self.modules_of[tower][str(i)] if str(i) in self.modules_of[tower] else None
-                block.attn.qkv_delta = None if module is None else module.forward
+                block.attn.qkv_delta = adapted[str(i)].forward if str(i) in adapted else None
 
     @torch.no_grad()
     def merged_weights(self) -> dict[str, torch.Tensor]:
