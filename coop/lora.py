@@ -138,6 +138,7 @@ class LoRAAdapters(nn.Module):
         if not 0 <= dropout < 1:
             raise LoRAError(f"lora.dropout must be in [0, 1), got {dropout}")
         self.towers = [t for t in TOWERS if t in towers]
+        self.scale = alpha / math.sqrt(rank)  # s of every adapter
         self.modules_of = nn.ModuleDict()
         # tower -> that tower's blocks, every tower of ours (a plain dict: CLIP's, not registered here)
         self._blocks = {"text": clip.text.blocks}
