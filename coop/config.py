@@ -363,11 +363,15 @@ def validate_lora(cfg: DictConfig) -> None:
         value = lora[key]
         items = list(value) if OmegaConf.is_list(value) else None
         if not items or any(v not in allowed for v in items) or len(set(items)) != len(items):
-            raise ConfigError(f"lora.{key} must be a list of distinct values of {', '.join(allowed)}, got {value!r}")
+            raise ConfigError(
+                f"lora.{key} must be a list of distinct values of {', '.join(allowed)}, got {value!r}"
+            )
     layers = lora.layers
     if OmegaConf.is_list(layers):
         if not layers or not all(_is_int(i) and i >= 0 for i in layers):
-            raise ConfigError(f"lora.layers must be a non-empty list of 0-based block indices, got {layers!r}")
+            raise ConfigError(
+                f"lora.layers must be a non-empty list of 0-based block indices, got {layers!r}"
+            )
     elif layers not in ("all", "half-up", "half-bottom"):
         raise ConfigError(
             f"lora.layers={layers!r} is not one of all, half-up, half-bottom or a list of block indices"

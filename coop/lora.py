@@ -95,7 +95,9 @@ def resolve_layers(spec, n_layers: int, tower: str) -> list[int]:
     """
     if isinstance(spec, str):
         if spec not in LAYER_SETS:
-            raise LoRAError(f"lora.layers={spec!r} is not one of {', '.join(LAYER_SETS)} or a list of block indices")
+            raise LoRAError(
+                f"lora.layers={spec!r} is not one of {', '.join(LAYER_SETS)} or a list of block indices"
+            )
         half = n_layers // 2
         return {
             "all": list(range(n_layers)),
@@ -127,7 +129,9 @@ class LoRAAdapters(nn.Module):
         rank, alpha, dropout: as `QKVLoRA`.
     """
 
-    def __init__(self, clip, towers, targets, layers, rank: int = 2, alpha: float = 1.0, dropout: float = 0.25):
+    def __init__(
+        self, clip, towers, targets, layers, rank: int = 2, alpha: float = 1.0, dropout: float = 0.25
+    ):
         super().__init__()
         towers, targets = list(towers), list(targets)
         for what, values, allowed in (("towers", towers, TOWERS), ("targets", targets, TARGETS)):
@@ -184,7 +188,9 @@ class LoRAAdapters(nn.Module):
         for tower, i, module in self.named_adapters():
             prefix = "" if tower == "text" else "visual."
             weight = self._blocks[tower][i].attn.in_proj_weight
-            out[f"{prefix}transformer.resblocks.{i}.attn.in_proj_weight"] = weight + module.delta_weight().to(weight.dtype)
+            out[f"{prefix}transformer.resblocks.{i}.attn.in_proj_weight"] = weight + module.delta_weight().to(
+                weight.dtype
+            )
         return out
 
     def detach(self) -> None:

@@ -118,7 +118,10 @@ FEW_SHOT_MEANS = {"zeroshot": 65.1, "coop": 79.9}
 # Few-shot at 16 shots per dataset, DATASETS_11 order, then the paper's mean; quoted without a
 # check against the table (the repository's README only plots them, few_shot.png, which agrees).
 FEW_SHOT_16 = {
-    "clip_lora": (CLIP_LORA + ", Table 1", [73.6, 96.4, 92.4, 86.3, 98.0, 84.2, 54.7, 76.1, 72.0, 92.1, 86.7, 83.0]),
+    "clip_lora": (
+        CLIP_LORA + ", Table 1",
+        [73.6, 96.4, 92.4, 86.3, 98.0, 84.2, 54.7, 76.1, 72.0, 92.1, 86.7, 83.0],
+    ),
 }
 
 

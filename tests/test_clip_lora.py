@@ -22,6 +22,7 @@ from coop.lora import LoRAAdapters, LoRAError, resolve_layers
 from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
 from coop.model import CLIP, ModelError
+from coop.published import FEW_SHOT_16, lookup
 from coop.reference.clip_lora import clip_lora_logits
 from coop.runner import evaluate_checkpoint, train_run
 from coop.schedule import build_optimizer
@@ -116,7 +117,9 @@ def test_what_is_adapted_and_learned(models):
     images = torch.randn(2, 3, clip.image_size, clip.image_size)
     with torch.no_grad():
         m.eval()
-        text = clip.encode_text(clip.tokenize([CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in CLASSES]))
+        text = clip.encode_text(
+            clip.tokenize([CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in CLASSES])
+        )
         m.adapters.detach()
         frozen = clip.encode_image(images)
         m.adapters.attach()
@@ -125,7 +128,9 @@ def test_what_is_adapted_and_learned(models):
     loss, _ = m.loss(images, torch.tensor([0, 1]))
     loss.backward()
     assert all(p.grad is None and not p.requires_grad for p in clip.parameters())  # nothing of CLIP
-    assert {n for n, p in m.named_parameters() if p.grad is not None} == {f"adapters.modules_of.{n}" for n in want}
+    assert {n for n, p in m.named_parameters() if p.grad is not None} == {
+        f"adapters.modules_of.{n}" for n in want
+    }
 
 
 def test_merged_weights_in_open_clips_forward_and_no_drift(models):
@@ -193,15 +198,29 @@ def test_vit_l_14_layer_counts_and_the_originals_tables():
     assert resolve_layers("half-up", 24, "vision") == list(range(12, 24))
     assert resolve_layers("half-bottom", 24, "vision") == list(range(12))
     assert resolve_layers("half-up", 12, "text") == [6, 7, 8, 9, 10, 11]
-    with pytest.raises(LoRAError, match=r"lora.layers=\[12\] must be distinct 0-based block indices of the text tower's 12"):
+    with pytest.raises(
+        LoRAError, match=r"lora.layers=\[12\] must be distinct 0-based block indices of the text tower's 12"
+    ):
         LoRAAdapters(clip, ["text"], ["q"], [12])
 
 
 def test_recipe_names_and_errors(tmp_path):
     cfg = load_config(None, ["method=clip_lora"])
     t = cfg.train
-    assert (t.optimizer, t.lr, t.weight_decay, list(t.betas), t.batch_size) == ("adamw", 2e-4, 1e-2, [0.9, 0.999], 32)
-    assert (t.schedule, t.min_lr, t.warmup_epochs, t.iterations_per_shot, t.epochs) == ("cosine_iter", 1e-6, 0, 500, None)
+    assert (t.optimizer, t.lr, t.weight_decay, list(t.betas), t.batch_size) == (
+        "adamw",
+        2e-4,
+        1e-2,
+        [0.9, 0.999],
+        32,
+    )
+    assert (t.schedule, t.min_lr, t.warmup_epochs, t.iterations_per_shot, t.epochs) == (
+        "cosine_iter",
+        1e-6,
+        0,
+        500,
+        None,
+    )
     assert list(t.crop_scale) == [0.08, 1.0] and t.augment
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.layers) == (2, 1.0, 0.25, "all")
     assert run_name(cfg).split("/")[3] == "clip_lora_r2_a1_drop0.25_text+vision_qkv_all"
@@ -251,7 +270,9 @@ def test_non_vit_towers_are_refused(tmp_path):
 
     from coop.weights import load_clip
 
-    resnet = dict(WIDE_VISION, vision_cfg={"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 8})
+    resnet = dict(
+        WIDE_VISION, vision_cfg={"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 8}
+    )
     path = tmp_path / "rn-tiny.json"
     path.write_text(json.dumps(resnet))
     rn = load_clip(str(path), pretrained=None)
@@ -289,4 +310,14 @@ def test_end_to_end_resumed_with_a_worker_is_bit_identical(image_folder, tmp_pat
     again = train_run(load_config(None, tiny_args(image_folder, resumed, **extra, **{"data.num_workers": 1})))
     final = torch.load(resumed / "checkpoint.pt", weights_only=True)["prompt"]
     assert all(torch.equal(final[k], v) for k, v in ckpt["prompt"].items())
-    assert again["accuracy"] == metrics["accuracy"] and again["final_train_loss"] == metrics["final_train_loss"]
+    assert (
+        again["accuracy"] == metrics["accuracy"] and again["final_train_loss"] == metrics["final_train_loss"]
+    )
+
+
+def test_published_figures_are_consistent():
+    *per, mean = FEW_SHOT_16["clip_lora"][1]
+    assert sum(per) / len(per) == pytest.approx(mean, abs=0.06)  # the paper's mean, to its rounding
+    figure = lookup("clip_lora", "few_shot", "average")
+    assert figure.value == 83.0 and not figure.checked and "Table 1" in figure.source
+    assert lookup("clip_lora", "few_shot", "fgvc_aircraft").value == 54.7

@@ -70,7 +70,9 @@ CONTEXT = 77  # tokens per prompt in the reference
 def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=()):
     """`method` with its recipe and `extra` key=value overrides on the first `n_classes` ImageNet names;
     CLIP-LoRA's adapters moved away from their initialisation (B = 0 gives A no gradient)."""
-    built = imagenet_method(clip, method, n_classes, [f"train.grad_checkpointing={grad_checkpointing}", *extra])
+    built = imagenet_method(
+        clip, method, n_classes, [f"train.grad_checkpointing={grad_checkpointing}", *extra]
+    )
     if method == "clip_lora":
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -109,7 +111,9 @@ def reference_loss(name: str, oc, method, inputs, terms: dict):
 def reference_step(name: str, oc, method, inputs):
     """The official computation's logits function of the images, for `method`'s tensors."""
     if name == "clip_lora":  # 77 tokens per class, LoRA added to the weights; ids once, untimed
-        ids = method.clip.tokenize([CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in method.classnames])
+        ids = method.clip.tokenize(
+            [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in method.classnames]
+        )
         ids, tensors, scale = ids.to(method.device), method.learnable(), method.adapters.scale
         return lambda images: clip_lora_logits(oc, images, ids, tensors, scale)
     if name == "vpt":  # text features are frozen and computed once, as in the VPT trainer

@@ -412,25 +412,28 @@ CLIP_LORA_SIZES = {
 def check_clip_lora(device, tiny: bool) -> list[dict]:
     """Time and peak memory of one CLIP-LoRA step, ours (with and without grad checkpointing) and
     the reference, per model."""
-    from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
-    from coop.reference.clip_lora import clip_lora_logits
-
     sizes = CLIP_LORA_SIZES["tiny" if tiny else "full"]
     rows = []
     for model in sizes["models"]:
-        oc, clip = build_models(model, device)
-        method = imagenet_method(clip, "clip_lora", sizes["classes"], sizes["set"])
-        images, labels = step_batch(clip, sizes, device)
-        texts = [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in method.classnames]
-        ids, tensors, scale = clip.tokenize(texts).to(device), method.learnable(), method.adapters.scale
-
-        def reference():
-            return F.cross_entropy(clip_lora_logits(oc, images, ids, tensors, scale).float(), labels)
-
-        rows += timed_steps(model, method, clip, reference, images, labels, sizes, device)
-        del oc, clip, method
+        rows += clip_lora_steps(model, sizes, device)
         free(device)
     return rows
+
+
+def clip_lora_steps(model: str, sizes: dict, device) -> list[dict]:
+    from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
+    from coop.reference.clip_lora import clip_lora_logits
+
+    oc, clip = build_models(model, device)
+    method = imagenet_method(clip, "clip_lora", sizes["classes"], sizes["set"])
+    images, labels = step_batch(clip, sizes, device)
+    texts = [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in method.classnames]
+    ids, tensors, scale = clip.tokenize(texts).to(device), method.learnable(), method.adapters.scale
+
+    def reference():
+        return F.cross_entropy(clip_lora_logits(oc, images, ids, tensors, scale).float(), labels)
+
+    return timed_steps(model, method, clip, reference, images, labels, sizes, device)
 
 
 def print_clip_lora(rows: list[dict]) -> None:
