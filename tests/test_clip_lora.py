@@ -276,7 +276,9 @@ def test_non_vit_towers_are_refused(tmp_path):
     path = tmp_path / "rn-tiny.json"
     path.write_text(json.dumps(resnet))
     rn = load_clip(str(path), pretrained=None)
-    with pytest.raises(ModelError, match="method=clip_lora prompts the image tower, and model rn-tiny"):
+    with pytest.raises(
+        ModelError, match="method=clip_lora adapts the image tower .lora.towers., and model rn-tiny"
+    ):
         build_method(rn, CLASSES, load_config(None, ["method=clip_lora", f"model.name={path}"]))
     text_only = build_method(rn, CLASSES, load_config(None, ["method=clip_lora", "lora.towers=[text]"]))
     assert set(t.split(".")[0] for t in text_only.learnable()) == {"text"}

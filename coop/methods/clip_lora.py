@@ -30,8 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from coop.lora import LoRAAdapters
 from coop.methods.base import Method
-from coop.methods.vpt import vision_tower
-from coop.model import CLIP, cosine_logits
+from coop.model import CLIP, ModelError, cosine_logits
 
 # The original's template for every dataset: each dataset file's own template sits in a string
 # literal, and the live assignment that follows is this one.
@@ -77,8 +76,10 @@ class CLIPLoRA(Method):
             "lora_targets": "".join(lora.targets),
             "lora_layers": layers_tag(lora.layers),
         }
-        if "vision" in towers:
-            vision_tower(clip, self.name)  # a one-line ModelError unless the image tower is ours
+        if "vision" in towers and not clip.supports_vision_prompts:
+            raise ModelError(
+                f"method=clip_lora adapts the image tower (lora.towers), and {clip.vision_refusal}"
+            )
         self.adapters = LoRAAdapters(
             clip,
             towers,
@@ -96,6 +97,7 @@ class CLIPLoRA(Method):
         self.register_buffer("token_ids", ids[:, : int(eos.max()) + 1], persistent=False)  # (n_cls, L)
         self.register_buffer("eos", eos, persistent=False)
         self.prefix = shared_prefix_length(self.token_ids, eos)
+        self._frozen_text: torch.Tensor | None = None  # lora.towers without text: computed once
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +107,18 @@ class CLIPLoRA(Method):
         return self.adapters.tensors()
 
     def text_features(self) -> torch.Tensor:
-        """Unnormalised class features (n_cls, E) of the adapted text tower, packed after [EOS]."""
+        """Unnormalised class features (n_cls, E) of the adapted text tower, packed after [EOS];
+        with the text tower not adapted, its frozen features, computed once (as the original's
+        `clip_classifier` for `--encoder vision`)."""
+        if "text" in self.adapters.towers:
+            return self.encode_classes()
+        if self._frozen_text is None:
+            with torch.no_grad():
+                self._frozen_text = self.encode_classes()
+        return self._frozen_text
+
+    def encode_classes(self) -> torch.Tensor:
+        """(n_cls, E): the template's prompts through the text tower, the shared prefix once."""
         text = self.clip.text
         x = text.token_embedding(self.token_ids)  # (n_cls, L, W)
         p = self.prefix
