@@ -111,7 +111,7 @@ def test_what_is_adapted_and_learned(models):
         assert p.shape == ((2, width[tower]) if rest.endswith("_A") else (width[tower], 2)), name
     assert all(float(p.detach().abs().sum()) == 0 for n, p in tensors.items() if n.endswith("_B"))
     bound = (1 / 128) ** 0.5  # kaiming_uniform(a=sqrt(5)) on (r, W): U(-1/sqrt(W), 1/sqrt(W))
-    a = tensors["vision.0.q_A"]
+    a = tensors["vision.0.q_A"].detach()
     assert 0.5 * bound < float(a.abs().max()) <= bound
     # an untrained adapter (B = 0) is the frozen model: zero-shot CLIP's logits
     images = torch.randn(2, 3, clip.image_size, clip.image_size)
