@@ -1,11 +1,11 @@
 """Low-rank adapters (LoRA) on the packed q|k|v projection of our attention, as CLIP-LoRA uses them.
 
-For a block whose frozen projection is `qkv = x W^T + b` with W = [W_q; W_k; W_v] (3W x W), each
-adapted target t in q, k, v adds s * B_t A_t to its slice of W:
+For a block of width d whose frozen projection is `qkv = x W^T + b`, W = [W_q; W_k; W_v] of shape
+(3d, d), each adapted target t in q, k, v adds s * B_t A_t to its slice of W:
 
-    qkv_t = x W_t^T + b_t + s * drop_t(x) A_t^T B_t^T       A_t (r, W), B_t (W, r), s = alpha / sqrt(r)
+    qkv_t = x W_t^T + b_t + s * drop_t(x) A_t^T B_t^T       A_t (r, d), B_t (d, r), s = alpha / sqrt(r)
 
-computed as two thin products (2 r W multiply-adds per token and target), never as the (W, W)
+computed as two thin products (2 r d multiply-adds per token and target), never as the (d, d)
 matrix B_t A_t, and never written into W: the frozen weight is not copied and cannot drift.
 drop_t is a dropout of its own per target (p = `dropout`, in training mode only) on the input of
 the low-rank branch; the frozen branch sees x itself. A starts kaiming_uniform(a=sqrt(5)) and B at
@@ -14,10 +14,12 @@ rank-stabilised scale that CLIP-LoRA's code uses (not LoRA's alpha / r).
 
     adapters = LoRAAdapters(clip, towers=("text", "vision"), targets="qkv", layers="all")
     adapters.attach()      # each adapted block's attention adds its update (`qkv_delta`)
+    adapters.detach()      # the frozen CLIP again
 
 The adapters belong to whoever builds them (a method); the attention modules only hold a
 reference to their forward (`CausalSelfAttention.qkv_delta`), so CLIP's own state dict, dtype and
-weights stay as loaded.
+weights stay as loaded. While attached, every forward of that CLIP is the adapted one: a CLIP
+carries one set of adapters at a time (`attach` replaces any other).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class QKVLoRA(nn.Module):
     """The low-rank updates of one attention's packed q|k|v projection.
 
     Args:
-        width: the attention's width W.
+        width: the attention's width d.
         targets: which of "q", "k", "v" get an update.
         rank: r.
         alpha: the scale numerator; s = alpha / sqrt(r).
@@ -61,7 +63,7 @@ class QKVLoRA(nn.Module):
             setattr(self, f"{t}_B", nn.Parameter(torch.zeros(width, rank)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., W) normalised hidden states -> (..., 3W) update of q|k|v (zeros where not adapted)."""
+        """(..., d) normalised hidden states -> (..., 3d) update of q|k|v (zeros where not adapted)."""
         parts = []
         for t in TARGETS:
             if t not in self.targets:
@@ -70,11 +72,11 @@ class QKVLoRA(nn.Module):
             a, b = getattr(self, f"{t}_A"), getattr(self, f"{t}_B")
             h = F.dropout(x, self.dropout, self.training)  # a mask of its own per target
             low = F.linear(h, a.to(x.dtype))  # (..., r)
-            parts.append(F.linear(low, b.to(x.dtype)) * self.scale)  # (..., W)
-        return torch.cat(parts, dim=-1)  # (..., 3W)
+            parts.append(F.linear(low, b.to(x.dtype)) * self.scale)  # (..., d)
+        return torch.cat(parts, dim=-1)  # (..., 3d)
 
     def delta_weight(self) -> torch.Tensor:
-        """The (3W, W) matrix [s B_q A_q; s B_k A_k; s B_v A_v] (zeros where not adapted) that
+        """The (3d, d) matrix [s B_q A_q; s B_k A_k; s B_v A_v] (zeros where not adapted) that
         merging adds to the packed weight."""
         zeros = next(self.parameters()).new_zeros(self.width, self.width)
         rows = [
