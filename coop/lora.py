@@ -151,6 +151,10 @@ class LoRAAdapters(nn.Module):
         if hasattr(clip.visual, "blocks"):
             self._blocks["vision"] = clip.visual.blocks
         for tower in self.towers:
+            if tower not in self._blocks:
+                raise LoRAError(
+                    f"the image tower {type(clip.visual).__name__} is not our ViT; it takes no adapters"
+                )
             blocks = self._blocks[tower]
             width = blocks[0].attn.in_proj_weight.shape[1]
             chosen = resolve_layers(layers, len(blocks), tower)
