@@ -23,8 +23,9 @@ sides alternating so that both see the same machine load; wall and process CPU t
 token counts give (tokens weighted by layers x width^2, the cost of a token's linear layers; the
 attention's quadratic term is left out) and the largest differences of loss and gradients.
 
-Memory (`--memory-classes`, default 1000, ours only): the peak of one training step with and
-without `train.grad_checkpointing`, each in a fresh process. On CUDA it is
+Memory (`--memory-classes`, default 1000): the peak of one training step of ours with and
+without `train.grad_checkpointing`, and with `--reference-memory` of the official step, each in a
+fresh process. On CUDA it is
 `torch.cuda.max_memory_allocated` minus what was allocated before the step; on a CPU it is the
 peak resident set size during the step (Linux `VmHWM`, reset through `/proc/self/clear_refs`)
 minus the resident size before it, i.e. what the step added to the process.
@@ -258,12 +259,17 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
     return row
 
 
-def step_memory(args, name: str, grad_checkpointing: bool) -> float | None:
-    """MiB one training step adds at its peak (see the module docstring), measured here."""
+def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = False) -> float | None:
+    """MiB one training step adds at its peak (see the module docstring), measured here: ours, or
+    with `reference` the official computation's step."""
     device = torch.device(args.device)
     oc, clip = build_models(args.model, device)
-    del oc
     method = build(name, clip, args.memory_classes, grad_checkpointing, args.set)
+    if reference:
+        inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
+        official = reference_loss(name, oc, method, inputs, {})
+    else:
+        del oc
     clip.text.grad_checkpointing = grad_checkpointing  # as the engine sets it: both towers
     gen = torch.Generator().manual_seed(1)
     size = clip.image_size
@@ -279,7 +285,7 @@ def step_memory(args, name: str, grad_checkpointing: bool) -> float | None:
         except OSError:
             return None
         before = _status_kib("VmRSS")
-    method.loss(images, labels)[0].backward()
+    (official(images, labels) if reference else method.loss(images, labels)[0]).backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - before) / 2**20
@@ -294,29 +300,43 @@ def _status_kib(field: str) -> int:
 
 
 def memory(args, name: str) -> dict:
-    """Peak MiB of a step with and without grad checkpointing, each in a fresh process."""
+    """Peak MiB of a step with and without grad checkpointing (and, with `--reference-memory`, of
+    the official step), each in a fresh process."""
+    sides = {
+        "ours": ["--measure-memory"],
+        "ours, grad checkpointing": ["--measure-memory", "--grad-checkpointing"],
+    }
+    if args.reference_memory:
+        sides["reference"] = ["--measure-memory", "--reference"]
     out = {}
-    for ckpt in (False, True):
+    for side, flags in sides.items():
         cmd = [sys.executable, __file__, "--method", name, "--model", args.model, "--batch", str(args.batch)]
-        cmd += ["--device", args.device, "--memory-classes", str(args.memory_classes), "--measure-memory"]
-        cmd += ["--grad-checkpointing"] if ckpt else []
+        cmd += ["--device", args.device, "--memory-classes", str(args.memory_classes), *flags]
         cmd += [x for item in args.set for x in ("--set", item)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             lines = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            out[ckpt] = None
-            print(f"memory with grad_checkpointing={ckpt}: failed ({lines})")
+            out[side] = None
+            print(f"memory of {side}: failed ({lines})")
             continue
-        out[ckpt] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+        out[side] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
     what = (
         "torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS added by the step"
     )
     fmt = lambda v: "n/a" if v is None else f"{v:.0f} MiB"  # noqa: E731
+    reference = f", the reference {fmt(out['reference'])}" if "reference" in out else ""
     print(
         f"\nmemory of one {name} step, {args.memory_classes} classes, batch {args.batch} ({what}): "
-        f"{fmt(out[False])} without, {fmt(out[True])} with grad checkpointing"
+        f"{fmt(out['ours'])} without, {fmt(out['ours, grad checkpointing'])} with grad checkpointing{reference}"
     )
-    return {"classes": args.memory_classes, "peak_mib": out[False], "peak_mib_checkpointing": out[True]}
+    row = {
+        "classes": args.memory_classes,
+        "peak_mib": out["ours"],
+        "peak_mib_checkpointing": out["ours, grad checkpointing"],
+    }
+    if "reference" in out:
+        row["peak_mib_reference"] = out["reference"]
+    return row
 
 
 def main(argv=None) -> int:
@@ -333,16 +353,24 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--memory-classes", type=int, default=1000, help="classes of the memory measurement")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    ap.add_argument(
+        "--reference-memory",
+        action="store_true",
+        help="also measure the official step's memory (a third process)",
+    )
     ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--grad-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.measure_memory:
-        print(json.dumps({"peak_mib": step_memory(args, args.method, args.grad_checkpointing)}))
+        print(
+            json.dumps({"peak_mib": step_memory(args, args.method, args.grad_checkpointing, args.reference)})
+        )
         return 0
 
     device = torch.device(args.device)
