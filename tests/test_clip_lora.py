@@ -117,10 +117,10 @@ def test_what_is_adapted_and_learned(models):
     images = torch.randn(2, 3, clip.image_size, clip.image_size)
     with torch.no_grad():
         m.eval()
+        m.adapters.detach()  # the frozen CLIP's own forward, on the full 77-token ids
         text = clip.encode_text(
             clip.tokenize([CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in CLASSES])
         )
-        m.adapters.detach()
         frozen = clip.encode_image(images)
         m.adapters.attach()
         zero_shot = clip.logit_scale.exp() * F.normalize(frozen, dim=-1) @ F.normalize(text, dim=-1).T
