@@ -44,10 +44,10 @@ def models():
     return {name: (oc, CLIP.from_openclip(oc, name=name)) for name, oc in (("vit-b", vit_b), ("wide", wide))}
 
 
-def build(clip, *overrides: str, seed: int = 0):
+def build(clip, *overrides: str, seed: int = 0, classes=CLASSES):
     torch.manual_seed(seed)
     cfg = load_config(None, ["method=clip_lora", f"model.name={TINY_CONFIG}", *overrides])
-    return build_method(clip, CLASSES, cfg)
+    return build_method(clip, classes, cfg)
 
 
 def randomise_adapters(method, seed: int = 0) -> None:
@@ -58,8 +58,12 @@ def randomise_adapters(method, seed: int = 0) -> None:
             p.copy_(0.3 * torch.randn(p.shape, generator=gen))
 
 
+# Class names that share their first word: the shared prefix reaches into them ("[SOS] a photo of
+# a red"), and one name ends there, so the prefix stops at its [EOS].
+SAME_START = ["red thing", "red", "red car"]
 CASES = {
     "all": [],
+    "same-start": [],
     "subset": ["lora.towers=[text]", "lora.targets=[q,v]", "lora.layers=[1]", "lora.rank=3", "lora.alpha=2"],
     "vision-half-up": ["lora.towers=[vision]", "lora.layers=half-up"],
 }
@@ -69,14 +73,16 @@ CASES = {
 def test_logits_and_every_gradient_match_the_reference(models, model, case):
     """The subsets (one tower, some targets, some blocks, other rank and alpha) on the shrunk ViT-B."""
     oc, clip = models[model]
-    m = build(clip, *CASES[case])
+    classes = SAME_START if case == "same-start" else CLASSES
+    m = build(clip, *CASES[case], classes=classes)
+    assert m.prefix == (6 if case == "same-start" else 5)
     m.eval()  # dropout off: the reference has none
     randomise_adapters(m)
     tensors = m.learnable()
     gen = torch.Generator().manual_seed(1)
     size = clip.image_size
     images, labels = torch.randn(2, 3, size, size, generator=gen), torch.tensor([0, 2])
-    ids = clip.tokenize([CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in CLASSES])  # (3, 77)
+    ids = clip.tokenize([CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in classes])  # (3, 77)
     scale = float(m.settings["lora_alpha"]) / m.settings["lora_rank"] ** 0.5
     ref = clip_lora_logits(oc, images, ids, tensors, scale)
     loss, ours = m.loss(images, labels)
@@ -182,6 +188,16 @@ def test_dropout_acts_on_the_low_rank_branch_only(models):
         assert torch.equal(m.logits(images), evaluated)  # eval: deterministic, no dropout
         m.train()
         assert not torch.allclose(m.logits(images), evaluated)
+        # one mask per target: equal q and k adapters give different q and k updates in training
+        lora = next(module for _, _, module in m.adapters.named_adapters())
+        lora.k_A.copy_(lora.q_A)
+        lora.k_B.copy_(lora.q_B)
+        d = lora.width
+        delta = lora(torch.randn(4, 5, d))  # (4, 5, 3d)
+        assert not torch.equal(delta[..., :d], delta[..., d : 2 * d])
+        lora.eval()
+        delta = lora(torch.randn(4, 5, d))
+        assert torch.equal(delta[..., :d], delta[..., d : 2 * d])
     m.adapters.detach()
 
 
