@@ -33,6 +33,7 @@ METHODS = (
     "promptsrc",
     "tip_adapter",
     "tip_adapter_f",
+    "clip_lora",
 )  # see coop.methods
 
 DEFAULTS = {
@@ -95,6 +96,14 @@ DEFAULTS = {
         "search_scale": [7, 3],  # [beta, alpha]: the grids' upper ends (excluded)
         "search_step": [200, 20],  # [beta, alpha]: the grids' sizes
         "templates": "tip",  # Tip-Adapter's: CoOp's per dataset, its 7-template ensemble for ImageNet
+    },
+    "lora": {  # coop.lora, coop.methods.clip_lora; layers: all | half-up | half-bottom | [0-based blocks]
+        "rank": 2,
+        "alpha": 1.0,
+        "dropout": 0.25,
+        "towers": ["text", "vision"],
+        "targets": ["q", "k", "v"],
+        "layers": "all",
     },
     "eval": {"targets": []},
     "fl": {
@@ -284,6 +293,7 @@ def validate(cfg: DictConfig) -> None:
             "train.epochs=0 evaluates untrained prompts: set prompt.ctx_init (e.g. 'a photo of a')"
         )
     validate_vision(cfg)
+    validate_lora(cfg)
     chunk = cfg.cocoop.chunk_prompts
     if not _is_int(chunk) or chunk < 1:
         raise ConfigError(f"cocoop.chunk_prompts must be an integer >= 1, got {chunk!r}")
@@ -381,8 +391,38 @@ def validate_optimizer(cfg: DictConfig) -> None:
         )
 
 
+def validate_lora(cfg: DictConfig) -> None:
+    """`lora.*` (coop.lora): rank >= 1, alpha > 0, dropout in [0, 1), towers/targets from their sets,
+    layers "all" | "half-up" | "half-bottom" | a list of 0-based block indices (checked against
+    each tower's block count when the method is built)."""
+    lora = cfg.lora
+    if not _is_int(lora.rank) or lora.rank < 1:
+        raise ConfigError(f"lora.rank must be an integer >= 1, got {lora.rank!r}")
+    if not _is_number(lora.alpha) or not lora.alpha > 0:
+        raise ConfigError(f"lora.alpha must be a number > 0, got {lora.alpha!r}")
+    if not _is_number(lora.dropout) or not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.dropout must be a number in [0, 1), got {lora.dropout!r}")
+    for key, allowed in (("towers", ("text", "vision")), ("targets", ("q", "k", "v"))):
+        value = lora[key]
+        items = list(value) if OmegaConf.is_list(value) else None
+        if not items or any(v not in allowed for v in items) or len(set(items)) != len(items):
+            raise ConfigError(
+                f"lora.{key} must be a list of distinct values of {', '.join(allowed)}, got {value!r}"
+            )
+    layers = lora.layers
+    if OmegaConf.is_list(layers):
+        if not layers or not all(_is_int(i) and i >= 0 for i in layers):
+            raise ConfigError(
+                f"lora.layers must be a non-empty list of 0-based block indices, got {layers!r}"
+            )
+    elif layers not in ("all", "half-up", "half-bottom"):
+        raise ConfigError(
+            f"lora.layers={layers!r} is not one of all, half-up, half-bottom or a list of block indices"
+        )
+
+
 # methods without learned text context
-PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "tip_adapter", "tip_adapter_f")
+PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "tip_adapter", "tip_adapter_f", "clip_lora")
 
 
 def check_base_to_new(cfg: DictConfig) -> None:
@@ -460,6 +500,11 @@ def method_settings(cfg: DictConfig) -> str:
         return "linear_probe"
     if cfg.method in ("tip_adapter", "tip_adapter_f"):
         return f"{cfg.method}_views{cfg.tip.augment_epochs}"
+    if cfg.method == "clip_lora":
+        lora = cfg.lora
+        layers = lora.layers if isinstance(lora.layers, str) else "-".join(str(i) for i in lora.layers)
+        towers, targets = "+".join(lora.towers), "".join(lora.targets)
+        return f"clip_lora_r{lora.rank}_a{lora.alpha:g}_drop{lora.dropout:g}_{towers}_{targets}_{layers}"
     vision = f"vctx{cfg.vision.n_ctx}_vdepth{cfg.vision.depth}"
     if cfg.method == "vpt":
         return f"vpt_{vision}"

@@ -69,6 +69,18 @@ METHOD_DEFAULTS = {
         "train.drop_last": False,
         "train.epochs": 20,
     },
+    # CLIP-LoRA's main.py/lora.py/run_utils.py: the same values for every dataset and shot count.
+    "clip_lora": {
+        "train.optimizer": "adamw",
+        "train.lr": 2e-4,
+        "train.weight_decay": 1e-2,
+        "train.betas": [0.9, 0.999],
+        "train.schedule": "cosine_iter",
+        "train.min_lr": 1e-6,
+        "train.warmup_epochs": 0,
+        "train.iterations_per_shot": 500,
+        "train.batch_size": 32,
+    },
 }
 
 # Tip-Adapter's configs/<dataset>.yaml (the same file for 1 to 16 shots and both methods): init_beta,

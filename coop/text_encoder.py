@@ -74,10 +74,19 @@ class CausalSelfAttention(nn.Module):
         self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))  # rows: q | k | v
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
         self.out_proj = nn.Linear(width, width)
+        # An optional update of the packed projection set by a method (CLIP-LoRA's low-rank q|k|v
+        # adapters): a callable (..., W) -> (..., 3W), deliberately not a submodule, so CLIP's
+        # weights, state dict and dtype stay exactly as loaded. None: the frozen projection.
+        self.qkv_delta = None
+
+    def in_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed q|k|v projection of (..., W) hidden states: (..., 3W), plus `qkv_delta(x)`."""
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
+        return qkv if self.qkv_delta is None else qkv + self.qkv_delta(x)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, length, width = x.shape
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (N, L, 3W)
+        qkv = self.in_proj(x)  # (N, L, 3W)
         qkv = qkv.view(n, length, 3, self.heads, width // self.heads)  # (N, L, 3, H, Dh)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, H, L, Dh)
         return q, k, v
@@ -125,7 +134,7 @@ class CausalSelfAttention(nn.Module):
         Returns:
             (G, T or len(out), W).
         """
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (G, T, 3W)
+        qkv = self.in_proj(x)  # (G, T, 3W)
         return self.out_proj(packing.attention(qkv, self.heads, k_prefix, v_prefix, out))
 
 

@@ -55,6 +55,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     maple = report["maple"]
     assert [r["side"] for r in maple] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["ms"] > 0 and r["peak_mib"] is None and r["classes"] == 20 for r in maple)
+    assert [r["side"] for r in report["clip_lora"]] == [r["side"] for r in maple]
     out = capsys.readouterr().out
     assert (
         "all checks passed" in out and "no decoding/augmentation" in out and "one MaPLe training step" in out
@@ -72,6 +73,7 @@ def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gpu_check, "check_text_bound", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_memory", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_maple", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_clip_lora", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_epoch", out_of_memory)
     assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 1
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -135,3 +137,14 @@ def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, capsys):
     )
     # (in a process that has already run steps, freed memory is reused: the added peak can be 0)
     assert bench_vl.step_memory(child, "maple", grad_checkpointing=True) >= 0
+
+
+def test_bench_vl_clip_lora_matches_its_reference(tmp_path):
+    out_json = tmp_path / "lora.json"
+    args = ["--method", "clip_lora", "--model", str(TINY_CONFIG), "--classes", "4", "--batch", "2"]
+    assert load_tool("bench_vl").main([*args, "--no-memory", "--json", str(out_json)]) == 0
+    step = json.loads(out_json.read_text())["steps"][0]
+    # the reference: 77 tokens per class; ours: the shared "[SOS] a photo of a" once, then each row to [EOS]
+    assert step["reference_text"] == 4 * 77 and step["ours_text"] < 4 * 12
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert len(step["grad_diff"]) == (3 + 2) * 6  # A and B of q, k, v in every block of both towers

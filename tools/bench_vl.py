@@ -1,4 +1,4 @@
-"""Benchmark one VPT, IVLP, MaPLe or PromptSRC training step: ours vs the official way.
+"""Benchmark one VPT, IVLP, MaPLe, PromptSRC or CLIP-LoRA training step: ours vs the official way.
 
     python tools/bench_vl.py --method maple [--model ViT-B-16] [--classes 100 1000] [--batch 4]
                              [--memory-classes 1000] [--no-memory] [--device cpu]
@@ -12,7 +12,10 @@ for the same method, images and labels, in one process, on random weights, with 
 - the reference: `coop.reference.{vpt,ivlp,maple}_logits`, as the MaPLe repository computes it:
   every class's full 77-token prompt through open_clip's own text modules every step (VPT's frozen
   text features once, as its code does at build time) and open_clip's own image modules with the
-  prompt concatenation written out.
+  prompt concatenation written out; CLIP-LoRA: `coop.reference.clip_lora.clip_lora_logits`, every
+  class's 77 tokens through open_clip's modules with the low-rank updates added to the q, k, v
+  weights, as MaxZanella/CLIP-LoRA computes it (the adapters start away from B = 0 here, and both
+  sides run without dropout, so that they compute the same function).
 
 Each side gets `--warmup` untimed steps, then the best of `--repeats` timed steps counts, the two
 sides alternating so that both see the same machine load; wall and process CPU times are printed
@@ -20,8 +23,9 @@ sides alternating so that both see the same machine load; wall and process CPU t
 token counts give (tokens weighted by layers x width^2, the cost of a token's linear layers; the
 attention's quadratic term is left out) and the largest differences of loss and gradients.
 
-Memory (`--memory-classes`, default 1000, ours only): the peak of one training step with and
-without `train.grad_checkpointing`, each in a fresh process. On CUDA it is
+Memory (`--memory-classes`, default 1000): the peak of one training step of ours with and
+without `train.grad_checkpointing`, and with `--reference-memory` of the official step, each in a
+fresh process. On CUDA it is
 `torch.cuda.max_memory_allocated` minus what was allocated before the step; on a CPU it is the
 peak resident set size during the step (Linux `VmHWM`, reset through `/proc/self/clear_refs`)
 minus the resident size before it, i.e. what the step added to the process.
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import build_models, imagenet_method, max_rel_diff, sync  # noqa: E402
 
+from coop.methods.clip_lora import CLIP_LORA_TEMPLATE  # noqa: E402
 from coop.reference import (  # noqa: E402
     ivlp_logits,
     maple_logits,
@@ -57,16 +62,24 @@ from coop.reference import (  # noqa: E402
     reference_inputs,
     vpt_logits,
 )
+from coop.reference.clip_lora import clip_lora_logits  # noqa: E402
 
-METHODS = ("maple", "ivlp", "vpt", "promptsrc")
+METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora")
 CONTEXT = 77  # tokens per prompt in the reference
 
 
 def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=()):
-    """`method` with its recipe and `extra` key=value overrides on the first `n_classes` ImageNet names."""
-    return imagenet_method(
+    """`method` with its recipe and `extra` key=value overrides on the first `n_classes` ImageNet names;
+    CLIP-LoRA's adapters moved away from their initialisation (B = 0 gives A no gradient)."""
+    built = imagenet_method(
         clip, method, n_classes, [f"train.grad_checkpointing={grad_checkpointing}", *extra]
     )
+    if method == "clip_lora":
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for t in built.learnable().values():
+                t.copy_(0.02 * torch.randn(t.shape, generator=gen))
+    return built
 
 
 def reference_loss(name: str, oc, method, inputs, terms: dict):
@@ -98,6 +111,12 @@ def reference_loss(name: str, oc, method, inputs, terms: dict):
 
 def reference_step(name: str, oc, method, inputs):
     """The official computation's logits function of the images, for `method`'s tensors."""
+    if name == "clip_lora":  # 77 tokens per class, LoRA added to the weights; ids once, untimed
+        ids = method.clip.tokenize(
+            [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in method.classnames]
+        )
+        ids, tensors, scale = ids.to(method.device), method.learnable(), method.adapters.scale
+        return lambda images: clip_lora_logits(oc, images, ids, tensors, scale)
     if name == "vpt":  # text features are frozen and computed once, as in the VPT trainer
         text = method.fixed_text_features
         return lambda images: vpt_logits(oc, images, None, method.vision_prompts(), text_features=text)
@@ -114,12 +133,15 @@ def reference_step(name: str, oc, method, inputs):
 def token_bound(name: str, method, clip, batch: int) -> dict:
     """Tokens per step of both sides and the speed-up they bound (tokens x layers x width^2)."""
     tower = clip.visual
-    image = batch * (tower.cfg.tokens + method.vision_prompts()[0].shape[0])
+    prompts = method.vision_prompts() if hasattr(method, "vision_prompts") else [torch.zeros(0)]
+    image = batch * (tower.cfg.tokens + prompts[0].shape[0])
     if name == "promptsrc":  # both sides also run the frozen tower forward: ~1/3 of a training pass
         image += batch * tower.cfg.tokens // 3
     n_cls = len(method.classnames)
     if name == "vpt":  # neither side runs the text tower per step
         ref_text = ours_text = 0
+    elif name == "clip_lora":  # the shared prefix once, then every prompt's own tokens up to [EOS]
+        ref_text, ours_text = n_cls * CONTEXT, method.prefix + int((method.eos + 1 - method.prefix).sum())
     else:
         ref_text, ours_text = n_cls * CONTEXT, int((method.prompt_learner.eos + 1).sum())
     t, v = clip.text.cfg, tower.cfg
@@ -156,12 +178,25 @@ def reference_fits(text_tokens: int, clip, device) -> tuple[bool, float]:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] / 2**30
     else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        free = _available_gib()
     return need < 0.8 * free, need
+
+
+def _available_gib() -> float:
+    """Memory a new allocation can get: Linux's MemAvailable (free pages plus reclaimable cache),
+    else the free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
     method = build(name, clip, n_classes, extra=args.set)
+    method.eval()  # the same function on both sides: no dropout (CLIP-LoRA's only random term)
     gen = torch.Generator().manual_seed(1)
     size = clip.image_size
     images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)
@@ -178,7 +213,7 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
         print(
             f"reference skipped: its graph needs about {need:.0f} GiB, more than this {device.type} has free"
         )
-    inputs = None if name == "vpt" else reference_inputs(oc, method.prompt_learner)  # once, untimed
+    inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
     ref_terms = {}
     reference = reference_loss(name, oc, method, inputs, ref_terms)
     sides = {"coop": lambda: method.loss(images, labels)[0]}
@@ -224,12 +259,17 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
     return row
 
 
-def step_memory(args, name: str, grad_checkpointing: bool) -> float | None:
-    """MiB one training step adds at its peak (see the module docstring), measured here."""
+def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = False) -> float | None:
+    """MiB one training step adds at its peak (see the module docstring), measured here: ours, or
+    with `reference` the official computation's step."""
     device = torch.device(args.device)
     oc, clip = build_models(args.model, device)
-    del oc
     method = build(name, clip, args.memory_classes, grad_checkpointing, args.set)
+    if reference:
+        inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
+        official = reference_loss(name, oc, method, inputs, {})
+    else:
+        del oc
     clip.text.grad_checkpointing = grad_checkpointing  # as the engine sets it: both towers
     gen = torch.Generator().manual_seed(1)
     size = clip.image_size
@@ -245,7 +285,7 @@ def step_memory(args, name: str, grad_checkpointing: bool) -> float | None:
         except OSError:
             return None
         before = _status_kib("VmRSS")
-    method.loss(images, labels)[0].backward()
+    (official(images, labels) if reference else method.loss(images, labels)[0]).backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - before) / 2**20
@@ -260,29 +300,43 @@ def _status_kib(field: str) -> int:
 
 
 def memory(args, name: str) -> dict:
-    """Peak MiB of a step with and without grad checkpointing, each in a fresh process."""
+    """Peak MiB of a step with and without grad checkpointing (and, with `--reference-memory`, of
+    the official step), each in a fresh process."""
+    sides = {
+        "ours": ["--measure-memory"],
+        "ours, grad checkpointing": ["--measure-memory", "--grad-checkpointing"],
+    }
+    if args.reference_memory:
+        sides["reference"] = ["--measure-memory", "--reference"]
     out = {}
-    for ckpt in (False, True):
+    for side, flags in sides.items():
         cmd = [sys.executable, __file__, "--method", name, "--model", args.model, "--batch", str(args.batch)]
-        cmd += ["--device", args.device, "--memory-classes", str(args.memory_classes), "--measure-memory"]
-        cmd += ["--grad-checkpointing"] if ckpt else []
+        cmd += ["--device", args.device, "--memory-classes", str(args.memory_classes), *flags]
         cmd += [x for item in args.set for x in ("--set", item)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             lines = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            out[ckpt] = None
-            print(f"memory with grad_checkpointing={ckpt}: failed ({lines})")
+            out[side] = None
+            print(f"memory of {side}: failed ({lines})")
             continue
-        out[ckpt] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+        out[side] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
     what = (
         "torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS added by the step"
     )
     fmt = lambda v: "n/a" if v is None else f"{v:.0f} MiB"  # noqa: E731
+    reference = f", the reference {fmt(out['reference'])}" if "reference" in out else ""
     print(
         f"\nmemory of one {name} step, {args.memory_classes} classes, batch {args.batch} ({what}): "
-        f"{fmt(out[False])} without, {fmt(out[True])} with grad checkpointing"
+        f"{fmt(out['ours'])} without, {fmt(out['ours, grad checkpointing'])} with grad checkpointing{reference}"
     )
-    return {"classes": args.memory_classes, "peak_mib": out[False], "peak_mib_checkpointing": out[True]}
+    row = {
+        "classes": args.memory_classes,
+        "peak_mib": out["ours"],
+        "peak_mib_checkpointing": out["ours, grad checkpointing"],
+    }
+    if "reference" in out:
+        row["peak_mib_reference"] = out["reference"]
+    return row
 
 
 def main(argv=None) -> int:
@@ -299,16 +353,24 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--memory-classes", type=int, default=1000, help="classes of the memory measurement")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    ap.add_argument(
+        "--reference-memory",
+        action="store_true",
+        help="also measure the official step's memory (a third process)",
+    )
     ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--grad-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.measure_memory:
-        print(json.dumps({"peak_mib": step_memory(args, args.method, args.grad_checkpointing)}))
+        print(
+            json.dumps({"peak_mib": step_memory(args, args.method, args.grad_checkpointing, args.reference)})
+        )
         return 0
 
     device = torch.device(args.device)

@@ -27,7 +27,10 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              classes, batch 4, bf16 autocast: ours with and without grad checkpointing, and the
              reference computed the official way (`coop.reference.maple_logits`: 77 tokens per
              class through open_clip's modules); time (best of 3 after a warm-up step) and peak
-             torch.cuda.max_memory_allocated of the step.
+             torch.cuda.max_memory_allocated of the step;
+  clip_lora  the same for one CLIP-LoRA step (rank-2 q|k|v adapters in every block of both towers),
+             1,000 classes, batch 32 (its recipe): ours against `coop.reference.clip_lora`
+             (77 tokens per class, LoRA added to the weights, as its original computes it).
 
 Writes `gpu_check.json` into --out (default: the current folder) and prints a table. Without
 CUDA it prints one line and exits 0. `--quick` uses 3,200 images for the epoch.
@@ -323,15 +326,20 @@ def check_maple(device, tiny: bool) -> list[dict]:
     return rows
 
 
+def step_batch(clip, sizes: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images and labels of one step of `sizes["batch"]` over `sizes["classes"]`."""
+    gen = torch.Generator(device).manual_seed(0)
+    size = clip.image_size
+    images = torch.randn(sizes["batch"], 3, size, size, device=device, generator=gen)
+    return images, torch.randint(sizes["classes"], (sizes["batch"],), device=device, generator=gen)
+
+
 def maple_steps(model: str, sizes: dict, device) -> list[dict]:
     from coop.reference import maple_logits, reference_inputs
 
     oc, clip = build_models(model, device)
     method = imagenet_method(clip, "maple", sizes["classes"], sizes["set"])
-    gen = torch.Generator(device).manual_seed(0)
-    size = clip.image_size
-    images = torch.randn(sizes["batch"], 3, size, size, device=device, generator=gen)
-    labels = torch.randint(sizes["classes"], (sizes["batch"],), device=device, generator=gen)
+    images, labels = step_batch(clip, sizes, device)
     pl = method.prompt_learner
     ids, _, slots = reference_inputs(oc, pl)
     projections = [method.proj, *method.compound_prompt_projections]
@@ -339,6 +347,13 @@ def maple_steps(model: str, sizes: dict, device) -> list[dict]:
     def reference():
         logits = maple_logits(oc, images, ids, slots, pl.ctx, pl.deep_ctx, projections)
         return F.cross_entropy(logits.float(), labels)
+
+    return timed_steps(model, method, clip, reference, images, labels, sizes, device)
+
+
+def timed_steps(model: str, method, clip, reference, images, labels, sizes: dict, device) -> list[dict]:
+    """Best time and peak memory of one step (bf16 autocast, forward + backward): ours without and
+    with grad checkpointing in both towers, then `reference()` (which returns its loss)."""
 
     def ours():
         return method.loss(images, labels)[0]
@@ -369,6 +384,11 @@ def maple_steps(model: str, sizes: dict, device) -> list[dict]:
 
 def print_maple(rows: list[dict]) -> None:
     print("one MaPLe training step (n_ctx 2, depth 9, bf16 autocast)")
+    print_maple_rows(rows)
+
+
+def print_maple_rows(rows: list[dict]) -> None:
+    """One line per (model, side): time and peak memory of the step."""
     for r in rows:
         mem = (
             "n/a (no CUDA)"
@@ -380,7 +400,48 @@ def print_maple(rows: list[dict]) -> None:
         )
 
 
-# --- end of the MaPLe section -------------------------------------------------------------------
+# --- CLIP-LoRA: one training step of both adapted towers (issue 22) ----------------------------
+
+CLIP_LORA_SIZES = {
+    "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 32, "repeats": 3, "set": ()},
+    "tiny": {"models": (str(REPO / "configs/models/coop-tiny.json"),), "classes": 20, "batch": 2, "repeats": 1,
+             "set": ()},
+}  # fmt: skip
+
+
+def check_clip_lora(device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one CLIP-LoRA step, ours (with and without grad checkpointing) and
+    the reference, per model."""
+    sizes = CLIP_LORA_SIZES["tiny" if tiny else "full"]
+    rows = []
+    for model in sizes["models"]:
+        rows += clip_lora_steps(model, sizes, device)
+        free(device)
+    return rows
+
+
+def clip_lora_steps(model: str, sizes: dict, device) -> list[dict]:
+    from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
+    from coop.reference.clip_lora import clip_lora_logits
+
+    oc, clip = build_models(model, device)
+    method = imagenet_method(clip, "clip_lora", sizes["classes"], sizes["set"])
+    images, labels = step_batch(clip, sizes, device)
+    texts = [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in method.classnames]
+    ids, tensors, scale = clip.tokenize(texts).to(device), method.learnable(), method.adapters.scale
+
+    def reference():
+        return F.cross_entropy(clip_lora_logits(oc, images, ids, tensors, scale).float(), labels)
+
+    return timed_steps(model, method, clip, reference, images, labels, sizes, device)
+
+
+def print_clip_lora(rows: list[dict]) -> None:
+    print("one CLIP-LoRA training step (rank 2, q|k|v of every block of both towers, bf16 autocast)")
+    print_maple_rows(rows)
+
+
+# --- end of the CLIP-LoRA section ---------------------------------------------------------------
 
 PRINTERS = {
     "parity": print_parity,
@@ -389,6 +450,7 @@ PRINTERS = {
     "text_bound": print_text_bound,
     "epoch": print_epoch,
     "maple": print_maple,
+    "clip_lora": print_clip_lora,
 }
 
 
@@ -433,6 +495,7 @@ def main(argv=None) -> int:
         "memory": lambda: check_memory(oc, clip, sizes["memory"], device),
         "epoch": lambda: check_epoch(clip, sizes["memory"], sizes["images"], device),
         "maple": lambda: check_maple(device, args.tiny),
+        "clip_lora": lambda: check_clip_lora(device, args.tiny),
     }
     for section, run in sections.items():
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from coop.methods.base import Method, TransferError
+from coop.methods.clip_lora import CLIPLoRA
 from coop.methods.cocoop import CoCoOp, MetaNet
 from coop.methods.coop import CoOp, build_learner
 from coop.methods.ivlp import IVLP
@@ -33,6 +34,7 @@ METHODS: dict[str, type[Method]] = {
     "promptsrc": PromptSRC,
     "tip_adapter": TipAdapter,
     "tip_adapter_f": TipAdapterF,
+    "clip_lora": CLIPLoRA,
 }
 
 
@@ -46,6 +48,7 @@ def build_method(clip: CLIP, classnames: list[str], cfg: DictConfig) -> Method:
 
 __all__ = [
     "COOP_TEMPLATES",
+    "CLIPLoRA",
     "METHODS",
     "CoCoOp",
     "CoOp",

@@ -1,0 +1,107 @@
+"""Reference CLIP-LoRA step on OpenCLIP's own modules, the way MaxZanella/CLIP-LoRA computes it.
+
+Every class's full 77-token prompt "a photo of a {class}." runs through the whole text tower at
+every step, and the low-rank updates are added to the weights: each adapted block's q, k and v
+projections use W_t + s * B_t @ A_t (the original's merged `LinearLoRA`), written out block by
+block with explicit loops over open_clip's `ResidualAttentionBlock`s (ln_1, the separate q, k, v
+projections, attention with open_clip's additive causal mask, out_proj, ln_2, mlp). Nothing here
+shares code with `coop.lora` or our towers: it is the ground truth of the tests and the
+original-style side of `tools/bench_vl.py --method clip_lora`.
+
+Learned tensors are named as `coop.lora.LoRAAdapters` names them: `{tower}.{block}.{t}_A` (r, W)
+and `{tower}.{block}.{t}_B` (W, r), tower "text" or "vision", t in q, k, v.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def adapted_block(
+    block: nn.Module,
+    x: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    key: str,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One open_clip `ResidualAttentionBlock` on (N, L, W), q/k/v weights with LoRA added.
+
+    Args:
+        block: the block (its attention is an `nn.MultiheadAttention` with packed q|k|v).
+        x: (N, L, W) hidden states, batch first.
+        tensors: the learned A and B by name; `{key}.{t}_A` / `{key}.{t}_B` for adapted t.
+        key: "text.{i}" or "vision.{i}".
+        scale: s = alpha / sqrt(r).
+        mask: (L, L) additive attention mask (open_clip's causal mask), or None.
+    """
+    attn = block.attn
+    n, length, width = x.shape
+    heads = attn.num_heads
+    h = block.ln_1(x)
+    weights = attn.in_proj_weight.chunk(3, dim=0)  # W_q, W_k, W_v, each (W, W)
+    biases = attn.in_proj_bias.chunk(3, dim=0)
+    projected = []
+    for t, w, b in zip("qkv", weights, biases, strict=True):
+        if f"{key}.{t}_A" in tensors:
+            w = w + scale * tensors[f"{key}.{t}_B"] @ tensors[f"{key}.{t}_A"]  # LoRA added to the weight
+        y = F.linear(h, w, b)  # (N, L, W)
+        projected.append(y.view(n, length, heads, width // heads).transpose(1, 2))  # (N, H, L, Dh)
+    q, k, v = projected
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (N, H, L, Dh)
+    y = attn.out_proj(y.transpose(1, 2).reshape(n, length, width))  # (N, L, W)
+    x = x + block.ls_1(y)
+    return x + block.ls_2(block.mlp(block.ln_2(x)))
+
+
+def text_features(oc: nn.Module, ids: torch.Tensor, tensors: dict, scale: float) -> torch.Tensor:
+    """(n_cls, E) unnormalised features of full-length ids (n_cls, 77) through the adapted text tower."""
+    x = oc.token_embedding(ids) + oc.positional_embedding  # (n_cls, 77, W)
+    mask = oc.attn_mask.to(x.dtype)
+    for i, block in enumerate(oc.transformer.resblocks):
+        x = adapted_block(block, x, tensors, f"text.{i}", scale, mask)
+    x = oc.ln_final(x)
+    pooled = x[torch.arange(len(ids), device=x.device), ids.argmax(dim=-1)]  # (n_cls, W) at [EOS]
+    proj = oc.text_projection
+    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+
+
+def image_features(visual: nn.Module, images: torch.Tensor, tensors: dict, scale: float) -> torch.Tensor:
+    """(B, E) unnormalised features of open_clip's ViT `visual` with the adapted blocks."""
+    x = visual.conv1(images)  # (B, W, gh, gw)
+    b, width = x.shape[:2]
+    x = x.reshape(b, width, -1).permute(0, 2, 1)  # (B, P, W)
+    cls = visual.class_embedding.to(x.dtype) + torch.zeros(b, 1, width, dtype=x.dtype, device=x.device)
+    x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # (B, 1+P, W)
+    x = visual.ln_pre(x)
+    for i, block in enumerate(visual.transformer.resblocks):
+        x = adapted_block(block, x, tensors, f"vision.{i}", scale, None)
+    return visual.ln_post(x[:, 0]) @ visual.proj
+
+
+def clip_lora_logits(
+    oc: nn.Module,
+    images: torch.Tensor,
+    ids: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    scale: float,
+    logit_scale: float | None = None,
+) -> torch.Tensor:
+    """(B, n_cls) logits of one CLIP-LoRA step: every class's 77 tokens and the batch, adapted.
+
+    Args:
+        oc: an open_clip `CLIP` (standard text tower and ViT).
+        images: (B, 3, H, W).
+        ids: (n_cls, 77) ids of "a photo of a {class}.".
+        tensors: the learned A and B (`coop.lora.LoRAAdapters.tensors()` names).
+        scale: s = alpha / sqrt(r).
+        logit_scale: the original's fixed 100; None uses the model's exp(logit_scale).
+    """
+    text = text_features(oc, ids, tensors, scale)
+    image = image_features(oc.visual, images, tensors, scale)
+    image = image / image.norm(dim=-1, keepdim=True)
+    text = text / text.norm(dim=-1, keepdim=True)
+    s = oc.logit_scale.exp() if logit_scale is None else logit_scale
+    return s * image @ text.t()
