@@ -15,6 +15,7 @@ from coop.methods.ivlp import IVLP
 from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
 from coop.methods.maple import MaPLe
+from coop.methods.mmrl import MMRL
 from coop.methods.promptsrc import PromptSRC
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
@@ -30,6 +31,7 @@ METHODS: dict[str, type[Method]] = {
     "ivlp": IVLP,
     "maple": MaPLe,
     "promptsrc": PromptSRC,
+    "mmrl": MMRL,
 }
 
 
@@ -50,6 +52,7 @@ __all__ = [
     "KgCoOp",
     "LinearProbe",
     "MaPLe",
+    "MMRL",
     "Method",
     "MetaNet",
     "PromptSRC",
