@@ -69,7 +69,13 @@ class RepresentationLearner(nn.Module):
     """
 
     def __init__(
-        self, n_tokens: int, rep_dim: int, text_width: int, vision_width: int, text_blocks: int, vision_blocks: int
+        self,
+        n_tokens: int,
+        rep_dim: int,
+        text_width: int,
+        vision_width: int,
+        text_blocks: int,
+        vision_blocks: int,
     ):
         super().__init__()
         self.tokens = nn.Parameter(torch.empty(n_tokens, rep_dim).normal_(std=0.02))
@@ -129,7 +135,12 @@ class MMRL(VisionPromptMethod):
         self.text_blocks = block_indices(m.layers, len(clip.text.blocks), "mmrl.layers")
         self.vision_blocks = block_indices(m.vision_layers, self.tower_layers, "mmrl.vision_layers")
         self.rep = RepresentationLearner(
-            self.n_tokens, self.rep_dim, clip.width, self.tower_width, len(self.text_blocks), len(self.vision_blocks)
+            self.n_tokens,
+            self.rep_dim,
+            clip.width,
+            self.tower_width,
+            len(self.text_blocks),
+            len(self.vision_blocks),
         ).to(self.device)
         embed_dim = clip.visual.proj.shape[1]
         proj = self.tower_width**-0.5 * torch.randn(self.tower_width, embed_dim)
@@ -156,7 +167,9 @@ class MMRL(VisionPromptMethod):
     def image_features(self, images: torch.Tensor, tokens: list[torch.Tensor], frozen: bool = False):
         """(f_cls, f_rep, f_cls^zs or None), each unnormalised (B, E)."""
         inserted = InsertedTokens(tokens, self.vision_blocks)
-        cls, rep, plain = self.clip.visual.encode_with_inserted(images, inserted, frozen, self.grad_checkpointing)
+        cls, rep, plain = self.clip.visual.encode_with_inserted(
+            images, inserted, frozen, self.grad_checkpointing
+        )
         return cls, rep.mean(dim=1) @ self.proj_rep.to(rep.dtype), plain  # (B, K, W) -> (B, W) -> (B, E)
 
     def frozen_text(self) -> torch.Tensor:
