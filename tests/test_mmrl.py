@@ -19,7 +19,7 @@ from coop.config import ConfigError, load_config, run_name
 from coop.methods import build_method
 from coop.methods.base import TransferError
 from coop.model import CLIP
-from coop.reference.mmrl import mmrl_step
+from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
 from coop.runner import evaluate_checkpoint, train_run
 
 CLASSES = ["red thing", "green_thing", "t-shirt", "a much longer class name"]
@@ -58,6 +58,7 @@ def reference_step(oc, method, images, labels):
         images,
         labels,
         ids,
+        mmrl_frozen_text(oc, ids),
         learned["rep_tokens"],
         pairs("text", len(method.text_blocks)),
         pairs("vision", len(method.vision_blocks)),
@@ -230,3 +231,18 @@ def test_end_to_end_base_to_new_transfer_and_resume(data_root, tmp_path, monkeyp
     for key, t in learned(out).items():
         assert torch.equal(learned(resumed)[key], t), key
     assert again["final_train_loss"] == metrics["final_train_loss"]
+
+
+def test_bench_vl_mmrl_matches_the_reference(tmp_path, capsys):
+    from test_bench import load_tool
+
+    out_json = tmp_path / "vl.json"
+    args = ["--method", "mmrl", "--model", str(TINY_CONFIG), "--classes", "4", "--batch", "2", "--no-memory"]
+    assert load_tool("bench_vl").main([*args, "--json", str(out_json)]) == 0
+    assert "speed-up:" in capsys.readouterr().out
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["reference_text"] == 4 * (77 + 5) and step["ours_text"] < step["reference_text"] / 4
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert {"rep_tokens", "proj_rep", "rep_to_text.2.bias", "rep_to_vision.1.weight"} <= set(
+        step["grad_diff"]
+    )

@@ -27,7 +27,11 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              classes, batch 4, bf16 autocast: ours with and without grad checkpointing, and the
              reference computed the official way (`coop.reference.maple_logits`: 77 tokens per
              class through open_clip's modules); time (best of 3 after a warm-up step) and peak
-             torch.cuda.max_memory_allocated of the step.
+             torch.cuda.max_memory_allocated of the step;
+  mmrl       the same for one MMRL training step (recipe: K 5, d_r 512, blocks 6..12 of the text
+             tower and L/2..L of the image tower, its loss with the frozen image pass): ours with
+             and without grad checkpointing, and the reference the official way
+             (`coop.reference.mmrl.mmrl_step`: 77+K tokens per class, two full image passes).
 
 Writes `gpu_check.json` into --out (default: the current folder) and prints a table. Without
 CUDA it prints one line and exits 0. `--quick` uses 3,200 images for the epoch.
@@ -343,6 +347,12 @@ def maple_steps(model: str, sizes: dict, device) -> list[dict]:
     def ours():
         return method.loss(images, labels)[0]
 
+    return step_rows(model, method, clip, ours, reference, sizes, device)
+
+
+def step_rows(model: str, method, clip, ours, reference, sizes: dict, device) -> list[dict]:
+    """Best time and peak memory of one training step (`ours()` / `reference()` return the loss),
+    ours with and without grad checkpointing, under bf16 autocast."""
     rows = []
     for side, checkpointing, step in (("coop", False, ours), ("coop, grad checkpointing", True, ours),
                                       ("reference", False, reference)):  # fmt: skip
@@ -369,6 +379,10 @@ def maple_steps(model: str, sizes: dict, device) -> list[dict]:
 
 def print_maple(rows: list[dict]) -> None:
     print("one MaPLe training step (n_ctx 2, depth 9, bf16 autocast)")
+    print_maple_rows(rows)
+
+
+def print_maple_rows(rows: list[dict]) -> None:
     for r in rows:
         mem = (
             "n/a (no CUDA)"
@@ -382,6 +396,57 @@ def print_maple(rows: list[dict]) -> None:
 
 # --- end of the MaPLe section -------------------------------------------------------------------
 
+# --- MMRL: one training step with representation tokens in both towers (issue 22) -------------
+
+MMRL_SIZES = {
+    "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 4, "repeats": 3, "set": ()},
+    "tiny": {"models": (str(REPO / "configs/models/coop-tiny.json"),), "classes": 20, "batch": 2, "repeats": 1,
+             "set": ()},
+}  # fmt: skip
+
+
+def check_mmrl(device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one MMRL step (its whole loss, forward + backward), ours and the reference."""
+    sizes = MMRL_SIZES["tiny" if tiny else "full"]
+    rows = []
+    for model in sizes["models"]:
+        rows += mmrl_steps(model, sizes, device)
+        free(device)
+    return rows
+
+
+def mmrl_steps(model: str, sizes: dict, device) -> list[dict]:
+    from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
+
+    oc, clip = build_models(model, device)
+    method = imagenet_method(clip, "mmrl", sizes["classes"], sizes["set"])
+    gen = torch.Generator(device).manual_seed(0)
+    images = torch.randn(sizes["batch"], 3, clip.image_size, clip.image_size, device=device, generator=gen)
+    labels = torch.randint(sizes["classes"], (sizes["batch"],), device=device, generator=gen)
+    ids = clip.tokenize([method.template.format(c) for c in method.classnames]).to(device)
+    text_zs, t = mmrl_frozen_text(oc, ids), method.learnable()  # once, untimed, as the original
+    pairs = {
+        side: [(t[f"rep_to_{side}.{j}.weight"], t[f"rep_to_{side}.{j}.bias"]) for j in range(n)]
+        for side, n in (("text", len(method.text_blocks)), ("vision", len(method.vision_blocks)))
+    }
+
+    def reference():
+        return mmrl_step(
+            oc, images, labels, ids, text_zs, t["rep_tokens"], pairs["text"], pairs["vision"],
+            t["proj_rep"], method.text_blocks, method.vision_blocks, method.alpha, method.reg_weight,
+        )[0]  # fmt: skip
+
+    def ours():
+        return method.loss(images, labels)[0]
+
+    return step_rows(model, method, clip, ours, reference, sizes, device)
+
+
+def print_mmrl(rows: list[dict]) -> None:
+    print("one MMRL training step (K 5, d_r 512, its whole loss, bf16 autocast)")
+    print_maple_rows(rows)
+
+
 PRINTERS = {
     "parity": print_parity,
     "text_speed": print_speed,
@@ -389,6 +454,7 @@ PRINTERS = {
     "text_bound": print_text_bound,
     "epoch": print_epoch,
     "maple": print_maple,
+    "mmrl": print_mmrl,
 }
 
 
@@ -433,6 +499,7 @@ def main(argv=None) -> int:
         "memory": lambda: check_memory(oc, clip, sizes["memory"], device),
         "epoch": lambda: check_epoch(clip, sizes["memory"], sizes["images"], device),
         "maple": lambda: check_maple(device, args.tiny),
+        "mmrl": lambda: check_mmrl(device, args.tiny),
     }
     for section, run in sections.items():
         t0 = time.perf_counter()

@@ -73,11 +73,19 @@ def mmrl_image_features(visual: nn.Module, images: torch.Tensor, tokens, layers,
     return visual.ln_post(x[:, 0]) @ visual.proj, rep
 
 
+@torch.no_grad()
+def mmrl_frozen_text(oc: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """t_zs (n_cls, E): the zero-shot model's normalised features, once per run in the original."""
+    text = oc.encode_text(ids)
+    return text / text.norm(dim=-1, keepdim=True)
+
+
 def mmrl_step(
     oc: nn.Module,
     images: torch.Tensor,
     labels: torch.Tensor,
     ids: torch.Tensor,
+    text_zs: torch.Tensor,
     rep_tokens: torch.Tensor,
     to_text,
     to_vision,
@@ -93,6 +101,7 @@ def mmrl_step(
         oc: an open_clip CLIP (frozen).
         images, labels: (B, 3, H, W) and (B,).
         ids: (n_cls, 77) ids of the dataset's template with each class name.
+        text_zs: (n_cls, E) `mmrl_frozen_text(oc, ids)`.
         rep_tokens: R (K, d_r); to_text / to_vision: one (weight, bias) pair per listed block.
         proj_rep: (W_v, E).
         text_layers, vision_layers: 0-based listed blocks of each tower.
@@ -101,8 +110,6 @@ def mmrl_step(
     text_tokens = [F.linear(rep_tokens, w, b) for w, b in to_text]
     vision_tokens = [F.linear(rep_tokens, w, b) for w, b in to_vision]
     with torch.no_grad():
-        text_zs = oc.encode_text(ids)  # the zero-shot model's features, once per run in the original
-        text_zs = text_zs / text_zs.norm(dim=-1, keepdim=True)
         image_zs = vision_features(oc.visual, images)  # the second, complete image pass
         image_zs = image_zs / image_zs.norm(dim=-1, keepdim=True)
     text = mmrl_text_features(oc, ids, text_tokens, text_layers)
