@@ -49,6 +49,7 @@ MAPLE = "MaPLe (Khattak et al., CVPR 2023)"
 PROMPTSRC = "PromptSRC (Khattak et al., ICCV 2023)"
 KGCOOP = "KgCoOp (Yao et al., CVPR 2023)"
 COOP = "CoOp (Zhou et al., IJCV 2022)"
+MMRL = "MMRL (Guo & Gu, CVPR 2025)"
 
 
 class Figure(NamedTuple):
@@ -114,6 +115,9 @@ DOMAIN_GENERALIZATION = {
 }
 # Few-shot means over the 11 datasets at 16 shots, quoted without a check.
 FEW_SHOT_MEANS = {"zeroshot": 65.1, "coop": 79.9}
+# Base-to-new HM means quoted without a check (the paper's table could not be read here; its
+# repository's README prints none).
+QUOTED_HM_MEANS = {"mmrl": (MMRL + ", Table 1 (HM mean as quoted in issue 22)", 81.20)}
 
 
 def _figures() -> list[Figure]:
@@ -139,6 +143,8 @@ def _figures() -> list[Figure]:
         for dataset, value in zip(("imagenet", *DG_TARGETS), row, strict=True):
             checked = targets_checked and dataset != "imagenet"
             out.append(Figure(method, "domain_generalization", dataset, "accuracy", value, source, checked))
+    for method, (source, value) in QUOTED_HM_MEANS.items():
+        out.append(Figure(method, "base_to_new", "average", "hm", value, source, False))
     for method, value in FEW_SHOT_MEANS.items():
         out.append(
             Figure(method, "few_shot", "average", "accuracy", value, COOP + ", few-shot results", False)
