@@ -214,8 +214,8 @@ class MMRL(VisionPromptMethod):
         return {
             "mmrl_n_tokens": self.n_tokens,
             "mmrl_rep_dim": self.rep_dim,
-            "mmrl_layers": [i + 1 for i in self.text_blocks],
-            "mmrl_vision_layers": [i + 1 for i in self.vision_blocks],
+            "mmrl_layers": ",".join(str(i + 1) for i in self.text_blocks),  # 1-based, as the keys
+            "mmrl_vision_layers": ",".join(str(i + 1) for i in self.vision_blocks),
             "mmrl_alpha": self.alpha,
             "mmrl_reg_weight": self.reg_weight,
             "template": self.template,
