@@ -19,6 +19,7 @@ from coop.config import ConfigError, load_config, run_name
 from coop.methods import build_method
 from coop.methods.base import TransferError
 from coop.model import CLIP
+from coop.packing import pack
 from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
 from coop.runner import evaluate_checkpoint, train_run
 
@@ -246,3 +247,10 @@ def test_bench_vl_mmrl_matches_the_reference(tmp_path, capsys):
     assert {"rep_tokens", "proj_rep", "rep_to_text.2.bias", "rep_to_vision.1.weight"} <= set(
         step["grad_diff"]
     )
+
+
+def test_a_packing_after_a_longer_prefix_is_the_packing_built_for_it():
+    lengths = torch.tensor([3, 7, 2, 5])
+    grown = pack(lengths, prefix=1, groups=2, chunk=8).with_prefix(6)
+    want = pack(lengths, prefix=6, groups=2, chunk=8)
+    assert grown.prefix == 6 and torch.equal(grown.mask, want.mask) and torch.equal(grown.slot, want.slot)
