@@ -351,7 +351,7 @@ def validate_optimizer(cfg: DictConfig) -> None:
         )
 
 
-PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt")  # methods without learned text context
+PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "mmrl")  # methods without learned text context
 
 
 def check_base_to_new(cfg: DictConfig) -> None:
