@@ -34,6 +34,7 @@ METHODS = (
     "tip_adapter",
     "tip_adapter_f",
     "clip_lora",
+    "mmrl",
 )  # see coop.methods
 
 DEFAULTS = {
@@ -104,6 +105,14 @@ DEFAULTS = {
         "towers": ["text", "vision"],
         "targets": ["q", "k", "v"],
         "layers": "all",
+    },
+    "mmrl": {  # coop.methods.mmrl; per-dataset reg_weight / rep_dim: coop.recipes.DATASET_RECIPES
+        "n_tokens": 5,  # K representation tokens
+        "rep_dim": 512,  # d_r
+        "layers": None,  # 1-based text blocks that take the tokens; null: L/2..L (6..12 of 12)
+        "vision_layers": None,  # 1-based image blocks; null: L/2..L of the image tower
+        "alpha": 0.7,  # fusion = alpha * logits + (1 - alpha) * logits_rep, and the CE weights
+        "reg_weight": 1.0,  # lambda of both cosine regularisers
     },
     "eval": {"targets": []},
     "fl": {
@@ -318,6 +327,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"promptsrc.gpa_mean must be a finite number (an epoch), got {mean!r}")
     if not _is_number(std) or not 0 < std < math.inf:
         raise ConfigError(f"promptsrc.gpa_std must be a finite number > 0 (epochs), got {std!r}")
+    validate_mmrl(cfg)
     targets = cfg.eval.targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")
@@ -422,7 +432,7 @@ def validate_lora(cfg: DictConfig) -> None:
 
 
 # methods without learned text context
-PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "tip_adapter", "tip_adapter_f", "clip_lora")
+PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "tip_adapter", "tip_adapter_f", "clip_lora", "mmrl")
 
 
 def check_base_to_new(cfg: DictConfig) -> None:
@@ -460,6 +470,28 @@ def validate_vision(cfg: DictConfig) -> None:
                 )
 
 
+def validate_mmrl(cfg: DictConfig) -> None:
+    """`mmrl.*`: sizes >= 1, alpha in [0, 1], lambda >= 0, layer lists null or increasing 1-based
+    block numbers (checked against the towers' depths when the method is built)."""
+    m = cfg.mmrl
+    for key in ("n_tokens", "rep_dim"):
+        if not _is_int(m[key]) or m[key] < 1:
+            raise ConfigError(f"mmrl.{key} must be an integer >= 1, got {m[key]!r}")
+    if not _is_number(m.alpha) or not 0 <= m.alpha <= 1:
+        raise ConfigError(f"mmrl.alpha must be a number in [0, 1], got {m.alpha!r}")
+    if not _is_number(m.reg_weight) or not 0 <= m.reg_weight < math.inf:
+        raise ConfigError(f"mmrl.reg_weight must be a finite number >= 0, got {m.reg_weight!r}")
+    for key in ("layers", "vision_layers"):
+        value = m[key]
+        if value is None:
+            continue
+        items = list(value) if OmegaConf.is_list(value) else None
+        if not items or not all(_is_int(i) and i >= 1 for i in items) or items != sorted(set(items)):
+            raise ConfigError(
+                f"mmrl.{key} must be null or a non-empty increasing list of 1-based block numbers, got {value!r}"
+            )
+
+
 def flatten(cfg: dict, prefix: str = "") -> dict:
     """A nested config dict as {dotted key: value}, e.g. {"data.shots": 16}."""
     out = {}
@@ -485,7 +517,7 @@ def model_tag(name: str) -> str:
 def method_settings(cfg: DictConfig) -> str:
     """The settings part of a run name: what the method's results depend on.
 
-    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple and promptsrc: the same
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>; cocoop, kgcoop, ivlp, maple and promptsrc: the same
     after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
     _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
     (a literal template by its hash); linear_probe: linear_probe; tip_adapter and tip_adapter_f:
@@ -505,6 +537,11 @@ def method_settings(cfg: DictConfig) -> str:
         layers = lora.layers if isinstance(lora.layers, str) else "-".join(str(i) for i in lora.layers)
         towers, targets = "+".join(lora.towers), "".join(lora.targets)
         return f"clip_lora_r{lora.rank}_a{lora.alpha:g}_drop{lora.dropout:g}_{towers}_{targets}_{layers}"
+    if cfg.method == "mmrl":
+        m = cfg.mmrl
+        layers = "-".join(map(str, m.layers)) if m.layers is not None else "auto"
+        vision_layers = "-".join(map(str, m.vision_layers)) if m.vision_layers is not None else "auto"
+        return f"mmrl_k{m.n_tokens}_dr{m.rep_dim}_l{layers}_vl{vision_layers}_a{m.alpha}_lam{m.reg_weight}"
     vision = f"vctx{cfg.vision.n_ctx}_vdepth{cfg.vision.depth}"
     if cfg.method == "vpt":
         return f"vpt_{vision}"

@@ -12,6 +12,10 @@ our own forward code, built from the same blocks as `coop.text_encoder` without 
                        x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))       (no mask)
     feats = ln_post(x[:, 0]) @ proj                           # (B, E)
 
+MMRL's representation tokens take another path, `encode_with_inserted`: K tokens inserted after
+[CLS] at one block and replaced at later ones (`coop.inserted.InsertedTokens`), with the
+frozen tower's features of the same images from the blocks before the insertion on, shared.
+
 These are the vision-prompt semantics of the MaPLe/IVLP/VPT code (their `VisionTransformer_MaPLe`
 and `ResidualAttentionBlock_IVLP`): J = len(prompts) counts the input layer, blocks >= J carry the
 previous outputs, and every image shares the same tokens. Without prompts the forward is exactly
@@ -33,6 +37,7 @@ from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from coop.inserted import InsertedTokens
 from coop.text_encoder import Resblocks, load_checked
 
 
@@ -128,22 +133,60 @@ class ImageTransformer(nn.Module):
                 activations (when gradients are enabled).
         """
         depth, m = self._check_prompts(prompts)
-        x = self.conv1(images)  # (B, W, gh, gw)
-        b, width = x.shape[:2]
-        x = x.reshape(b, width, -1).transpose(1, 2)  # (B, W, P) -> (B, P, W)
-        cls = self.class_embedding.to(x.dtype).expand(b, 1, -1)  # (B, 1, W)
-        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, 1+P, W)
+        x = self.embed(images)  # (B, 1+P, W)
+        b = len(x)
         if depth:
             x = torch.cat([x, _per_image(prompts[0], b, x.dtype)], dim=1)  # (B, 1+P+M, W)
         x = self.ln_pre(x)
         for i, block in enumerate(self.blocks):
             if 1 <= i < depth:
                 x = torch.cat([x[:, :-m], _per_image(prompts[i], b, x.dtype)], dim=1)  # replace the last M
-            if grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = _run(block, x, grad_checkpointing)
         return self.ln_post(x[:, 0]) @ self.proj  # (B, W) @ (W, E) -> (B, E)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch embeddings after the class token, plus positions: (B, 1+P, W), before ln_pre."""
+        x = self.conv1(images)  # (B, W, gh, gw)
+        b, width = x.shape[:2]
+        x = x.reshape(b, width, -1).transpose(1, 2)  # (B, W, P) -> (B, P, W)
+        cls = self.class_embedding.to(x.dtype).expand(b, 1, -1)  # (B, 1, W)
+        return torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, 1+P, W)
+
+    def encode_with_inserted(
+        self,
+        images: torch.Tensor,
+        inserted: InsertedTokens,
+        frozen: bool = False,
+        grad_checkpointing: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """MMRL's image tower: K tokens inserted after [CLS] at block `inserted.layers[0]` and
+        replaced at the later listed blocks.
+
+        Args:
+            images: (B, 3, H, W) normalised pixels.
+            inserted: the tokens, each (K, W), and their 0-based blocks.
+            frozen: also return the plain tower's features of the same images; the blocks before
+                the insertion are the same computation for both, so they run once.
+            grad_checkpointing: as in `forward`.
+        Returns:
+            (features (B, E) = ln_post(x[:, 0]) @ proj, the K tokens' final hidden states after
+            ln_post (B, K, W), the frozen tower's features (B, E) without gradients or None).
+        """
+        first, k = inserted.layers[0], inserted.tokens[0].shape[0]
+        x = self.ln_pre(self.embed(images))  # (B, 1+P, W)
+        for block in self.blocks[:first]:
+            x = _run(block, x, grad_checkpointing)
+        plain = None
+        if frozen:
+            with torch.no_grad():
+                z = x
+                for block in self.blocks[first:]:
+                    z = block(z)
+                plain = self.ln_post(z[:, 0]) @ self.proj  # (B, E)
+        for i in range(first, self.layers):
+            x = _run(self.blocks[i], inserted.before(i, x), grad_checkpointing)  # (B, 1+K+P, W)
+        x = self.ln_post(x[:, : 1 + k])  # (B, 1+K, W): [CLS] and the inserted tokens
+        return x[:, 0] @ self.proj, x[:, 1:], plain
 
     def _check_prompts(self, prompts) -> tuple[int, int]:
         """(J, M) of the prompts, (0, 0) for none; one-line errors for shapes that cannot work."""
@@ -163,6 +206,13 @@ class ImageTransformer(nn.Module):
                     f"vision prompts[{i}] has shape {tuple(p.shape)}; expected ({m}, {self.width}) or (B, {m}, {self.width})"
                 )
         return depth, m
+
+
+def _run(block: nn.Module, x: torch.Tensor, grad_checkpointing: bool) -> torch.Tensor:
+    """One block, recomputed in the backward pass under `grad_checkpointing` (with gradients on)."""
+    if grad_checkpointing and torch.is_grad_enabled():
+        return checkpoint(block, x, use_reentrant=False)
+    return block(x)
 
 
 def _per_image(p: torch.Tensor, b: int, dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,7 @@ row: keys and values of the prefix are repeated once per chunk. The same layout 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,16 @@ class Packing:
     mask: torch.Tensor
     size: int
     chunks: int
+
+    @property
+    def prefix(self) -> int:
+        """P, the prefix keys every query sees."""
+        return self.mask.shape[-1] - self.size
+
+    def with_prefix(self, prefix: int) -> Packing:
+        """The same rows after a prefix of `prefix` tokens (MMRL: [SOS] gains K tokens at a block)."""
+        own = self.mask[..., self.prefix :]  # (G n, 1, C, C)
+        return replace(self, mask=torch.cat([own.new_ones(*own.shape[:-1], prefix), own], -1))
 
     def attention(
         self,

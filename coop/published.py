@@ -52,6 +52,7 @@ KGCOOP = "KgCoOp (Yao et al., CVPR 2023)"
 COOP = "CoOp (Zhou et al., IJCV 2022)"
 TIP = "Tip-Adapter (Zhang et al., ECCV 2022), Figures 4 and 5; read in its repository's exp.log"
 CLIP_LORA = "CLIP-LoRA (Zanella & Ben Ayed, CVPRW 2024)"
+MMRL = "MMRL (Guo & Gu, CVPR 2025)"
 
 
 class Figure(NamedTuple):
@@ -149,6 +150,10 @@ TIP_FEW_SHOT = {
         (78.03, 74.25, 70.55, 66.43, 64.87)],
 }  # fmt: skip
 
+# Base-to-new HM means quoted without a check (the paper's table could not be read here; its
+# repository's README prints none).
+QUOTED_HM_MEANS = {"mmrl": (MMRL + ", Table 1, HM mean (not read in the paper here)", 81.20)}
+
 
 def _figures() -> list[Figure]:
     out = []
@@ -173,6 +178,8 @@ def _figures() -> list[Figure]:
         for dataset, value in zip(("imagenet", *DG_TARGETS), row, strict=True):
             checked = targets_checked and dataset != "imagenet"
             out.append(Figure(method, "domain_generalization", dataset, "accuracy", value, source, checked))
+    for method, (source, value) in QUOTED_HM_MEANS.items():
+        out.append(Figure(method, "base_to_new", "average", "hm", value, source, False))
     for method, value in FEW_SHOT_MEANS.items():
         out.append(
             Figure(method, "few_shot", "average", "accuracy", value, COOP + ", few-shot results", False)

@@ -81,6 +81,18 @@ METHOD_DEFAULTS = {
         "train.iterations_per_shot": 500,
         "train.batch_size": 32,
     },
+    # MMRL's configs/trainers/MMRL/vit_b16.yaml (base-to-new): AdamW lr 1e-3, wd 5e-4 (Dassl's
+    # default), one constant warm-up epoch at 1e-5 then Dassl's cosine, batch 4, 10 epochs,
+    # RandomResizedCrop scale (0.5, 1); PREC=amp. Its 5 tokens of width 512, layers 6..12 and
+    # alpha 0.7 are the `mmrl.*` defaults.
+    "mmrl": {
+        "train.optimizer": "adamw",
+        "train.lr": 0.001,
+        "train.weight_decay": 0.0005,
+        "train.epochs": 10,
+        "train.batch_size": 4,
+        "train.crop_scale": [0.5, 1.0],
+    },
 }
 
 # Tip-Adapter's configs/<dataset>.yaml (the same file for 1 to 16 shots and both methods): init_beta,
@@ -104,9 +116,26 @@ _TIP = {
     dataset: {"tip.init_beta": beta, "tip.init_alpha": alpha, "tip.search_scale": scale}
     for dataset, (beta, alpha, scale) in TIP_SETTINGS.items()
 }
+# Per dataset, over METHOD_DEFAULTS and under every file and override. MMRL's: its
+# trainers/config.py table (merged in the original over the yaml file and under the command
+# line): the regulariser weight lambda per dataset, and d_r = 2048 for EuroSAT; its scripts run
+# ImageNet with vit_b16_imagenet.yaml (batch 32, 5 epochs) for base-to-new and few-shot.
 DATASET_RECIPES = {
     "tip_adapter": _TIP,
     "tip_adapter_f": {**_TIP, "eurosat": {**_TIP["eurosat"], "train.epochs": 100}},
+    "mmrl": {
+        "stanford_cars": {"mmrl.reg_weight": 7.0},
+        "fgvc_aircraft": {"mmrl.reg_weight": 6.0},
+        "sun397": {"mmrl.reg_weight": 6.0},
+        "dtd": {"mmrl.reg_weight": 6.0},
+        "food101": {"mmrl.reg_weight": 5.0},
+        "oxford_flowers": {"mmrl.reg_weight": 4.0},
+        "ucf101": {"mmrl.reg_weight": 3.0},
+        "imagenet": {"mmrl.reg_weight": 0.5, "train.batch_size": 32, "train.epochs": 5},
+        "caltech101": {"mmrl.reg_weight": 0.5},
+        "oxford_pets": {"mmrl.reg_weight": 0.2},
+        "eurosat": {"mmrl.reg_weight": 0.01, "mmrl.rep_dim": 2048},
+    },
 }
 # A method default not applied when the other key is set: a default context phrase fixes M in
 # CoCoOp and KgCoOp, so it yields to an explicit prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M

@@ -19,6 +19,10 @@ Prompts run through one packed pass (`coop.packing`), exact, with three savings:
 Deep prompts: before block i (1 <= i < J) the hidden states at the context slots are replaced
 by fresh learnable tokens; no positional embedding is added to them.
 
+Inserted tokens (`InsertedTokens`, MMRL's representation tokens): K tokens enter after [SOS] at
+one block and are replaced at later ones. They are the same for every class, so from that block
+on [SOS][r1..rK] is the shared prefix (`prefix_keys_values`); each row keeps its positions.
+
 Attention runs through `F.scaled_dot_product_attention`, which returns no weights. Tools that
 need them (`coop.attention`) call `encode_with_attention`: the full-sequence blocks, with each
 attention module asked (`need_weights=True`) to form softmax(q k^T / sqrt(Dh) + causal mask)
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from coop.inserted import InsertedTokens
 from coop.packing import Packing, pack
 
 
@@ -266,6 +271,7 @@ class TextTransformer(nn.Module):
         eos: torch.Tensor,
         deep_prompts: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
+        inserted: InsertedTokens | None = None,
     ) -> torch.Tensor:
         """Like `encode_embeddings` for rows that all start with the same P tokens (exact).
 
@@ -280,10 +286,11 @@ class TextTransformer(nn.Module):
             eos: (N,) absolute index of each row's [EOS] (>= P).
             deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots.
             slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
+            inserted: tokens that join the prefix after [SOS] at a block (`prefix_keys_values`).
 
         Blocks are recomputed in the backward pass under `grad_checkpointing`.
         """
-        kv = self.prefix_keys_values(prefix, deep_prompts, slots)
+        kv = self.prefix_keys_values(prefix, deep_prompts, slots, inserted)
         start = prefix.shape[1]
         return self._encode_packed(kv, x.unsqueeze(0), eos, start, deep_prompts, slots, self._recompute())[0]
 
@@ -292,6 +299,7 @@ class TextTransformer(nn.Module):
         prefix: torch.Tensor,
         deep_prompts: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
+        inserted: InsertedTokens | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Keys and values of G prefixes at every block, for `encode_after_prefixes`.
 
@@ -300,8 +308,10 @@ class TextTransformer(nn.Module):
                 one `[SOS][ctx_b]` per image).
             deep_prompts: optional (J-1, 1, M, W) deep tokens, the same for every group.
             slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
+            inserted: K tokens inserted after [SOS] at a block (replaced at later ones): they see
+                only [SOS] and each other, so they are prefix too, and P grows to P+K there.
         Returns:
-            Per block, the prefix's (keys, values), each (G, H, P, Dh).
+            Per block, the prefix's (keys, values), each (G, H, P, Dh) (P+K from the insertion on).
         """
         start = prefix.shape[1]
         n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
@@ -312,6 +322,8 @@ class TextTransformer(nn.Module):
             if 1 <= i <= n_deep and in_prefix:
                 deep = deep_prompts[i - 1, :, :in_prefix].to(p.dtype).expand(len(p), -1, -1)  # (G, h, W)
                 p = torch.cat([p[:, :1], deep, p[:, 1 + in_prefix :]], dim=1)
+            if inserted is not None:
+                p = inserted.before(i, p)  # (G, P+K, W) from the first listed block on
             q, k, v = block.attn.qkv(block.ln_1(p))  # (G, H, P, Dh) each
             kv.append((k, v))
             if i + 1 < len(self.blocks):  # the last block's prefix output is never read
@@ -375,6 +387,8 @@ class TextTransformer(nn.Module):
             if 1 <= i <= n_deep:
                 deep = deep_rows[i - 1].reshape(1, -1, width).to(h.dtype).expand(g, -1, -1)  # (G, N(M-h), W)
                 h = h.index_copy(1, own.reshape(-1), deep)
+            if k is not None and k.shape[2] != packing.prefix:  # the prefix grew (InsertedTokens)
+                packing = packing.with_prefix(k.shape[2])
             if recompute:
                 h = checkpoint(block.forward_packed, h, packing, k, v, i == last, use_reentrant=False)
             else:

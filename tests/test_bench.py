@@ -56,6 +56,9 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     assert [r["side"] for r in maple] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["ms"] > 0 and r["peak_mib"] is None and r["classes"] == 20 for r in maple)
     assert [r["side"] for r in report["clip_lora"]] == [r["side"] for r in maple]
+    mmrl = report["mmrl"]
+    assert [r["side"] for r in mmrl] == ["coop", "coop, grad checkpointing", "reference"]
+    assert all(r["ms"] > 0 and r["classes"] == 20 for r in mmrl)
     out = capsys.readouterr().out
     assert (
         "all checks passed" in out and "no decoding/augmentation" in out and "one MaPLe training step" in out

@@ -16,6 +16,7 @@ from coop.published import (
     DOMAIN_GENERALIZATION,
     FIGURES,
     PROTOCOLS,
+    QUOTED_HM_MEANS,
     lookup,
 )
 from coop.results import harmonic_mean
@@ -37,7 +38,7 @@ def test_per_dataset_figures_agree_with_the_checked_means():
         assert f.protocol in PROTOCOLS and f.source and 0 < f.value < 100
         assert f.dataset in (*DATASETS_11, *DG_TARGETS, "average")
         if f.checked is False and f.protocol == "base_to_new":
-            assert f.dataset != "average"
+            assert f.dataset != "average" or f.method in QUOTED_HM_MEANS
     assert lookup("cocoop", "base_to_new", "average", "hm").checked
     assert not lookup("cocoop", "base_to_new", "dtd").checked
     assert lookup("maple", "domain_generalization", "imagenet_a").value == 50.90

@@ -1,4 +1,4 @@
-"""Benchmark one VPT, IVLP, MaPLe, PromptSRC or CLIP-LoRA training step: ours vs the official way.
+"""Benchmark one VPT, IVLP, MaPLe, PromptSRC, CLIP-LoRA or MMRL training step: ours vs the official way.
 
     python tools/bench_vl.py --method maple [--model ViT-B-16] [--classes 100 1000] [--batch 4]
                              [--memory-classes 1000] [--no-memory] [--device cpu]
@@ -15,7 +15,10 @@ for the same method, images and labels, in one process, on random weights, with 
   prompt concatenation written out; CLIP-LoRA: `coop.reference.clip_lora.clip_lora_logits`, every
   class's 77 tokens through open_clip's modules with the low-rank updates added to the q, k, v
   weights, as MaxZanella/CLIP-LoRA computes it (the adapters start away from B = 0 here, and both
-  sides run without dropout, so that they compute the same function).
+  sides run without dropout, so that they compute the same function). MMRL:
+  `coop.reference.mmrl.mmrl_step`, as yunncheng/MMRL computes it: 77+K tokens per class, 197+K per
+  image, and a second, full image pass for the frozen features (ours shares the blocks before the
+  insertion), t_zs once, untimed.
 
 Each side gets `--warmup` untimed steps, then the best of `--repeats` timed steps counts, the two
 sides alternating so that both see the same machine load; wall and process CPU times are printed
@@ -63,8 +66,9 @@ from coop.reference import (  # noqa: E402
     vpt_logits,
 )
 from coop.reference.clip_lora import clip_lora_logits  # noqa: E402
+from coop.reference.mmrl import mmrl_frozen_text, mmrl_step  # noqa: E402
 
-METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora")
+METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora", "mmrl")
 CONTEXT = 77  # tokens per prompt in the reference
 
 
@@ -88,8 +92,11 @@ def reference_loss(name: str, oc, method, inputs, terms: dict):
     PromptSRC: its whole loss (`coop.reference.promptsrc_loss`: full 77-token prompts, the frozen
     image tower on the same images every step), with the fixed text embeddings of its templates
     computed once here, untimed, as its code does at build time; the unweighted terms go into
-    `terms`. The other methods: cross-entropy on `reference_step`'s logits.
+    `terms`. MMRL: its whole loss (`mmrl_step`), t_zs computed once beforehand (`inputs`). The
+    other methods: cross-entropy on `reference_step`'s logits.
     """
+    if name == "mmrl":
+        return mmrl_reference(oc, method, *inputs)
     if name != "promptsrc":
         logits = reference_step(name, oc, method, inputs)
         return lambda images, labels: F.cross_entropy(logits(images).float(), labels)
@@ -107,6 +114,65 @@ def reference_loss(name: str, oc, method, inputs, terms: dict):
         return loss
 
     return step
+
+
+def mmrl_inputs(oc, method) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (n_cls, 77), t_zs) of MMRL's template, prepared once, untimed, as its code does at build."""
+    ids = method.clip.tokenize([method.template.format(c.replace("_", " ")) for c in method.classnames])
+    ids = ids.to(method.device)
+    return ids, mmrl_frozen_text(oc, ids)
+
+
+def mmrl_reference(oc, method, ids, text_zs):
+    """The original MMRL step's loss as a function of (images, labels), on `method`'s tensors."""
+    t = method.learnable()
+
+    def pairs(side: str, n: int) -> list:
+        return [(t[f"rep_to_{side}.{j}.weight"], t[f"rep_to_{side}.{j}.bias"]) for j in range(n)]
+
+    to_text, to_vision = pairs("text", len(method.text_blocks)), pairs("vision", len(method.vision_blocks))
+    return lambda images, labels: mmrl_step(
+        oc,
+        images,
+        labels,
+        ids,
+        text_zs,
+        t["rep_tokens"],
+        to_text,
+        to_vision,
+        t["proj_rep"],
+        method.text_blocks,
+        method.vision_blocks,
+        method.alpha,
+        method.reg_weight,
+    )[0]
+
+
+def mmrl_token_bound(method, clip, batch: int) -> dict:
+    """MMRL's tokens per step, as token-blocks / blocks (K more from the first listed block on):
+    text, reference n_cls x (77+K) against ours, each row's own tokens plus [SOS] and the K tokens
+    once; image, the student pass on both sides plus the frozen forward (1/3 of a training pass),
+    over all blocks in the reference, after the shared blocks in ours."""
+    t, v = clip.text.cfg, clip.visual.cfg
+    k, n_cls = method.n_tokens, len(method.classnames)
+    t0, v0 = method.text_blocks[0], method.vision_blocks[0]
+    ref_text = n_cls * (CONTEXT * t.layers + k * (t.layers - t0)) / t.layers
+    ours_text = int(method.eos.sum()) + 1 + k * (t.layers - t0) / t.layers
+    student = batch * (v.tokens * v.layers + k * (v.layers - v0)) / v.layers
+    ref_image = student + batch * v.tokens / 3
+    ours_image = student + batch * v.tokens * (v.layers - v0) / v.layers / 3
+    text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
+    bound = (ref_text * text_cost + ref_image * image_cost) / (
+        ours_text * text_cost + ours_image * image_cost
+    )
+    return {
+        "reference_text": round(ref_text),
+        "ours_text": round(ours_text),
+        "reference_image": round(ref_image),
+        "image": round(ours_image),
+        "token_ratio": (ref_text + ref_image) / (ours_text + ours_image),
+        "bound": bound,
+    }
 
 
 def reference_step(name: str, oc, method, inputs):
@@ -132,6 +198,8 @@ def reference_step(name: str, oc, method, inputs):
 
 def token_bound(name: str, method, clip, batch: int) -> dict:
     """Tokens per step of both sides and the speed-up they bound (tokens x layers x width^2)."""
+    if name == "mmrl":
+        return mmrl_token_bound(method, clip, batch)
     tower = clip.visual
     prompts = method.vision_prompts() if hasattr(method, "vision_prompts") else [torch.zeros(0)]
     image = batch * (tower.cfg.tokens + prompts[0].shape[0])
@@ -204,7 +272,7 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
     tokens = token_bound(name, method, clip, args.batch)
     print(
         f"\n{name}, {n_classes} classes, batch {args.batch}: tokens per step, reference "
-        f"{tokens['reference_text']} text + {tokens['image']} image, ours {tokens['ours_text']} text + "
+        f"{tokens['reference_text']} text + {tokens.get('reference_image', tokens['image'])} image, ours {tokens['ours_text']} text + "
         f"{tokens['image']} image ({tokens['token_ratio']:.2f}x the tokens); bound from token counts "
         f"{tokens['bound']:.2f}x (tokens x layers x width^2)"
     )
@@ -213,7 +281,10 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
         print(
             f"reference skipped: its graph needs about {need:.0f} GiB, more than this {device.type} has free"
         )
-    inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
+    if name == "mmrl":
+        inputs = mmrl_inputs(oc, method)
+    else:  # once, untimed
+        inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
     ref_terms = {}
     reference = reference_loss(name, oc, method, inputs, ref_terms)
     sides = {"coop": lambda: method.loss(images, labels)[0]}

@@ -31,6 +31,10 @@ random weights (offline). It checks, against the reference CoOp computation (`co
   clip_lora  the same for one CLIP-LoRA step (rank-2 q|k|v adapters in every block of both towers),
              1,000 classes, batch 32 (its recipe): ours against `coop.reference.clip_lora`
              (77 tokens per class, LoRA added to the weights, as its original computes it).
+  mmrl       the same for one MMRL training step (recipe: K 5, d_r 512, blocks 6..12 of the text
+             tower and L/2..L of the image tower, its loss with the frozen image pass): ours with
+             and without grad checkpointing, and the reference the official way
+             (`coop.reference.mmrl.mmrl_step`: 77+K tokens per class, two full image passes).
 
 Writes `gpu_check.json` into --out (default: the current folder) and prints a table. Without
 CUDA it prints one line and exits 0. `--quick` uses 3,200 images for the epoch.
@@ -358,6 +362,12 @@ def timed_steps(model: str, method, clip, reference, images, labels, sizes: dict
     def ours():
         return method.loss(images, labels)[0]
 
+    return step_rows(model, method, clip, ours, reference, sizes, device)
+
+
+def step_rows(model: str, method, clip, ours, reference, sizes: dict, device) -> list[dict]:
+    """Best time and peak memory of one training step (`ours()` / `reference()` return the loss),
+    ours with and without grad checkpointing, under bf16 autocast."""
     rows = []
     for side, checkpointing, step in (("coop", False, ours), ("coop, grad checkpointing", True, ours),
                                       ("reference", False, reference)):  # fmt: skip
@@ -400,7 +410,7 @@ def print_maple_rows(rows: list[dict]) -> None:
         )
 
 
-# --- CLIP-LoRA: one training step of both adapted towers (issue 22) ----------------------------
+# --- CLIP-LoRA: one training step of both adapted towers -----------------------------------------
 
 CLIP_LORA_SIZES = {
     "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 32, "repeats": 3, "set": ()},
@@ -441,7 +451,51 @@ def print_clip_lora(rows: list[dict]) -> None:
     print_maple_rows(rows)
 
 
-# --- end of the CLIP-LoRA section ---------------------------------------------------------------
+# --- MMRL: one training step with representation tokens in both towers --------------------------
+
+MMRL_SIZES = {
+    "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 4, "repeats": 3, "set": ()},
+    "tiny": {"models": (str(REPO / "configs/models/coop-tiny.json"),), "classes": 20, "batch": 2, "repeats": 1,
+             "set": ()},
+}  # fmt: skip
+
+
+def check_mmrl(device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one MMRL step (its whole loss, forward + backward), ours and the reference."""
+    sizes = MMRL_SIZES["tiny" if tiny else "full"]
+    rows = []
+    for model in sizes["models"]:
+        rows += mmrl_steps(model, sizes, device)
+        free(device)
+    return rows
+
+
+def mmrl_steps(model: str, sizes: dict, device) -> list[dict]:
+    from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
+
+    oc, clip = build_models(model, device)
+    method = imagenet_method(clip, "mmrl", sizes["classes"], sizes["set"])
+    images, labels = step_batch(clip, sizes, device)
+    ids = clip.tokenize([method.template.format(c) for c in method.classnames]).to(device)
+    text_zs, t = mmrl_frozen_text(oc, ids), method.learnable()  # once, untimed, as the original
+    pairs = {
+        side: [(t[f"rep_to_{side}.{j}.weight"], t[f"rep_to_{side}.{j}.bias"]) for j in range(n)]
+        for side, n in (("text", len(method.text_blocks)), ("vision", len(method.vision_blocks)))
+    }
+
+    def reference():
+        return mmrl_step(
+            oc, images, labels, ids, text_zs, t["rep_tokens"], pairs["text"], pairs["vision"],
+            t["proj_rep"], method.text_blocks, method.vision_blocks, method.alpha, method.reg_weight,
+        )[0]  # fmt: skip
+
+    return timed_steps(model, method, clip, reference, images, labels, sizes, device)
+
+
+def print_mmrl(rows: list[dict]) -> None:
+    print("one MMRL training step (K 5, d_r 512, its whole loss, bf16 autocast)")
+    print_maple_rows(rows)
+
 
 PRINTERS = {
     "parity": print_parity,
@@ -451,6 +505,7 @@ PRINTERS = {
     "epoch": print_epoch,
     "maple": print_maple,
     "clip_lora": print_clip_lora,
+    "mmrl": print_mmrl,
 }
 
 
@@ -496,6 +551,7 @@ def main(argv=None) -> int:
         "epoch": lambda: check_epoch(clip, sizes["memory"], sizes["images"], device),
         "maple": lambda: check_maple(device, args.tiny),
         "clip_lora": lambda: check_clip_lora(device, args.tiny),
+        "mmrl": lambda: check_mmrl(device, args.tiny),
     }
     for section, run in sections.items():
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from coop.methods.ivlp import IVLP
 from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
 from coop.methods.maple import MaPLe
+from coop.methods.mmrl import MMRL
 from coop.methods.promptsrc import PromptSRC
 from coop.methods.tip_adapter import TipAdapter, TipAdapterF
 from coop.methods.vpt import VPT, VisionPromptMethod
@@ -35,6 +36,7 @@ METHODS: dict[str, type[Method]] = {
     "tip_adapter": TipAdapter,
     "tip_adapter_f": TipAdapterF,
     "clip_lora": CLIPLoRA,
+    "mmrl": MMRL,
 }
 
 
@@ -56,6 +58,7 @@ __all__ = [
     "KgCoOp",
     "LinearProbe",
     "MaPLe",
+    "MMRL",
     "Method",
     "MetaNet",
     "PromptSRC",

@@ -1,0 +1,128 @@
+"""Reference MMRL on OpenCLIP's own modules, written as yunncheng/MMRL's `clip/model_mmrl.py` runs it.
+
+Every class's prompt runs at the full context length plus K (77 + K tokens, a fresh causal mask
+over the longer sequence, [EOS] read at its index + K), every image's sequence at 197 + K for
+ViT-B/16, tokens put in place with `torch.cat` before each listed block, and the frozen tower's
+features come from a second, complete pass over the same images. Slow on purpose: ground truth
+for the tests and the baseline of `tools/bench_vl.py --method mmrl`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coop.reference import vision_features
+
+
+def _put_tokens(x: torch.Tensor, tokens: torch.Tensor, first: bool) -> torch.Tensor:
+    """[x_0][tokens][x_1..] at the first listed block, [x_0][tokens][x_(1+K)..] at a later one."""
+    b, k = len(x), len(tokens)
+    rest = x[:, 1:] if first else x[:, 1 + k :]
+    return torch.cat([x[:, :1], tokens.to(x.dtype).unsqueeze(0).expand(b, -1, -1), rest], dim=1)
+
+
+def mmrl_text_features(oc: nn.Module, ids: torch.Tensor, tokens, layers) -> torch.Tensor:
+    """(n_cls, E) text features of full-length prompts with the text tokens.
+
+    Args:
+        oc: an open_clip CLIP.
+        ids: (n_cls, 77) ids of the templated class names.
+        tokens: one (K, W_t) tensor per listed block.
+        layers: 0-based text blocks, increasing.
+    """
+    x = oc.token_embedding(ids) + oc.positional_embedding  # (n_cls, 77, W)
+    for i, block in enumerate(oc.transformer.resblocks):
+        if i in layers:
+            j = layers.index(i)
+            x = _put_tokens(x, tokens[j], first=j == 0)  # (n_cls, 77+K, W)
+        length = x.shape[1]
+        mask = torch.full((length, length), float("-inf"), device=x.device).triu(1)  # over 77+K
+        x = block(x, attn_mask=mask)
+    x = oc.ln_final(x)
+    eos = ids.argmax(dim=-1) + len(tokens[0])  # [EOS] moved K to the right
+    pooled = x[torch.arange(len(ids), device=x.device), eos]  # (n_cls, W)
+    proj = oc.text_projection
+    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+
+
+def mmrl_image_features(visual: nn.Module, images: torch.Tensor, tokens, layers, proj_rep: torch.Tensor):
+    """(f_cls, f_rep), each (B, E), of open_clip's ViT with the vision tokens after [CLS].
+
+    Args:
+        visual: open_clip's image tower.
+        images: (B, 3, H, W).
+        tokens: one (K, W_v) tensor per listed block.
+        layers: 0-based image blocks, increasing.
+        proj_rep: (W_v, E).
+    """
+    x = visual.conv1(images)  # (B, W, gh, gw)
+    b, width = x.shape[:2]
+    x = x.reshape(b, width, -1).permute(0, 2, 1)  # (B, P, W)
+    cls = visual.class_embedding.to(x.dtype) + torch.zeros(b, 1, width, dtype=x.dtype, device=x.device)
+    x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # (B, 1+P, W)
+    x = visual.ln_pre(x)
+    for i, block in enumerate(visual.transformer.resblocks):
+        if i in layers:
+            j = layers.index(i)
+            x = _put_tokens(x, tokens[j], first=j == 0)  # (B, 1+K+P, W)
+        x = block(x) if visual.transformer.batch_first else block(x.transpose(0, 1)).transpose(0, 1)
+    k = len(tokens[0])
+    rep = visual.ln_post(x[:, 1 : 1 + k]).mean(dim=1) @ proj_rep  # (B, K, W) -> (B, W) -> (B, E)
+    return visual.ln_post(x[:, 0]) @ visual.proj, rep
+
+
+@torch.no_grad()
+def mmrl_frozen_text(oc: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """t_zs (n_cls, E): the zero-shot model's normalised features, once per run in the original."""
+    text = oc.encode_text(ids)
+    return text / text.norm(dim=-1, keepdim=True)
+
+
+def mmrl_step(
+    oc: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    ids: torch.Tensor,
+    text_zs: torch.Tensor,
+    rep_tokens: torch.Tensor,
+    to_text,
+    to_vision,
+    proj_rep: torch.Tensor,
+    text_layers,
+    vision_layers,
+    alpha: float,
+    reg_weight: float,
+):
+    """One MMRL training step's (loss, logits, logits_rep) as the original computes them.
+
+    Args:
+        oc: an open_clip CLIP (frozen).
+        images, labels: (B, 3, H, W) and (B,).
+        ids: (n_cls, 77) ids of the dataset's template with each class name.
+        text_zs: (n_cls, E) `mmrl_frozen_text(oc, ids)`.
+        rep_tokens: R (K, d_r); to_text / to_vision: one (weight, bias) pair per listed block.
+        proj_rep: (W_v, E).
+        text_layers, vision_layers: 0-based listed blocks of each tower.
+        alpha, reg_weight: the fusion weight and lambda.
+    """
+    text_tokens = [F.linear(rep_tokens, w, b) for w, b in to_text]
+    vision_tokens = [F.linear(rep_tokens, w, b) for w, b in to_vision]
+    with torch.no_grad():
+        image_zs = vision_features(oc.visual, images)  # the second, complete image pass
+        image_zs = image_zs / image_zs.norm(dim=-1, keepdim=True)
+    text = mmrl_text_features(oc, ids, text_tokens, text_layers)
+    image, image_rep = mmrl_image_features(oc.visual, images, vision_tokens, vision_layers, proj_rep)
+    image = image / image.norm(dim=-1, keepdim=True)
+    image_rep = image_rep / image_rep.norm(dim=-1, keepdim=True)
+    text = text / text.norm(dim=-1, keepdim=True)
+    scale = oc.logit_scale.exp()  # the original's 100 on OpenAI's weights
+    logits, logits_rep = scale * image @ text.t(), scale * image_rep @ text.t()
+    loss = (
+        alpha * F.cross_entropy(logits, labels)
+        + (1 - alpha) * F.cross_entropy(logits_rep, labels)
+        + reg_weight * (1 - F.cosine_similarity(image, image_zs, dim=1).mean())
+        + reg_weight * (1 - F.cosine_similarity(text, text_zs, dim=1).mean())
+    )
+    return loss, logits, logits_rep
