@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from coop.config import load_config
 from coop.methods import METHODS
-from coop.recipes import METHOD_DEFAULTS
+from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 from coop.sweep import format_value, load_grid, plan, recipe_keys
 
 GRIDS = sorted((REPO / "configs" / "protocols").glob("*.yaml"))
@@ -29,7 +29,8 @@ def test_every_method_keeps_its_recipe(grid, tmp_path):
     for method in METHODS:
         cfg = first_point(grid, method, out=tmp_path)
         assert cfg.method == method
-        for key, value in METHOD_DEFAULTS.get(method, {}).items():
+        recipe = {**METHOD_DEFAULTS.get(method, {}), **DATASET_RECIPES.get(method, {}).get(cfg.data.name, {})}
+        for key, value in recipe.items():
             assert OmegaConf.select(cfg, key) == value, f"{grid.name}: method={method} {key}"
         # the grid's own settings apply where the recipe is silent
         for key in fixed - recipe_keys(method) - {"method"}:
