@@ -16,6 +16,7 @@ from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
 from coop.methods.maple import MaPLe
 from coop.methods.promptsrc import PromptSRC
+from coop.methods.tcp import TCP
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model import CLIP
@@ -30,6 +31,7 @@ METHODS: dict[str, type[Method]] = {
     "ivlp": IVLP,
     "maple": MaPLe,
     "promptsrc": PromptSRC,
+    "tcp": TCP,
 }
 
 
@@ -53,6 +55,7 @@ __all__ = [
     "Method",
     "MetaNet",
     "PromptSRC",
+    "TCP",
     "TransferError",
     "VPT",
     "VisionPromptMethod",
