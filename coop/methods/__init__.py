@@ -6,11 +6,12 @@ method = build_method(clip, classnames, cfg)
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from coop.methods.base import Method, TransferError
 from coop.methods.cocoop import CoCoOp, MetaNet
 from coop.methods.coop import CoOp, build_learner
+from coop.methods.dept import DePT
 from coop.methods.ivlp import IVLP
 from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
@@ -36,11 +37,14 @@ METHODS: dict[str, type[Method]] = {
 
 
 def build_method(clip: CLIP, classnames: list[str], cfg: DictConfig) -> Method:
-    """The method named by `cfg.method`, built for `classnames`."""
+    """The method named by `cfg.method`, built for `classnames` (wrapped by DePT with `dept.enabled`)."""
     name = cfg.method
     if name not in METHODS:
         raise ValueError(f"method={name!r} is not one of {', '.join(METHODS)}")
-    return METHODS[name](clip, classnames, cfg)
+    method = METHODS[name](clip, classnames, cfg)
+    if OmegaConf.select(cfg, "dept.enabled", default=False):
+        method = DePT(method, cfg)  # DePT's head and FiLM around the host
+    return method
 
 
 __all__ = [
@@ -48,6 +52,7 @@ __all__ = [
     "METHODS",
     "CoCoOp",
     "CoOp",
+    "DePT",
     "IVLP",
     "KgCoOp",
     "LinearProbe",

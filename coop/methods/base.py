@@ -29,12 +29,31 @@ optimizer and the schedule (`coop.schedule`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
 from coop.model import CLIP
+
+
+@dataclass
+class Towers:
+    """What a method's logits are made of (`Method.towers`), for plug-ins that add a head on the
+    towers' outputs (DePT).
+
+    Attributes:
+        logits: (B, n_cls) the method's logits.
+        text: unnormalised class text features, (n_cls, E), or (B, n_cls, E) when they depend on
+            the image (CoCoOp).
+        image: (B, E) unnormalised image features (the cached ones, or the prompted tower's).
+    """
+
+    logits: torch.Tensor
+    text: torch.Tensor
+    image: torch.Tensor
 
 
 class TransferError(ValueError):
@@ -127,6 +146,16 @@ class Method(nn.Module):
         """(loss, logits) of one training batch; cross-entropy on fp32 logits by default."""
         logits = self.logits(image_features)
         return F.cross_entropy(logits.float(), labels), logits
+
+    def towers(self, x: torch.Tensor, prepared=None) -> Towers:
+        """The logits of a batch with the text and image features they come from; `prepared` as
+        for `logits`. Methods that a plug-in (DePT) can wrap implement it."""
+        raise NotImplementedError(f"method={self.name} does not expose its text and image features")
+
+    def extra_loss(self, towers: Towers) -> torch.Tensor | float:
+        """The loss terms a method adds to cross-entropy, from its `towers` (KgCoOp's regulariser);
+        a plug-in that replaces the cross-entropy keeps them. By default none."""
+        return 0.0
 
     def fit(self, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor]) -> dict:
         """Closed-form fit on (features, labels) pairs; returns extra metrics (trainer == "fit")."""
