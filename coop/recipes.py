@@ -80,6 +80,7 @@ METHOD_DEFAULTS = {
 YIELDS_TO = {
     "cocoop": {"prompt.ctx_init": "prompt.n_ctx"},
     "kgcoop": {"prompt.ctx_init": "prompt.n_ctx"},
+    "coop+dept": {"prompt.n_ctx": "prompt.ctx_init"},  # a phrase (the protocol grids') fixes M
     "cocoop+dept": {"prompt.ctx_init": "prompt.n_ctx"},
     "kgcoop+dept": {"prompt.ctx_init": "prompt.n_ctx"},
 }

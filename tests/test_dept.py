@@ -9,6 +9,7 @@ import open_clip
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO
 
 from coop.config import ConfigError, load_config, run_name
 from coop.methods import DePT, build_method
@@ -20,6 +21,7 @@ from coop.reference import (
     vision_features,
 )
 from coop.reference.dept import dept_loss, dept_test_logits
+from coop.sweep import load_grid, plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]
 
@@ -149,3 +151,32 @@ def test_cocoop_host_uses_each_images_own_text_feature(tiny_clip):
     head = F.linear(torch.cat([t, i]), tensors["dept.head.weight"], tensors["dept.head.bias"])
     want = 0.3 * F.cross_entropy(sim, labels) + 0.7 * F.cross_entropy(head, torch.cat([labels, labels]))
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+
+
+def test_config_files_spell_out_the_recipes_and_grids_run_them(tmp_path):
+    """configs/dept/*.yaml and configs/tcp/ resolve to what the recipe alone gives; every protocol
+    grid plans DePT on each host and TCP with their recipes' lengths and rates."""
+    files = {
+        "coop": "dept/coop_vit_b16_ep10_bs4_lr35.yaml",
+        "cocoop": "dept/cocoop_vit_b16_c4_ep10_batch1_ctxv1.yaml",
+        "kgcoop": "dept/kgcoop_vit_b16_ep10_ctxv1_bs4_lr35.yaml",
+        "maple": "dept/maple_vit_b16_c2_ep10_batch4_2ctx.yaml",
+        "tcp": "tcp/vit_b16_ep100_ctxv1.yaml",
+    }
+    for host, path in files.items():
+        extra = [] if host == "tcp" else ["dept.enabled=true"]
+        spelled = load_config(str(REPO / "configs" / path))
+        alone = load_config(None, [f"method={host}", "data.name=imagenet", "model.name=ViT-B-16", *extra])
+        for section in ("prompt", "train", "dept", "kgcoop", "tcp"):
+            assert spelled[section] == alone[section], (host, section)
+    one = ["data.seed=1", "data.name=imagenet", "data.shots=16"]  # one point per method
+    for grid in ("base_to_new", "cross_dataset", "domain_generalization", "few_shot"):
+        path = str(REPO / "configs" / "protocols" / f"{grid}.yaml")
+        runs = plan(load_grid(path, ["method=[coop,cocoop,kgcoop,maple]", "dept.enabled=true", *one, f"data.root={tmp_path}"]), tmp_path)
+        assert len(runs) == 4
+        for run in runs:
+            cfg = load_config(None, run.overrides)
+            assert (cfg.train.epochs, cfg.dept.enabled) == (10, True) and "_dept" in run.folder.parent.name
+        runs = plan(load_grid(path, ["method=tcp", "prompt.ctx_init=null", "prompt.n_ctx=4", *one, f"data.root={tmp_path}"]), tmp_path)
+        cfg = load_config(None, runs[0].overrides)
+        assert (cfg.train.optimizer, cfg.train.eps, cfg.train.epochs, cfg.prompt.ctx_init) == ("adam", 1e-3, 50, None)
