@@ -180,3 +180,23 @@ def test_config_files_spell_out_the_recipes_and_grids_run_them(tmp_path):
         runs = plan(load_grid(path, ["method=tcp", "prompt.ctx_init=null", "prompt.n_ctx=4", *one, f"data.root={tmp_path}"]), tmp_path)
         cfg = load_config(None, runs[0].overrides)
         assert (cfg.train.optimizer, cfg.train.eps, cfg.train.epochs, cfg.prompt.ctx_init) == ("adam", 1e-3, 50, None)
+
+
+def test_fp16_as_the_originals(tiny_openclip):
+    """train.precision=fp16: DePT's head is half (the original's `.type(dtype)`), its FiLM stays fp32;
+    TCP is half throughout (ctx and meta-net, as its PREC=fp16); both losses stay finite."""
+    from coop.model import CLIP
+
+    clip = CLIP.from_openclip(tiny_openclip)  # its own copy: halving it must not touch the fixture's
+    m = dept(clip, "coop", "prompt.n_ctx=3")
+    t = build_method(clip, CLASSES, load_config(None, ["method=tcp", "tcp.layer=1", "data.name=dtd"]))
+    clip.half()
+    m.to_half()
+    t.to_half()
+    assert m.head.weight.dtype == torch.float16 and m.film_image.scale.dtype == torch.float32
+    assert {p.dtype for p in t.learnable().values()} == {torch.float16}
+    x, labels = torch.randn(4, clip.embed_dim).half(), torch.tensor([0, 1, 2, 3])
+    for method in (m, t):
+        loss, _ = method.loss(x, labels)
+        assert torch.isfinite(loss)
+        loss.backward()
