@@ -22,6 +22,10 @@ where the method allows it, for other classes (evaluation on another dataset). T
 knows whether it scores the classes it was trained on (`on_training_classes`): a head with one
 row per training class (DePT) or logits fused for the training classes (MMRL) exist only then.
 
+`towers(x)` returns a batch's logits with the unnormalised text and image features behind them,
+and `extra_loss(towers)` a method's terms beyond cross-entropy: a plug-in (DePT) wraps a method
+through these two without knowing which one it is.
+
 SGD methods hand their tensors to the optimizer in `param_groups()`, each group with its own
 `lr_scale` (and optionally `weight_decay`); `train.optimizer` and `train.schedule` pick the
 optimizer and the schedule (`coop.schedule`).
