@@ -172,14 +172,30 @@ def test_config_files_spell_out_the_recipes_and_grids_run_them(tmp_path):
     one = ["data.seed=1", "data.name=imagenet", "data.shots=16"]  # one point per method
     for grid in ("base_to_new", "cross_dataset", "domain_generalization", "few_shot"):
         path = str(REPO / "configs" / "protocols" / f"{grid}.yaml")
-        runs = plan(load_grid(path, ["method=[coop,cocoop,kgcoop,maple]", "dept.enabled=true", *one, f"data.root={tmp_path}"]), tmp_path)
+        runs = plan(
+            load_grid(
+                path,
+                ["method=[coop,cocoop,kgcoop,maple]", "dept.enabled=true", *one, f"data.root={tmp_path}"],
+            ),
+            tmp_path,
+        )
         assert len(runs) == 4
         for run in runs:
             cfg = load_config(None, run.overrides)
             assert (cfg.train.epochs, cfg.dept.enabled) == (10, True) and "_dept" in run.folder.parent.name
-        runs = plan(load_grid(path, ["method=tcp", "prompt.ctx_init=null", "prompt.n_ctx=4", *one, f"data.root={tmp_path}"]), tmp_path)
+        runs = plan(
+            load_grid(
+                path, ["method=tcp", "prompt.ctx_init=null", "prompt.n_ctx=4", *one, f"data.root={tmp_path}"]
+            ),
+            tmp_path,
+        )
         cfg = load_config(None, runs[0].overrides)
-        assert (cfg.train.optimizer, cfg.train.eps, cfg.train.epochs, cfg.prompt.ctx_init) == ("adam", 1e-3, 50, None)
+        assert (cfg.train.optimizer, cfg.train.eps, cfg.train.epochs, cfg.prompt.ctx_init) == (
+            "adam",
+            1e-3,
+            50,
+            None,
+        )
 
 
 def test_fp16_as_the_originals(tiny_openclip):

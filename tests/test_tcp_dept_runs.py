@@ -11,6 +11,7 @@ import torch
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 from test_recipe import interrupt_at
 
+from coop.results import load_runs
 from coop.runner import train_run
 
 CASES = {
@@ -40,6 +41,7 @@ def test_base_to_new_run_resumes_bit_identical(data_root, tmp_path, monkeypatch,
     base = json.loads((whole / "metrics.json").read_text())
     new = json.loads((whole / "eval_imagenet_new.json").read_text())
     assert len(base["per_class_accuracy"]) == len(new["per_class_accuracy"]) == 2
+    assert set(load_runs(tmp_path)["method"]) == {case}  # DePT runs collect as their own row
     if case == "coop+dept":
         assert base["dept_head"] is True and new["dept_head"] is False  # the head is for base classes only
         assert len(a["optimizer"]["param_groups"]) == 2  # the head and FiLM at 6.5x the prompt's rate
