@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from coop.config import ConfigError
 from coop.methods.base import Method, Towers, TransferError
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class DePT(Method):
     def __init__(self, host: Method, cfg: DictConfig):
         super().__init__(host.clip, host.classnames, cfg)
         if host.trainer != "sgd":
-            raise TransferError(f"dept.enabled=true needs a method trained by SGD, not method={host.name}")
+            raise ConfigError(f"dept.enabled=true needs a method trained by SGD, not method={host.name}")
         self.host = host
         self.name = f"{host.name}+dept"
         self.input = host.input
@@ -138,11 +139,10 @@ class DePT(Method):
         rows = torch.arange(len(labels), device=labels.device)
         text = t.text[labels] if t.text.dim() == 2 else t.text[rows, labels]  # (B, E): each label's class
         points = torch.cat([self.film_text(text), self.film_image(t.image).to(text.dtype)])  # (2B, E)
-        head = self.head_logits(points)
-        loss = (1 - self.weight) * F.cross_entropy(t.logits.float(), labels)
-        loss = (
-            loss + self.weight * F.cross_entropy(head, torch.cat([labels, labels])) + self.host.extra_loss(t)
-        )
+        head = self.head_logits(points)  # (2B, C)
+        sim_loss = F.cross_entropy(t.logits.float(), labels)
+        head_loss = F.cross_entropy(head, torch.cat([labels, labels]))
+        loss = (1 - self.weight) * sim_loss + self.weight * head_loss + self.host.extra_loss(t)
         fused = (1 - self.weight) * t.logits.float() + self.weight * head[len(labels) :]
         return loss, fused.detach()
 
