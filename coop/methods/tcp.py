@@ -118,7 +118,7 @@ class TCP(Method):
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
         p = cfg.prompt
-        if p.position not in ("end",) or p.csc or int(p.depth) != 1:
+        if p.position != "end" or p.csc or int(p.depth) != 1:
             raise PromptError(
                 "method=tcp builds its own prompt: prompt.position=end, prompt.csc=false, prompt.depth=1 "
                 f"(got {p.position}, {p.csc}, {p.depth})"
