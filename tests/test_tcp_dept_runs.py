@@ -5,9 +5,14 @@ defines (TCP rebuilds its prompts and teacher, DePT drops its head)."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from conftest import REPO, TINY_CONFIG
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 from test_recipe import interrupt_at
 
@@ -49,3 +54,32 @@ def test_base_to_new_run_resumes_bit_identical(data_root, tmp_path, monkeypatch,
         assert lrs[1] == pytest.approx(6.5 * lrs[0])
     else:
         assert new["tcp_layer"] == 1 and a["optimizer"]["param_groups"][0]["eps"] == 1e-3
+
+
+def test_dept_resume_after_sigkill_is_exact(data_root, tmp_path):  # noqa: F811
+    """kill -9 in the middle of a DePT run (two parameter groups in the optimizer state), then
+    resume: the same tensors and losses as an uninterrupted run."""
+    args = [*CASES["coop+dept"], "data.name=imagenet", f"data.root={data_root}", "train.epochs=10"]
+    ref = tmp_path / "uninterrupted"
+    train_run(tiny_cfg(ref, *args))
+    out = tmp_path / "killed"
+    tiny = [f"model.name={TINY_CONFIG}", "model.pretrained=none", "data.num_workers=0", "data.shots=4"]
+    tiny += ["train.batch_size=4", "train.lr=0.05", "device=cpu", f"output_dir={out}"]  # as tiny_cfg
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "train.py"), *tiny, *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] < 10, "the kill came too late"
+    train_run(tiny_cfg(out, *args))
+    a = torch.load(ref / "checkpoint.pt", weights_only=True)
+    b = torch.load(out / "checkpoint.pt", weights_only=True)
+    for name, t in a["prompt"].items():
+        assert torch.equal(t, b["prompt"][name]), name
+    assert [r["loss"] for r in a["history"]] == [r["loss"] for r in b["history"]]
