@@ -1,6 +1,6 @@
-"""TCP and DePT runs end to end on cached features: base-to-new training, a run interrupted and
-resumed ends bit-identical to an uninterrupted one, and the new classes are scored as each method
-defines (TCP rebuilds its prompts and teacher, DePT drops its head)."""
+"""TCP and DePT runs end to end on cached features: base-to-new training, a run interrupted (or
+killed with SIGKILL) and resumed ends bit-identical to an uninterrupted one, and the new classes
+are scored as each method defines (TCP rebuilds its prompts and teacher, DePT drops its head)."""
 
 from __future__ import annotations
 
