@@ -100,7 +100,8 @@ BASE_TO_NEW_MEANS = {
 
 # TCP's and DePT's base-to-new means (16 shots, ViT-B/16), unchecked: neither repository prints a
 # table (DePT's README shows its tables as images) and the papers could not be read here. DePT's
-# tests/results.csv holds 83.66 / 71.82 / 77.29 at lambda 0.7 without naming the method: the CoOp+DePT means quoted here.
+# tests/results.csv holds 83.66 / 71.82 / 77.29 at lambda 0.7 without naming the method: the
+# CoOp+DePT means quoted here.
 BASE_TO_NEW_UNCHECKED = {
     "tcp": (TCP + ", Table 1", (84.13, 75.36, 79.51)),
     "coop+dept": (DEPT + ", Table 1", (83.66, 71.82, 77.29)),
