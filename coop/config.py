@@ -35,6 +35,7 @@ METHODS = (
     "tip_adapter_f",
     "clip_lora",
     "mmrl",
+    "tcp",
 )  # see coop.methods
 
 DEFAULTS = {
@@ -114,6 +115,8 @@ DEFAULTS = {
         "alpha": 0.7,  # fusion = alpha * logits + (1 - alpha) * logits_rep, and the CE weights
         "reg_weight": 1.0,  # lambda of both cosine regularisers
     },
+    "tcp": {"layer": 8, "weight": 8.0},  # coop.methods.tcp: the block of the class-aware tokens
+    "dept": {"enabled": False, "weight": 0.7, "lr_scale": 6.5},  # coop.methods.dept: a head on any host
     "eval": {"targets": []},
     "fl": {
         "method": "promptfl",
@@ -228,20 +231,25 @@ def load_config(
 
 
 def method_defaults(layers: list[tuple[str, DictConfig]]) -> dict:
-    """The `METHOD_DEFAULTS` entries of the method the layers choose, updated by its
-    `DATASET_RECIPES` entries for the dataset they choose, that none of them sets."""
-    method, given, trees = DEFAULTS["method"], set(), []
+    """The `METHOD_DEFAULTS` entries of the method the layers choose (its "+dept" recipe with
+    `dept.enabled`), updated by its `DATASET_RECIPES` entries for the dataset they choose, that
+    none of them sets."""
+    method, given, trees, dept = DEFAULTS["method"], set(), [], False
     for _, layer in layers:
         tree = OmegaConf.to_container(layer, resolve=False)
         if not isinstance(tree, dict):
             continue  # merging reports it
         method = tree.get("method", method)
-        given |= set(flatten(tree))
+        keys = flatten(tree)
+        dept = keys.get("dept.enabled", dept)
+        given |= set(keys)
         trees.append(tree)
     dataset = next(
         (d for d in reversed([flatten(t).get("data.name") for t in trees]) if isinstance(d, str)),
         DEFAULTS["data"]["name"],
     )
+    if dept is True and isinstance(method, str):
+        method = f"{method}+dept"  # DePT on a host has its own recipe ("coop+dept", ...)
     defaults = METHOD_DEFAULTS.get(method, {}) if isinstance(method, str) else {}
     defaults = {**defaults, **DATASET_RECIPES.get(method, {}).get(dataset, {})}
     yields = {**LENGTH_YIELDS, **(YIELDS_TO.get(method, {}) if isinstance(method, str) else {})}
@@ -328,6 +336,7 @@ def validate(cfg: DictConfig) -> None:
     if not _is_number(std) or not 0 < std < math.inf:
         raise ConfigError(f"promptsrc.gpa_std must be a finite number > 0 (epochs), got {std!r}")
     validate_mmrl(cfg)
+    validate_tcp_dept(cfg)
     targets = cfg.eval.targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")
@@ -453,6 +462,26 @@ def check_base_to_new(cfg: DictConfig) -> None:
     )
 
 
+DEPT_HOSTS = ("coop", "cocoop", "kgcoop", "maple")  # coop.methods.dept
+
+
+def validate_tcp_dept(cfg: DictConfig) -> None:
+    """`tcp.*` and `dept.*`: numbers in range; DePT only on the hosts it wraps."""
+    layer = cfg.tcp.layer
+    if not _is_int(layer) or layer < 1:
+        raise ConfigError(f"tcp.layer must be an integer >= 1 (a text block), got {layer!r}")
+    for key in ("tcp.weight", "dept.lr_scale"):
+        value = OmegaConf.select(cfg, key)
+        if not _is_number(value) or not value >= 0:
+            raise ConfigError(f"{key} must be a number >= 0, got {value!r}")
+    if not _is_number(cfg.dept.weight) or not 0 <= cfg.dept.weight <= 1:
+        raise ConfigError(f"dept.weight must be a number in [0, 1], got {cfg.dept.weight!r}")
+    if not isinstance(cfg.dept.enabled, bool):
+        raise ConfigError(f"dept.enabled must be true or false, got {cfg.dept.enabled!r}")
+    if cfg.dept.enabled and cfg.method not in DEPT_HOSTS:
+        raise ConfigError(f"dept.enabled=true wraps method={'|'.join(DEPT_HOSTS)}, got method={cfg.method}")
+
+
 def validate_vision(cfg: DictConfig) -> None:
     """`vision.n_ctx` / `vision.depth`: null or an integer >= 1; maple takes both from `prompt.*`,
     so a `vision.*` value that differs from them is an error."""
@@ -517,11 +546,12 @@ def model_tag(name: str) -> str:
 def method_settings(cfg: DictConfig) -> str:
     """The settings part of a run name: what the method's results depend on.
 
-    coop: nctx<M>_csc<C>_pos<P>_depth<J>; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>; cocoop, kgcoop, ivlp, maple and promptsrc: the same
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple, promptsrc and tcp: the same
     after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
     _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
     (a literal template by its hash); linear_probe: linear_probe; tip_adapter and tip_adapter_f:
-    <method>_views<tip.augment_epochs>.
+    <method>_views<tip.augment_epochs>; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>.
+    DePT (`dept.enabled`) adds "_dept".
     """
     if cfg.method == "zeroshot":
         templates = str(cfg.zeroshot.templates)
@@ -550,7 +580,8 @@ def method_settings(cfg: DictConfig) -> str:
     pos = "middle" if p.position == "mid" else p.position
     prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
     text = f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
-    return f"{text}_{vision}" if cfg.method in ("ivlp", "promptsrc") else text
+    text = f"{text}_{vision}" if cfg.method in ("ivlp", "promptsrc") else text
+    return f"{text}_dept" if cfg.dept.enabled else text
 
 
 def run_name(cfg: DictConfig) -> str:

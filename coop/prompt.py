@@ -110,6 +110,8 @@ class PromptLearner(nn.Module):
             phrase initialises the context only when M <= phrase_max_ctx (4 there); a larger M
             starts from random context ("X X .. X {class}."), as if `ctx_init` were unset. None
             (CoOp, CoCoOp, KgCoOp): the phrase always applies.
+        template: what follows the context, "{}" standing for the class name: CoOp's "{}."
+            by default; TCP's dataset templates ("{}, a type of pet.") need position end.
     """
 
     def __init__(
@@ -122,8 +124,11 @@ class PromptLearner(nn.Module):
         csc: bool = False,
         depth: int = 1,
         phrase_max_ctx: int | None = None,
+        template: str = "{}.",
     ):
         super().__init__()
+        if template != "{}." and POSITIONS.get(position) != "end":
+            raise PromptError(f"a prompt template other than '{{}}.' needs position end, got '{position}'")
         if position not in POSITIONS:
             raise PromptError(f"unknown class-token position '{position}' (choose end, middle or front)")
         layers = clip.text.cfg.layers
@@ -178,13 +183,15 @@ class PromptLearner(nn.Module):
 
         name_lens = [len(tokenizer.encode(name)) for name in self.classnames]
         limit = clip.context_length
-        for name, c in zip(self.classnames, name_lens, strict=True):
-            if 1 + n_phrase + c + 2 > limit:  # [SOS] ctx class [.] [EOS]
+        texts = [template.format(name) for name in self.classnames]  # "name." by default
+        for name, c, text in zip(self.classnames, name_lens, texts, strict=True):
+            needed = 1 + n_phrase + len(tokenizer.encode(text)) + 1  # [SOS] ctx class [.] [EOS]
+            if needed > limit:
                 raise PromptError(
-                    f"prompt for class '{name}' needs {1 + n_phrase + c + 2} tokens, more than {limit} "
+                    f"prompt for class '{name}' needs {needed} tokens, more than {limit} "
                     f"(n_ctx={n_phrase}, class name {c} tokens)"
                 )
-        ids = tokenizer([f"{prefix_text} {name}." for name in self.classnames])  # (n_cls, 77)
+        ids = tokenizer([f"{prefix_text} {text}" for text in texts])  # (n_cls, 77)
         eos = ids.argmax(dim=-1)
         length = int(eos.max()) + 1
         ids = ids[:, :length]

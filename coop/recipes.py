@@ -93,6 +93,43 @@ METHOD_DEFAULTS = {
         "train.batch_size": 4,
         "train.crop_scale": [0.5, 1.0],
     },
+    # TCP's configs/trainers/TCP/vit_b16_ep100_ctxv1 (despite its name MAX_EPOCH 50) with its script's
+    # N_CTX 4: Adam lr 0.002 with the eps 1e-3 that its README patches into Dassl, wd 5e-4, batch 32,
+    # one constant warm-up epoch at 1e-5, then cosine.
+    "tcp": {
+        "prompt.n_ctx": 4,
+        "prompt.ctx_init": None,
+        "train.optimizer": "adam",
+        "train.eps": 1e-3,
+        "train.epochs": 50,
+    },
+    # DePT (`dept.enabled=true`) on its hosts: the DePT repository's configs/trainers/ExtrasLinearProbe*
+    # merged over its train.py `extend_cfg` (SGD, staged lr x6.5 for the head and FiLM, 10 epochs).
+    # CoOp: N_CTX 16 random (extend_cfg), lr 0.0035, batch 4; CoCoOp: CoCoOp's prompt, lr 0.002,
+    # batch 1; KgCoOp: "a photo of a", W 2.0, lr 0.0035, batch 4; MaPLe: 2 ctx, depth 9, lr 0.0035, batch 4.
+    "coop+dept": {
+        "prompt.n_ctx": 16,
+        "prompt.ctx_init": None,
+        "train.lr": 0.0035,
+        "train.epochs": 10,
+        "train.batch_size": 4,
+    },
+    "cocoop+dept": {"prompt.ctx_init": "a photo of a", "train.epochs": 10, "train.batch_size": 1},
+    "kgcoop+dept": {
+        "prompt.ctx_init": "a photo of a",
+        "kgcoop.weight": 2.0,
+        "train.lr": 0.0035,
+        "train.epochs": 10,
+        "train.batch_size": 4,
+    },
+    "maple+dept": {
+        "prompt.n_ctx": 2,
+        "prompt.ctx_init": "a photo of a",
+        "prompt.depth": 9,
+        "train.lr": 0.0035,
+        "train.epochs": 10,
+        "train.batch_size": 4,
+    },
 }
 
 # Tip-Adapter's configs/<dataset>.yaml (the same file for 1 to 16 shots and both methods): init_beta,
@@ -143,4 +180,7 @@ DATASET_RECIPES = {
 YIELDS_TO = {
     "cocoop": {"prompt.ctx_init": "prompt.n_ctx"},
     "kgcoop": {"prompt.ctx_init": "prompt.n_ctx"},
+    "coop+dept": {"prompt.n_ctx": "prompt.ctx_init"},  # a phrase (the protocol grids') fixes M
+    "cocoop+dept": {"prompt.ctx_init": "prompt.n_ctx"},
+    "kgcoop+dept": {"prompt.ctx_init": "prompt.n_ctx"},
 }

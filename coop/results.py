@@ -57,7 +57,8 @@ def load_runs(root: str | os.PathLike) -> pd.DataFrame:
         root: folder searched recursively for run folders.
     Returns:
         DataFrame with columns `run` (path relative to root), `complete` (metrics.json present),
-        every config key (e.g. `prompt.position`; `method` is "coop" when the config has none),
+        every config key (e.g. `prompt.position`; `method` is "coop" when the config has none,
+        "<host>+dept" with `dept.enabled`),
         every metrics.json key (e.g. `accuracy`) and, for finished runs, `eval_targets`: the
         run's `eval_<dataset>.json` files as {dataset: {metric: value}}. Empty when no run
         folder is found.
@@ -83,6 +84,8 @@ def load_runs(root: str | os.PathLike) -> pd.DataFrame:
                 row["complete"] = True
                 row.update(_base_to_new(folder, row))
                 row["eval_targets"] = eval_targets(folder)
+        if row.get("dept.enabled") is True:  # DePT on a host: its own row, e.g. "maple+dept"
+            row["method"] = f"{row['method']}+dept"
         rows.append(row)
     df = pd.DataFrame(rows)
     return df if len(df) else pd.DataFrame(columns=["run", "complete"])

@@ -159,7 +159,7 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     log.info(
         "%s | %s | %s (%s) | %d classes, %d shots, seed %d | %d epochs | %d learnable parameters | %s %s",
         cfg.data.name,
-        cfg.method,
+        method.name,  # "maple+dept" for DePT on MaPLe
         cfg.model.name,
         cfg.model.pretrained,
         method.n_cls,

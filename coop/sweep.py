@@ -188,7 +188,8 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
         where = " ".join(f"{k}={format_value(v)}" for k, v in swept.items()) or "(single point)"
         try:
             cfg = load_config(config, overrides)
-            yielding = getattr(grid, "fixed", frozenset()) & recipe_keys(cfg.method)
+            recipe = f"{cfg.method}+dept" if cfg.dept.enabled else cfg.method  # DePT's hosts have their own
+            yielding = getattr(grid, "fixed", frozenset()) & recipe_keys(recipe)
             if yielding & set(point):  # the method's recipe keeps these keys
                 overrides = [f"{k}={format_value(v)}" for k, v in point.items() if k not in yielding]
                 cfg = load_config(config, overrides)

@@ -17,7 +17,10 @@ Prompts run through one packed pass (`coop.packing`), exact, with three savings:
     with a mask that shows each token the prefix and its own row's earlier tokens.
 
 Deep prompts: before block i (1 <= i < J) the hidden states at the context slots are replaced
-by fresh learnable tokens; no positional embedding is added to them.
+by fresh learnable tokens; no positional embedding is added to them. They come as a tensor
+(J-1, N or 1, M, W) for blocks 1..J-1, or keyed by block index ({i: (N or 1, M, W)}: TCP's
+class-aware tokens enter one block). Per-row tokens at slots inside a shared prefix end the
+sharing there: from that block on only [SOS] stays shared (`_unshare_prefix`).
 
 Inserted tokens (`InsertedTokens`, MMRL's representation tokens): K tokens enter after [SOS] at
 one block and are replaced at later ones. They are the same for every class, so from that block
@@ -55,6 +58,22 @@ class TextConfig:
     gelu_approximate: str = "none"
     ln_eps: float = 1e-5
     proj_bias: bool | None = None  # None: projection is a (W, E) matrix; bool: an nn.Linear
+
+
+def deep_by_block(deep_prompts) -> dict:
+    """Deep tokens keyed by the block whose input they replace at the context slots.
+
+    Args:
+        deep_prompts: None; a tensor (J-1, N or 1, M, W) for blocks 1..J-1 (deep prompts); or a
+            dict {block index >= 1: (N or 1, M, W)} (TCP: one block's class-aware tokens).
+    """
+    if deep_prompts is None:
+        return {}
+    if isinstance(deep_prompts, dict):
+        if any(i < 1 for i in deep_prompts):
+            raise ValueError(f"deep tokens enter blocks >= 1, got blocks {sorted(deep_prompts)}")
+        return deep_prompts
+    return {i + 1: tokens for i, tokens in enumerate(deep_prompts)}  # tokens: (N or 1, M, W)
 
 
 class QuickGELU(nn.Module):
@@ -257,7 +276,7 @@ class TextTransformer(nn.Module):
             x: token embeddings, (N, L, W) with L > max(eos); rows past a row's [EOS] are ignored.
             eos: (N,) index of each row's [EOS] token.
             deep_prompts: optional (J-1, N or 1, M, W) tokens that replace the hidden states at
-                `slots` before blocks 1..J-1.
+                `slots` before blocks 1..J-1, or {block: (N or 1, M, W)} (`deep_by_block`).
             slots: (N, M) positions of the context slots; required with `deep_prompts`.
         Returns:
             (N, E) projected [EOS] features, in row order.
@@ -284,7 +303,9 @@ class TextTransformer(nn.Module):
             prefix: (1, P, W) token embeddings of positions 0..P-1, shared by all rows.
             x: (N, L, W) token embeddings of positions P.., with L > max(eos) - P.
             eos: (N,) absolute index of each row's [EOS] (>= P).
-            deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots.
+            deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots, or
+                {block: (1 or N, M, W)}: per-row tokens (TCP's) at slots inside the prefix end
+                its sharing at their block, after which only [SOS] is shared.
             slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
             inserted: tokens that join the prefix after [SOS] at a block (`prefix_keys_values`).
 
@@ -314,14 +335,15 @@ class TextTransformer(nn.Module):
             Per block, the prefix's (keys, values), each (G, H, P, Dh) (P+K from the insertion on).
         """
         start = prefix.shape[1]
-        n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
-        in_prefix = int((slots[0] < start).sum()) if n_deep else 0  # h slots sit in the prefix
+        deep = deep_by_block(deep_prompts)
+        in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
         p = prefix + self.positional_embedding[:start]  # (G, P, W)
         kv = []
         for i, block in enumerate(self.blocks):
-            if 1 <= i <= n_deep and in_prefix:
-                deep = deep_prompts[i - 1, :, :in_prefix].to(p.dtype).expand(len(p), -1, -1)  # (G, h, W)
-                p = torch.cat([p[:, :1], deep, p[:, 1 + in_prefix :]], dim=1)
+            # per-row tokens end the sharing at their block; only [SOS]'s keys are read after it
+            if i in deep and in_prefix and len(deep[i]) == 1:
+                tokens = deep[i][:, :in_prefix].to(p.dtype).expand(len(p), -1, -1)  # (G, h, W)
+                p = torch.cat([p[:, :1], tokens, p[:, 1 + in_prefix :]], dim=1)
             if inserted is not None:
                 p = inserted.before(i, p)  # (G, P+K, W) from the first listed block on
             q, k, v = block.attn.qkv(block.ln_1(p))  # (G, H, P, Dh) each
@@ -374,19 +396,21 @@ class TextTransformer(nn.Module):
         packing = pack(eos + 1 - start, start, g)
         h = x[:, packing.row, packing.pos] + self.positional_embedding[start + packing.pos]  # (G|1, T, W)
         h = h.expand(g, -1, -1)  # (G, T, W)
-        n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
-        in_prefix = int((slots[0] < start).sum()) if n_deep else 0  # h slots sit in the prefix
-        if n_deep and in_prefix < slots.shape[1]:  # deep slots among the rows' own tokens
-            own = slots[:, in_prefix:] - start + packing.offsets[:, None]  # (N, M-h) packed indices
-            deep_rows = deep_prompts[:, :, in_prefix:].expand(-1, len(own), -1, -1)  # (J-1, N, M-h, W)
-        else:
-            n_deep = 0
+        deep = deep_by_block(deep_prompts)
+        in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
         last = len(self.blocks) - 1
-        kv = kv if kv is not None else [(None, None)] * len(self.blocks)  # start 0: no prefix
-        for i, (block, (k, v)) in enumerate(zip(self.blocks, kv, strict=True)):
-            if 1 <= i <= n_deep:
-                deep = deep_rows[i - 1].reshape(1, -1, width).to(h.dtype).expand(g, -1, -1)  # (G, N(M-h), W)
-                h = h.index_copy(1, own.reshape(-1), deep)
+        kv = list(kv) if kv is not None else [(None, None)] * len(self.blocks)  # start 0: no prefix
+        for i, block in enumerate(self.blocks):
+            tokens = deep.get(i)
+            if tokens is not None and in_prefix and len(tokens) > 1:  # per-row tokens in prefix slots
+                h, packing, start = self._unshare_prefix(h, packing, eos, start, in_prefix, g)
+                kv[i:] = [(k[:, :, :1], v[:, :, :1]) for k, v in kv[i:]]  # [SOS] alone stays shared
+                in_prefix = 0
+            if tokens is not None and in_prefix < slots.shape[1]:  # slots among the rows' own tokens
+                own = slots[:, in_prefix:] - start + packing.offsets[:, None]  # (N, M-h) packed indices
+                rows = tokens[:, in_prefix:].expand(len(own), -1, -1).reshape(1, -1, width)  # (1, N(M-h), W)
+                h = h.index_copy(1, own.reshape(-1), rows.to(h.dtype).expand(g, -1, -1))
+            k, v = kv[i]
             if k is not None and k.shape[2] != packing.prefix:  # the prefix grew (InsertedTokens)
                 packing = packing.with_prefix(k.shape[2])
             if recompute:
@@ -394,6 +418,20 @@ class TextTransformer(nn.Module):
             else:
                 h = block.forward_packed(h, packing, k, v, last=i == last)
         return self._project(h)  # h: (G, N, W) at each row's [EOS]
+
+    @staticmethod
+    def _unshare_prefix(h, packing: Packing, eos, start: int, in_prefix: int, g: int):
+        """Re-pack rows that shared [SOS][v1..vh] so that only [SOS] stays shared.
+
+        Returns (G, T', W) packed tokens 1..eos of every row (the old own tokens moved, the h slot
+        positions zero: the caller replaces them), the new packing and the new start (1).
+        """
+        if start != 1 + in_prefix:
+            raise ValueError(f"a shared prefix of {start} tokens must be [SOS] and {in_prefix} context slots")
+        packed = pack(eos, 1, g)  # rows of eos tokens after [SOS]
+        moved = packed.offsets[packing.row] + packing.pos + start - 1  # (T,) old token -> new index
+        out = h.new_zeros(g, int(eos.sum()), h.shape[-1]).index_copy(1, moved, h)  # (G, T', W)
+        return out, packed, 1
 
     def encode_with_attention(
         self,
@@ -416,12 +454,12 @@ class TextTransformer(nn.Module):
         """
         n, width = x.shape[0], x.shape[-1]
         x = x[:, : int(eos.max()) + 1] + self.positional_embedding[: int(eos.max()) + 1]  # (N, L, W)
-        n_deep = 0 if deep_prompts is None else deep_prompts.shape[0]
+        deep = deep_by_block(deep_prompts)
         weights = []
         for i, block in enumerate(self.blocks):
-            if 1 <= i <= n_deep:
-                deep = deep_prompts[i - 1].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
-                x = x.scatter(1, slots.unsqueeze(-1).expand(-1, -1, width), deep)
+            if i in deep:
+                tokens = deep[i].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
+                x = x.scatter(1, slots.unsqueeze(-1).expand(-1, -1, width), tokens)
             x, w = block(x, need_weights=True)
             weights.append(w)
         return self._project(x[torch.arange(n, device=x.device), eos]), torch.stack(weights)

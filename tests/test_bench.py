@@ -8,6 +8,7 @@ import json
 import re
 import sys
 
+import pytest
 import torch
 from conftest import REPO, TINY_CONFIG
 
@@ -96,6 +97,17 @@ def test_bench_text_compares_both_sides(capsys):
     assert "speed-up:" in out and "after 1 warm-up call(s) each" in out
     diff = float(re.search(r"max \|diff\| output: (\S+)", out).group(1))
     assert diff < 1e-5
+
+
+def test_bench_tcp_compares_both_sides_and_states_its_bound(capsys):
+    args = ["--model", str(TINY_CONFIG), "--classes", "4", "--layer", "1", "--repeats", "1", "--warmup", "0"]
+    assert load_tool("bench_tcp").main(args) == 0
+    out = capsys.readouterr().out
+    bound = re.search(r"own tokens per prompt and block (\S+); bound 77 / \S+ = (\S+)x", out)
+    assert float(bound.group(2)) == pytest.approx(77 / float(bound.group(1)), rel=1e-2)
+    assert float(re.search(r"max \|diff\| output: (\S+)", out).group(1)) < 1e-5
+    grads = re.findall(r"(ctx|meta_net\.\S+) (\S+?)(?:,|$)", out.splitlines()[-1])
+    assert len(grads) == 5 and all(float(d) < 1e-4 for _, d in grads)
 
 
 def test_bench_train_counts_steps(capsys):

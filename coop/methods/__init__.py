@@ -6,12 +6,13 @@ method = build_method(clip, classnames, cfg)
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from coop.methods.base import Method, TransferError
 from coop.methods.clip_lora import CLIPLoRA
 from coop.methods.cocoop import CoCoOp, MetaNet
 from coop.methods.coop import CoOp, build_learner
+from coop.methods.dept import DePT
 from coop.methods.ivlp import IVLP
 from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
@@ -19,6 +20,7 @@ from coop.methods.maple import MaPLe
 from coop.methods.mmrl import MMRL
 from coop.methods.promptsrc import PromptSRC
 from coop.methods.tip_adapter import TipAdapter, TipAdapterF
+from coop.methods.tcp import TCP
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model import CLIP
@@ -37,15 +39,19 @@ METHODS: dict[str, type[Method]] = {
     "tip_adapter_f": TipAdapterF,
     "clip_lora": CLIPLoRA,
     "mmrl": MMRL,
+    "tcp": TCP,
 }
 
 
 def build_method(clip: CLIP, classnames: list[str], cfg: DictConfig) -> Method:
-    """The method named by `cfg.method`, built for `classnames`."""
+    """The method named by `cfg.method`, built for `classnames` (wrapped by DePT with `dept.enabled`)."""
     name = cfg.method
     if name not in METHODS:
         raise ValueError(f"method={name!r} is not one of {', '.join(METHODS)}")
-    return METHODS[name](clip, classnames, cfg)
+    method = METHODS[name](clip, classnames, cfg)
+    if OmegaConf.select(cfg, "dept.enabled", default=False):
+        method = DePT(method, cfg)  # DePT's head and FiLM around the host
+    return method
 
 
 __all__ = [
@@ -54,6 +60,7 @@ __all__ = [
     "METHODS",
     "CoCoOp",
     "CoOp",
+    "DePT",
     "IVLP",
     "KgCoOp",
     "LinearProbe",
@@ -64,6 +71,7 @@ __all__ = [
     "PromptSRC",
     "TipAdapter",
     "TipAdapterF",
+    "TCP",
     "TransferError",
     "VPT",
     "VisionPromptMethod",

@@ -27,6 +27,10 @@ where the method allows it, for other classes (evaluation on another dataset). T
 knows whether it scores the classes it was trained on (`on_training_classes`): a head with one
 row per training class (DePT) or logits fused for the training classes (MMRL) exist only then.
 
+`towers(x)` returns a batch's logits with the unnormalised text and image features behind them,
+and `extra_loss(towers)` a method's terms beyond cross-entropy: a plug-in (DePT) wraps a method
+through these two without knowing which one it is.
+
 SGD methods hand their tensors to the optimizer in `param_groups()`, each group with its own
 `lr_scale` (and optionally `weight_decay`); `train.optimizer` and `train.schedule` pick the
 optimizer and the schedule (`coop.schedule`).
@@ -56,6 +60,23 @@ class FeatureRequest:
 
     views: int = 1
     augment: bool = False
+
+
+@dataclass
+class Towers:
+    """What a method's logits are made of (`Method.towers`), for plug-ins that add a head on the
+    towers' outputs (DePT).
+
+    Attributes:
+        logits: (B, n_cls) the method's logits.
+        text: unnormalised class text features, (n_cls, E), or (B, n_cls, E) when they depend on
+            the image (CoCoOp).
+        image: (B, E) unnormalised image features (the cached ones, or the prompted tower's).
+    """
+
+    logits: torch.Tensor
+    text: torch.Tensor
+    image: torch.Tensor
 
 
 class TransferError(ValueError):
@@ -150,6 +171,16 @@ class Method(nn.Module):
         """(loss, logits) of one training batch; cross-entropy on fp32 logits by default."""
         logits = self.logits(image_features)
         return F.cross_entropy(logits.float(), labels), logits
+
+    def towers(self, x: torch.Tensor, prepared=None) -> Towers:
+        """The logits of a batch with the text and image features they come from; `prepared` as
+        for `logits`. Methods that a plug-in (DePT) can wrap implement it."""
+        raise NotImplementedError(f"method={self.name} does not expose its text and image features")
+
+    def extra_loss(self, towers: Towers) -> torch.Tensor | float:
+        """The loss terms a method adds to cross-entropy, from its `towers` (KgCoOp's regulariser);
+        a plug-in that replaces the cross-entropy keeps them. By default none."""
+        return 0.0
 
     def fit(self, train: tuple[torch.Tensor, torch.Tensor]) -> dict:
         """A closed-form step on the training features of `fit_request` ((V, N, E), labels), run

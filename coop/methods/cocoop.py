@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from coop.methods.base import Method
+from coop.methods.base import Method, Towers
 from coop.methods.coop import build_learner, require_transferable
 from coop.model import CLIP
 
@@ -90,14 +90,17 @@ class CoCoOp(Method):
 
     def logits(self, image_features: torch.Tensor, prepared=None) -> torch.Tensor:
         """(B, n_cls) logits, in fp32; image b is scored against the prompts shifted by image b."""
-        scale = self.clip.logit_scale
+        return self._run(image_features, self._cosine)
 
-        def cosine(text: torch.Tensor, img: torch.Tensor) -> torch.Tensor:  # (b, c, E), (b, E) -> (b, c)
-            with torch.autocast(img.device.type, enabled=False):
-                img, text = F.normalize(img.float(), dim=-1), F.normalize(text.float(), dim=-1)
-                return scale.float().exp() * torch.einsum("be,bce->bc", img, text)
+    def _cosine(self, text: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+        """(b, c, E) text and (b, E) image features -> (b, c) fp32 logits."""
+        with torch.autocast(img.device.type, enabled=False):
+            img, text = F.normalize(img.float(), dim=-1), F.normalize(text.float(), dim=-1)
+            return self.clip.logit_scale.float().exp() * torch.einsum("be,bce->bc", img, text)
 
-        return self._run(image_features, cosine)
+    def towers(self, image_features: torch.Tensor, prepared=None) -> Towers:
+        text = self.text_features(image_features)  # (B, n_cls, E): every image has its own prompts
+        return Towers(self._cosine(text, image_features), text, image_features)
 
     def text_features(self, image_features: torch.Tensor) -> torch.Tensor:
         """Unnormalised class text features (B, n_cls, E) of each image's prompts."""

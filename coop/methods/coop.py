@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from coop.methods.base import Method, TransferError
+from coop.methods.base import Method, Towers, TransferError
 from coop.model import CLIP
 from coop.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
 
@@ -68,6 +68,10 @@ class CoOp(Method):
 
     def logits(self, image_features: torch.Tensor, prepared: torch.Tensor | None = None) -> torch.Tensor:
         return self.classifier.logits(image_features, prepared)
+
+    def towers(self, image_features: torch.Tensor, prepared: torch.Tensor | None = None) -> Towers:
+        text = self.classifier.text_features() if prepared is None else prepared  # (n_cls, E)
+        return Towers(self.classifier.logits(image_features, text), text, image_features)
 
     def describe(self) -> dict:
         pl = self.prompt_learner

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from coop.methods.base import Towers
 from coop.methods.coop import CoOp
 from coop.methods.zeroshot import resolve_templates, template_features
 from coop.model import CLIP
@@ -60,11 +61,12 @@ class KgCoOp(CoOp):
         learned = F.normalize(text_features.float(), dim=-1)
         return 1.0 - (learned * self.clip_features()).sum(-1).mean()
 
+    def extra_loss(self, towers: Towers) -> torch.Tensor:
+        return self.weight * self.regulariser(towers.text)
+
     def loss(self, image_features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        text = self.classifier.text_features()  # (n_cls, E)
-        logits = self.classifier.logits(image_features, text)
-        loss = F.cross_entropy(logits.float(), labels) + self.weight * self.regulariser(text)
-        return loss, logits
+        t = self.towers(image_features)
+        return F.cross_entropy(t.logits.float(), labels) + self.extra_loss(t), t.logits
 
     def describe(self) -> dict:
         return {**super().describe(), "kgcoop_weight": self.weight, "kgcoop_templates": self.template_choice}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from coop.methods.base import Method
+from coop.methods.base import Method, Towers
 from coop.model import CLIP, ModelError, cosine_logits
 from coop.prompt import PromptError
 
@@ -128,9 +128,13 @@ class VisionPromptMethod(Method):
         """(text features, vision prompts): neither depends on the image, so once per evaluation."""
         return self.text_features(), self.vision_prompts()
 
-    def logits(self, images: torch.Tensor, prepared=None) -> torch.Tensor:
+    def towers(self, images: torch.Tensor, prepared=None) -> Towers:
         text, prompts = self.prepare() if prepared is None else prepared
-        return self.cosine(self.image_features(images, prompts), text)
+        image = self.image_features(images, prompts)  # (B, E)
+        return Towers(self.cosine(image, text), text, image)
+
+    def logits(self, images: torch.Tensor, prepared=None) -> torch.Tensor:
+        return self.towers(images, prepared).logits
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.logits(images)

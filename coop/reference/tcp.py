@@ -1,0 +1,78 @@
+"""Reference TCP computation on OpenCLIP's own modules, as TCP's `trainers/tcp.py` computes it.
+
+Every class's full template ("X X X X {name}, a type of pet.") is tokenised to the context length,
+the four placeholder tokens after [SOS] are replaced by `ctx` with `torch.cat`, and OpenCLIP's
+text blocks run on all 77 positions; before block `layer` the four slots are replaced by the
+meta-net's class tokens (the original's `ResidualAttentionBlock_MaPLe` with `layers=[8]` and
+weight 1.0). Slow on purpose: ground truth for tests/test_tcp.py and tools/bench_text.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from open_clip.tokenizer import SimpleTokenizer
+from torch import nn
+
+
+def tcp_teacher(openclip_model: nn.Module, classnames: list[str], template: str) -> torch.Tensor:
+    """t_zs: OpenCLIP's `encode_text` of the teacher template per class, L2-normalised (n_cls, E)."""
+    tokenizer = SimpleTokenizer(context_length=openclip_model.context_length)
+    ids = tokenizer([template.format(c.replace("_", " ")) for c in classnames])
+    with torch.no_grad():
+        t = openclip_model.encode_text(ids.to(openclip_model.positional_embedding.device))
+    return t / t.norm(dim=-1, keepdim=True)
+
+
+def tcp_text_features(
+    openclip_model: nn.Module,
+    classnames: list[str],
+    prompt_template: str,
+    teacher: torch.Tensor,
+    ctx: torch.Tensor,
+    meta_net: dict[str, torch.Tensor],
+    layer: int,
+) -> torch.Tensor:
+    """Unnormalised TCP text features (n_cls, E).
+
+    Args:
+        prompt_template: the dataset's prompt template with its four placeholder words.
+        teacher: t_zs (n_cls, E) from `tcp_teacher`.
+        ctx: (4, W) context vectors.
+        meta_net: linear1.weight/bias and linear2.weight/bias of the meta-net.
+        layer: the block whose input takes the class tokens.
+    """
+    oc = openclip_model
+    tokenizer = SimpleTokenizer(context_length=oc.context_length)
+    ids = tokenizer([prompt_template.format(c.replace("_", " ")) for c in classnames]).to(ctx.device)
+    n_cls, width, m = len(ids), ctx.shape[-1], ctx.shape[0]
+    hidden = F.linear(teacher, meta_net["linear1.weight"], meta_net["linear1.bias"])
+    hidden = hidden * torch.sigmoid(1.702 * hidden)  # QuickGELU
+    tokens = F.linear(hidden, meta_net["linear2.weight"], meta_net["linear2.bias"]).reshape(n_cls, -1, width)
+    embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
+    x = torch.cat([embeds[:, :1], ctx.unsqueeze(0).expand(n_cls, -1, -1), embeds[:, 1 + m :]], dim=1)
+    x = x + oc.positional_embedding
+    for i, block in enumerate(oc.transformer.resblocks):
+        if i == layer:
+            x = torch.cat([x[:, :1], tokens, x[:, 1 + tokens.shape[1] :]], dim=1)
+        x = block(x, attn_mask=oc.attn_mask)
+    x = oc.ln_final(x)
+    pooled = x[torch.arange(n_cls, device=x.device), ids.argmax(dim=-1)]  # (n_cls, W)
+    proj = oc.text_projection
+    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+
+
+def tcp_loss(
+    openclip_model: nn.Module,
+    image_features: torch.Tensor,
+    labels: torch.Tensor,
+    text: torch.Tensor,
+    teacher: torch.Tensor,
+    weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits): CE on the cosine logits + weight * (1 - mean cos(norm(text), t_zs))."""
+    text = text / text.norm(dim=-1, keepdim=True)
+    image = image_features / image_features.norm(dim=-1, keepdim=True)
+    logits = openclip_model.logit_scale.exp() * image @ text.t()
+    score = 1.0 - torch.nn.CosineSimilarity(dim=1, eps=1e-7)(text, teacher).mean()
+    return F.cross_entropy(logits, labels) + weight * score, logits
