@@ -19,8 +19,8 @@ from coop.methods.linear_probe import LinearProbe
 from coop.methods.maple import MaPLe
 from coop.methods.mmrl import MMRL
 from coop.methods.promptsrc import PromptSRC
-from coop.methods.tip_adapter import TipAdapter, TipAdapterF
 from coop.methods.tcp import TCP
+from coop.methods.tip_adapter import TipAdapter, TipAdapterF
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model import CLIP
