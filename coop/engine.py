@@ -54,7 +54,7 @@ from coop.features import autocast, cached_features, resolve_precision
 from coop.methods import Method, build_method
 from coop.methods.base import FeatureRequest
 from coop.model import CLIP
-from coop.schedule import Schedule, set_lr, steps_per_epoch
+from coop.schedule import Schedule, steps_per_epoch
 from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
         if step == max_steps:
             break
         if schedule is not None and schedule.per_step:
-            set_lr(optimizer, schedule.lr_at(epoch, step))
+            schedule.apply(optimizer, epoch, step)
         x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, precision):
             if train_feats is None and method.input == "features":

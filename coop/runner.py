@@ -61,7 +61,7 @@ from coop.engine import (
 from coop.io import atomic_write, write_json
 from coop.lock import run_lock
 from coop.model import CLIP
-from coop.schedule import Schedule, build_optimizer, plan_schedule, set_lr
+from coop.schedule import Schedule, build_optimizer, plan_schedule
 from coop.tensorboard import OFF, Board, open_board
 
 log = logging.getLogger(__name__)
@@ -239,8 +239,7 @@ def fit(
     bar = trange(start, epochs, initial=start, total=epochs, desc="epochs", dynamic_ncols=True)
     for epoch in bar:
         t0 = time.perf_counter()
-        lr = schedule.lr_at(epoch, 0)
-        set_lr(optimizer, lr)
+        lr = schedule.apply(optimizer, epoch)
         kept = (
             f"the last good checkpoint is {folder / 'checkpoint.pt'} (epoch {epoch})"
             if epoch

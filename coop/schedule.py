@@ -2,7 +2,7 @@
 
     optimizer = build_optimizer(method.param_groups(), cfg.train)
     schedule = Schedule.from_config(cfg.train, epochs, steps_per_epoch)
-    set_lr(optimizer, schedule.lr(epoch, step))        # before every optimizer step
+    schedule.apply(optimizer, epoch, step)             # before every optimizer step
 
 `train.schedule` picks the schedule:
 
@@ -20,7 +20,8 @@ Both cosines end at `train.min_lr` (0 in Dassl and Tip-Adapter-F; 1e-6 in CLIP-L
 function of (epoch, step) alone, so a resumed run needs no scheduler state.
 
 A method's tensors come in parameter groups (`Method.param_groups`): each group's `lr_scale`
-multiplies the schedule's rate (DePT trains its head at 6.5x the prompt rate), and a group may
+multiplies the schedule's rate after warm-up (DePT trains its head at 6.5x the prompt rate; during
+warm-up every group trains at `warmup_lr`, as Dassl's constant warm-up does), and a group may
 carry its own `weight_decay`. `train.optimizer` is sgd (momentum `train.momentum`), adam or adamw
 (`train.betas`, `train.eps`); every one applies `train.weight_decay` as PyTorch does (Adam: an L2
 term in the gradient; AdamW: decoupled).
@@ -137,6 +138,18 @@ class Schedule:
         """Optimizer steps that 0-based `epoch` runs (fewer in the last epoch of an iteration budget)."""
         return max(0, min(self.steps_per_epoch, self.total - epoch * self.steps_per_epoch))
 
+    def in_warmup(self, epoch: int) -> bool:
+        """Whether 0-based `epoch` trains at the constant warm-up rate."""
+        return self.kind != "constant" and epoch < self.warmup_epochs
+
+    def apply(self, optimizer: torch.optim.Optimizer, epoch: int, step: int = 0) -> float:
+        """Set every group's rate for (epoch, step); returns the schedule's rate. During warm-up
+        every group trains at `warmup_lr`, whatever its `lr_scale` (Dassl's constant warm-up sets
+        all groups to it); afterwards each group at the rate times its `lr_scale`."""
+        lr = self.lr_at(epoch, step)
+        set_lr(optimizer, lr, scaled=not self.in_warmup(epoch))
+        return lr
+
     def lr_at(self, epoch: int, step: int = 0) -> float:
         """The rate of step `step` (0-based, within the epoch) of 0-based `epoch`."""
         if self.kind == "constant":
@@ -199,7 +212,7 @@ def build_optimizer(groups: list[dict], train_cfg) -> torch.optim.Optimizer:
     return cls(groups, lr=lr, betas=betas, eps=float(train_cfg.eps), weight_decay=wd)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every group trains at `lr` times its `lr_scale`."""
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, scaled: bool = True) -> None:
+    """Every group trains at `lr` times its `lr_scale` (`scaled=False`: all at `lr`)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
+        group["lr"] = lr * (group.get("lr_scale", 1.0) if scaled else 1.0)

@@ -49,6 +49,9 @@ def test_parameter_groups_scale_the_rate_and_keep_their_own_decay():
     assert (g0["lr"], g1["lr"]) == (0.0035, 0.0035 * 6.5)
     assert (g0["weight_decay"], g1["weight_decay"]) == (5e-4, 0.0)
     assert g0["eps"] == 1e-3 and g0["betas"] == (0.8, 0.99)
+    warm = Schedule("cosine", lr=0.0035, epochs=10, steps_per_epoch=1, warmup_epochs=1, warmup_lr=1e-5)
+    assert warm.apply(opt, 0) == 1e-5 and (g0["lr"], g1["lr"]) == (1e-5, 1e-5)  # Dassl: every group
+    assert warm.apply(opt, 1) == 0.0035 and g1["lr"] == 0.0035 * 6.5
     adamw = build_optimizer([{"params": [a]}], load_config(None, ["train.optimizer=adamw"]).train)
     assert isinstance(adamw, torch.optim.AdamW)
 
