@@ -307,7 +307,9 @@ def test_clients_and_server_run_the_precision_asked(image_folder, tmp_path, monk
     assert not torch.equal(results["fp32"][3].feats, results["fp32"][3].feats.to(low).float())
     assert metrics["train-loss"] != metrics32["train-loss"]  # bf16 / fp16 arithmetic really ran
     assert metrics["train-loss"] == pytest.approx(metrics32["train-loss"], rel=0.05)
-    for key in sent:
-        torch.testing.assert_close(sent[key].float(), sent32[key], rtol=0.05, atol=5e-3)
+    for key in sent:  # the same round up to low-precision arithmetic: within 5% of the fp32 prompts
+        # (a norm, not element by element: a near-zero entry's rounding depends on the CPU's bf16 kernels)
+        drift = (sent[key].float() - sent32[key]).norm() / sent32[key].norm()
+        assert 0 < drift < 0.05, (key, float(drift))
     score = task.evaluate(run.method, run.test_feats[0], run.test_labels, "cpu", precision=run.precision)
     assert 0 <= score["accuracy"] <= 100
