@@ -23,6 +23,7 @@ is unreadable, truncated or not a coop checkpoint stops the run with a one-line 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -35,6 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
+from coop import distributed
 from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from coop.config import (
     DEFAULTS,
@@ -71,8 +73,9 @@ class RunError(ValueError):
     """The run folder cannot be used (e.g. it holds a run with another config)."""
 
 
-def attach_log_file(folder: Path) -> logging.Handler:
-    handler = logging.FileHandler(folder / "log.txt")
+def attach_log_file(folder: Path, name: str = "log.txt", level: int = logging.NOTSET) -> logging.Handler:
+    handler = logging.FileHandler(folder / name)
+    handler.setLevel(level)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     return handler
@@ -109,15 +112,23 @@ def train_run(cfg: DictConfig) -> dict:
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     folder = Path(cfg.output_dir)
-    with run_lock(folder):  # one writer per folder: a second process refuses in one line
-        handler = attach_log_file(folder)
-        board = open_board(folder, bool(cfg.train.tensorboard))
+    rank = distributed.world()  # under torchrun rank 0 alone writes the folder; rank k logs warnings
+    with run_lock(folder) if rank.is_main else _rank_folder(folder):  # a second run refuses in one line
+        handler = attach_log_file(folder, rank.log_name, logging.NOTSET if rank.is_main else logging.WARNING)
+        board = open_board(folder, bool(cfg.train.tensorboard) and rank.is_main)
         try:
             return _train_run(cfg, folder, board)
         finally:
             board.close()
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+@contextlib.contextmanager
+def _rank_folder(folder: Path):
+    """What a rank other than 0 holds of the run folder: nothing but its own log file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    yield
 
 
 def read_resume_checkpoint(path: Path) -> dict | None:
@@ -187,11 +198,12 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     if method.trainer == "sgd":
         fit(s, optimizer, schedule, start, history, checkpoint, folder, board)
     elif method.trainer == "fit":
-        extra = fit_closed_form(s)
+        extra = share_fit(s.method, fit_closed_form(s))
     metrics = finalize(s, epochs, history, metrics_path, extra)
     board.evaluation("test", metrics, step=epochs)
     state.update(method.describe())  # what the fit chose, e.g. the linear probe's C
     checkpoint(epochs, finished=True)
+    distributed.barrier()  # the other ranks read the checkpoint that rank 0 has just written
     if pending_evaluations(cfg, folder):
         evaluate_targets(cfg, read_resume_checkpoint(ckpt_path), folder, s.clip, board)
     return metrics
@@ -275,6 +287,16 @@ def fit_closed_form(s: Setup) -> dict:
     train, train_labels = training_features(s, views=1)
     val, val_labels = val_features(s)
     return s.method.fit((train[0], train_labels), (val[0], val_labels))
+
+
+def share_fit(method, extra: dict) -> dict:
+    """Rank 0's closed-form fit on every rank: each rank fits on the same gathered features, and
+    rank 0's tensors and extra metrics replace the others', which BLAS rounding could make differ."""
+    if not distributed.active():
+        return extra
+    fitted = distributed.broadcast(({k: v.detach().cpu() for k, v in method.learnable().items()}, extra))
+    method.load_learnable(fitted[0], method.classnames)
+    return fitted[1]
 
 
 def run_fields(cfg: DictConfig, method, epochs: int, history: list[dict]) -> dict:

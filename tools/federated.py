@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def main() -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     setup_logging(args.verbose)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "tools/federated.py runs in one process (Flower simulates the clients); launch it without torchrun"
+        )
     if args.cpus_per_client <= 0 or args.clients_per_gpu < 1:
         raise ConfigError("--cpus-per-client must be > 0 and --clients-per-gpu >= 1")
     try:
