@@ -9,23 +9,26 @@ The global batch (5) does not split evenly: shares of 3 and 2 images.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import signal
 import socket
+import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import tiny_args
+from conftest import REPO, run_tool_in_process, tiny_args
 
 import coop.runner
 from coop import distributed
 from coop.config import ConfigError, load_config
 from coop.engine import rank_share
+from coop.sweep import Run, slot_gpus, submitit_parameters, train_command
 
 EPOCHS, BATCH = 2, 5  # 12 training images: 2 steps of 5 per epoch, shares of 3 and 2 on 2 ranks
 RUNS = {
@@ -226,3 +229,37 @@ def test_bad_distributed_configurations_are_one_line_errors(monkeypatch):
         distributed.init(torch.device("cpu"), "nccl")
     with pytest.raises(ConfigError, match="train.dist_backend"):
         load_config(None, ["train.dist_backend=mpi"])
+
+
+def test_sweep_runs_a_multi_gpu_point_as_one_torchrun(runs, image_folder, tmp_path):
+    """`--gpus-per-run 2` launches `torchrun --nproc-per-node=2 tools/train.py` (here on 2 CPU
+    ranks, for real): one summary line, and the metrics of the same run forked above."""
+    folder = tmp_path / "run"
+    run = Run(
+        [a for a in overrides(image_folder, folder, "coop") if not a.startswith("output_dir=")], {}, folder
+    )
+    cmd = train_command(run, REPO / "tools" / "train.py", None, gpus_per_run=2)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "COOP_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(res.stdout.splitlines()) == 1 and json.loads(res.stdout)["output_dir"] == str(folder)
+    assert metrics(folder) == metrics(runs["coop", 2])
+    args = argparse.Namespace(
+        executor="slurm",
+        gpus_per_run=4,
+        gpus_per_node=None,
+        timeout_min=60,
+        cpus_per_task=None,
+        partition="gpu",
+        jobs=None,
+    )
+    params = submitit_parameters(args, n_runs=3)
+    assert params["gpus_per_node"] == 4 and params["tasks_per_node"] == 1  # torchrun starts the 4 ranks
+    assert [slot_gpus(list("0123"), slot, 2) for slot in (0, 1)] == ["0,1", "2,3"]
+
+
+def test_federated_runs_refuse_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    res = run_tool_in_process(REPO / "tools" / "federated.py", [])
+    assert res.returncode == 2 and "launch it without torchrun" in res.stderr

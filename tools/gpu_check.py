@@ -27,7 +27,9 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              classes, batch 4, bf16 autocast: ours with and without grad checkpointing, and the
              reference computed the official way (`coop.reference.maple_logits`: 77 tokens per
              class through open_clip's modules); time (best of 3 after a warm-up step) and peak
-             torch.cuda.max_memory_allocated of the step.
+             torch.cuda.max_memory_allocated of the step;
+  ddp        where several GPUs are visible: one run on 1 GPU vs on all of them (tools/bench_ddp.py:
+             torchrun, NCCL, ViT-B/16, CoOp on cached features and MaPLe on pixels, epoch times).
 
 Writes `gpu_check.json` into --out (default: the current folder) and prints a table. Without
 CUDA it prints one line and exits 0. `--quick` uses 3,200 images for the epoch.
@@ -39,7 +41,9 @@ import argparse
 import json
 import logging
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -382,6 +386,42 @@ def print_maple(rows: list[dict]) -> None:
 
 # --- end of the MaPLe section -------------------------------------------------------------------
 
+
+def check_ddp(device) -> list[dict]:
+    """1 vs all visible GPUs for one run (tools/bench_ddp.py under torchrun, NCCL), when there
+    are several; one row saying why not otherwise."""
+    n = torch.cuda.device_count() if device.type == "cuda" else 0
+    if n < 2:
+        return [{"skipped": f"needs 2 or more GPUs, {n} visible"}]
+    rows = Path(tempfile.mkdtemp()) / "bench_ddp.json"
+    args = [
+        "--device",
+        "cuda",
+        "--ranks",
+        str(n),
+        "--model",
+        "ViT-B-16",
+        "--shots",
+        "128",
+        "--batch-size",
+        "32",
+    ]
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("bench_ddp.py")), *args, "--json", str(rows)],
+        check=True,
+    )
+    return json.loads(rows.read_text())
+
+
+def print_ddp(rows: list[dict]) -> None:
+    print("one run across GPUs (tools/bench_ddp.py)")
+    for r in rows:
+        if "skipped" in r:
+            print(f"  skipped: {r['skipped']}")
+        else:
+            print(f"  {r['workload']:<24} {r['ranks']} ranks  epoch {r['epoch_s']:.3f} s")
+
+
 PRINTERS = {
     "parity": print_parity,
     "text_speed": print_speed,
@@ -389,6 +429,7 @@ PRINTERS = {
     "text_bound": print_text_bound,
     "epoch": print_epoch,
     "maple": print_maple,
+    "ddp": print_ddp,
 }
 
 
@@ -433,6 +474,7 @@ def main(argv=None) -> int:
         "memory": lambda: check_memory(oc, clip, sizes["memory"], device),
         "epoch": lambda: check_epoch(clip, sizes["memory"], sizes["images"], device),
         "maple": lambda: check_maple(device, args.tiny),
+        "ddp": lambda: check_ddp(device),
     }
     for section, run in sections.items():
         t0 = time.perf_counter()
