@@ -16,7 +16,8 @@ What the engine asks of this module (docs/distributed.md):
   evaluation batches): the first n mod N ranks take one item more;
 - `average_gradients(params, n_local)`: the gradients of the global batch's mean loss from each
   rank's mean over its own share, weighted by share size, in one flat all-reduce;
-- `gather(obj)` / `broadcast(obj)` / `all_sum(values)` / `barrier()`: the collectives.
+- `gather(obj)` / `broadcast(obj)` / `broadcast_tensors(tensors)` / `all_sum(values)` /
+  `barrier()`: the collectives.
 
 Why an explicit all-reduce and not DistributedDataParallel: a method's learnable tensors are a
 few plain tensors (`Method.learnable()`, MaPLe's lists of per-layer prompts included), not one
@@ -211,6 +212,16 @@ def broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor]) -> None:
+    """Copy rank 0's values of `tensors` into every rank's, in place (e.g. a closed-form fit)."""
+    if not active():
+        return
+    values = broadcast({k: t.detach().cpu() for k, t in tensors.items()})
+    with torch.no_grad():
+        for k, t in tensors.items():
+            t.copy_(values[k])
 
 
 def barrier() -> None:

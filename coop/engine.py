@@ -22,6 +22,11 @@ Every epoch draws its randomness from (seed, epoch) alone: the order of the imag
 generator seeded by (seed, epoch), and image i's augmentation from (seed, epoch, i), whatever the
 number of DataLoader workers. A run killed at any moment and resumed, with any `data.num_workers`,
 therefore ends bit-identical (on CPU) to an uninterrupted one.
+
+The same holds across torchrun's ranks (`coop.distributed`, docs/distributed.md): each rank takes
+a contiguous share of every global batch (`rank_share`), the gradients are averaged over the
+global batch before each step, and the feature encoding and the pixel methods' evaluation run
+each rank's share of the batches and gather the results; one process is the case of one rank.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ optimizer/epoch/RNG state and the lr schedule's name, written atomically after e
 when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
 `eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`; and,
 with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.tensorboard`).
-`.lock` is held while a process writes the folder (`coop.lock`): a second one refuses.
+`.lock` is held while a process writes the folder (`coop.lock`): a second one refuses. Under
+torchrun (`coop.distributed`) every rank runs this same code on its share of the work; rank 0
+alone holds the lock and writes the folder, rank k logs its warnings to `log.rank<k>.txt`.
 
 The lr of a step is a function of (epoch, step) alone (`coop.schedule`), so a resumed run needs no
 scheduler state beyond the epoch it resumes at; `history.csv`'s `lr` is the rate of each epoch's
@@ -112,23 +114,19 @@ def train_run(cfg: DictConfig) -> dict:
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     folder = Path(cfg.output_dir)
-    rank = distributed.world()  # under torchrun rank 0 alone writes the folder; rank k logs warnings
-    with run_lock(folder) if rank.is_main else _rank_folder(folder):  # a second run refuses in one line
-        handler = attach_log_file(folder, rank.log_name, logging.NOTSET if rank.is_main else logging.WARNING)
-        board = open_board(folder, bool(cfg.train.tensorboard) and rank.is_main)
+    world = distributed.world()  # under torchrun rank 0 alone writes the folder; rank k logs warnings
+    folder.mkdir(parents=True, exist_ok=True)
+    with run_lock(folder) if world.is_main else contextlib.nullcontext():  # a second run refuses in one line
+        handler = attach_log_file(
+            folder, world.log_name, logging.NOTSET if world.is_main else logging.WARNING
+        )
+        board = open_board(folder, bool(cfg.train.tensorboard) and world.is_main)
         try:
             return _train_run(cfg, folder, board)
         finally:
             board.close()
             logging.getLogger().removeHandler(handler)
             handler.close()
-
-
-@contextlib.contextmanager
-def _rank_folder(folder: Path):
-    """What a rank other than 0 holds of the run folder: nothing but its own log file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    yield
 
 
 def read_resume_checkpoint(path: Path) -> dict | None:
@@ -198,7 +196,9 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     if method.trainer == "sgd":
         fit(s, optimizer, schedule, start, history, checkpoint, folder, board)
     elif method.trainer == "fit":
-        extra = share_fit(s.method, fit_closed_form(s))
+        # every rank fits on the same gathered features; rank 0's fit wins over BLAS rounding
+        extra = distributed.broadcast(fit_closed_form(s))
+        distributed.broadcast_tensors(method.learnable())
     metrics = finalize(s, epochs, history, metrics_path, extra)
     board.evaluation("test", metrics, step=epochs)
     state.update(method.describe())  # what the fit chose, e.g. the linear probe's C
@@ -287,16 +287,6 @@ def fit_closed_form(s: Setup) -> dict:
     train, train_labels = training_features(s, views=1)
     val, val_labels = val_features(s)
     return s.method.fit((train[0], train_labels), (val[0], val_labels))
-
-
-def share_fit(method, extra: dict) -> dict:
-    """Rank 0's closed-form fit on every rank: each rank fits on the same gathered features, and
-    rank 0's tensors and extra metrics replace the others', which BLAS rounding could make differ."""
-    if not distributed.active():
-        return extra
-    fitted = distributed.broadcast(({k: v.detach().cpu() for k, v in method.learnable().items()}, extra))
-    method.load_learnable(fitted[0], method.classnames)
-    return fitted[1]
 
 
 def run_fields(cfg: DictConfig, method, epochs: int, history: list[dict]) -> dict:

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, run_tool_in_process, tiny_args
+from conftest import REPO, make_image_folder, run_tool_in_process, tiny_args
 
 import coop.runner
 from coop import distributed
@@ -35,7 +36,10 @@ RUNS = {
     # a feature method on cached augmented views, and a pixel method through its prompted tower
     "coop": {"method": "coop", "train.aug_views": 2},
     "maple": {"method": "maple", "prompt.depth": 2, "vision.depth": 2},
+    # a closed-form fit on gathered train and val features (its data gets a val split)
+    "linear_probe": {"method": "linear_probe"},
 }
+SGD = ["coop", "maple"]
 KILL_AT = 3  # rank 1 is killed at its 4th step: mid-way through epoch 2, after epoch 1's checkpoint
 
 
@@ -118,11 +122,14 @@ def spawn(jobs: list, world: int = 2, kill_rank: int | None = None) -> None:
 def runs(image_folder, tmp_path_factory):
     """Each method on 1 rank (in-process) and on 2 ranks; the coop run also killed and resumed."""
     root = tmp_path_factory.mktemp("distributed")
+    with_val = make_image_folder(root / "with_val", n_test=2)
+    shutil.copytree(with_val / "train", with_val / "val")
+    data = {name: with_val if name == "linear_probe" else image_folder for name in RUNS}
     out = {}
     for name in RUNS:
-        run_job(overrides(image_folder, root / f"{name}1", name), root / "cache1", root / f"{name}1.pt")
+        run_job(overrides(data[name], root / f"{name}1", name), root / "cache1", root / f"{name}1.pt")
         out[name, 1] = root / f"{name}1"
-    spawn([(overrides(image_folder, root / f"{n}2", n), root / "cache2", root / f"{n}2.pt") for n in RUNS])
+    spawn([(overrides(data[n], root / f"{n}2", n), root / "cache2", root / f"{n}2.pt") for n in RUNS])
     for name in RUNS:
         out[name, 2] = root / f"{name}2"
     killed = [(overrides(image_folder, root / "killed", "coop"), root / "cache3", root / "killed.pt")]
@@ -148,7 +155,7 @@ def metrics(folder: Path) -> dict:
     return json.loads((folder / "metrics.json").read_text())
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", SGD)
 def test_two_ranks_train_on_the_one_process_batches(runs, name):
     """Rank 0's share then rank 1's is the one-process batch: the same images in the same order,
     the same augmentation (pixels) or cached view (features), at every step."""
@@ -160,7 +167,7 @@ def test_two_ranks_train_on_the_one_process_batches(runs, name):
         assert torch.equal(torch.cat([y0, y1]), y) and torch.equal(torch.cat([x0, x1]), x)
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", SGD)
 def test_two_ranks_end_with_the_one_process_prompts_and_metrics(runs, name):
     one, two = ckpt(runs[name, 1]), ckpt(runs[name, 2])
     assert set(one["prompt"]) == set(two["prompt"])
@@ -176,11 +183,17 @@ def test_two_ranks_end_with_the_one_process_prompts_and_metrics(runs, name):
     assert [r["train_acc"] for r in one["history"]] == [r["train_acc"] for r in two["history"]]
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", SGD)
 def test_every_rank_holds_the_same_prompts_after_every_step(runs, name):
     rank0, rank1 = (records(runs[name, 2], r) for r in (0, 1))
     for (_, _, p0), (_, _, p1) in zip(rank0[1:], rank1[1:], strict=True):
         assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+def test_two_ranks_fit_the_linear_probe_as_one_process(runs):
+    one, two = ckpt(runs["linear_probe", 1]), ckpt(runs["linear_probe", 2])
+    assert all(torch.equal(one["prompt"][k], two["prompt"][k]) for k in ("weight", "bias", "C"))
+    assert metrics(runs["linear_probe", 1]) == metrics(runs["linear_probe", 2])
 
 
 def test_only_rank_0_writes_the_run_folder(runs):
@@ -199,7 +212,7 @@ def test_sharded_feature_cache_equals_the_one_process_cache(runs):
         n: {p.name: torch.load(p, weights_only=True) for p in (runs["root"] / n / "features").glob("*.pt")}
         for n in ("cache1", "cache2")
     }
-    assert len(files["cache1"]) == 2 and files["cache1"].keys() == files["cache2"].keys()
+    assert len(files["cache1"]) == 5 and files["cache1"].keys() == files["cache2"].keys()
     for key, one in files["cache1"].items():
         two = files["cache2"][key]
         assert all(torch.equal(one[k], two[k]) for k in ("features", "labels", "index"))
