@@ -64,7 +64,7 @@ def world() -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()
-    return World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+    return World(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def is_main() -> bool:

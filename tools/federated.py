@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
+from coop import distributed  # noqa: E402
 from coop.config import ConfigError, load_config  # noqa: E402
 from coop.lock import run_lock  # noqa: E402
 
@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     setup_logging(args.verbose)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if distributed.active():
         raise ConfigError(
             "tools/federated.py runs in one process (Flower simulates the clients); launch it without torchrun"
         )
