@@ -136,8 +136,7 @@ def require_shares(n: int, what: str) -> None:
     size = world().size
     if n < size:
         raise ConfigError(
-            f"{what} of {n} images cannot be split across {size} ranks: launch at most {n} "
-            "processes, or raise train.batch_size"
+            f"{what} of {n} images cannot be split across {size} ranks: launch at most {n} processes"
         )
 
 
@@ -164,17 +163,11 @@ def average_gradients(params: list[torch.Tensor], n_local: int) -> int:
     if not active():
         return n_local
     device = _comm_device()
-    flat = torch.cat(
-        [
-            *(
-                (p.grad.float() * n_local if p.grad is not None else torch.zeros(p.numel(), device=p.device))
-                .flatten()
-                .to(device)
-                for p in params
-            ),
-            torch.tensor([float(n_local)], device=device),
-        ]
-    )  # (sum of numels + 1,)
+    pieces = []
+    for p in params:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        pieces.append((grad.float() * n_local).flatten().to(device))
+    flat = torch.cat([*pieces, torch.tensor([float(n_local)], device=device)])  # (sum of numels + 1,)
     dist.all_reduce(flat)
     total = int(flat[-1].item())
     if total == 0:
