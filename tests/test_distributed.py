@@ -276,3 +276,26 @@ def test_federated_runs_refuse_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     res = run_tool_in_process(REPO / "tools" / "federated.py", [])
     assert res.returncode == 2 and "launch it without torchrun" in res.stderr
+
+
+def _gradient_rank(rank: int, world: int, port: int, out: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    distributed.init(torch.device("cpu"))
+    x = torch.arange(10.0).view(5, 2)  # a global batch of 5 items, shared 3 / 0 / 2
+    mine = x[[0, 1, 2]] if rank == 0 else x[:0] if rank == 1 else x[[3, 4]]
+    w, unused = torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)
+    if len(mine):
+        ((mine @ w) ** 2).mean().backward()  # the mean over this rank's share only
+    total = distributed.average_gradients([w, unused], len(mine))
+    torch.save({"total": total, "grad": w.grad, "unused": unused.grad}, out / f"rank{rank}.pt")
+    distributed.close()
+
+
+def test_gradients_are_the_global_batch_mean_with_unequal_and_empty_shares(tmp_path):
+    mp.start_processes(_gradient_rank, args=(3, free_port(), tmp_path), nprocs=3, start_method="fork")
+    x = torch.arange(10.0).view(5, 2)
+    expected = (2 * (x @ torch.ones(2))[:, None] * x).mean(0)  # d/dw of mean((x w)^2) over all 5
+    for rank in range(3):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert got["total"] == 5 and torch.allclose(got["grad"], expected, rtol=1e-6)
+        assert torch.equal(got["unused"], torch.zeros(1))  # no gradient anywhere: zero on every rank
