@@ -78,6 +78,7 @@ DEFAULTS = {
         "cache_features": True,
         "grad_checkpointing": False,
         "tensorboard": True,  # TensorBoard events in <run>/tb/ when tensorboard is installed
+        "dist_backend": "auto",  # under torchrun: auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     },
     "zeroshot": {"templates": "coop"},
     "cocoop": {"chunk_prompts": 1024},  # prompts (images x classes) per recomputed block; coop.methods.cocoop
@@ -151,6 +152,7 @@ CHOICES = {
     "fl.partition": ("iid", "dirichlet", "pathological", "domain", "promptfl"),
     "fl.aggregation": ("fedavg", "uniform", "fedprox", "last_client"),
     "fl.on_client_failure": ("continue", "stop"),
+    "train.dist_backend": ("auto", "gloo", "nccl"),
 }
 
 
@@ -168,6 +170,7 @@ RESULT_FREE_KEYS = frozenset(
         "eval.targets",  # adds eval_<dataset>.json files; a finished run evaluates new ones
         "cocoop.chunk_prompts",  # how many prompts run at once: the same results, other memory
         "train.tensorboard",  # extra event files beside history.csv
+        "train.dist_backend",  # how the ranks of a torchrun run talk (coop.distributed)
     }
 )
 

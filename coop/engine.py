@@ -22,6 +22,11 @@ Every epoch draws its randomness from (seed, epoch) alone: the order of the imag
 generator seeded by (seed, epoch), and image i's augmentation from (seed, epoch, i), whatever the
 number of DataLoader workers. A run killed at any moment and resumed, with any `data.num_workers`,
 therefore ends bit-identical (on CPU) to an uninterrupted one.
+
+The same holds across torchrun's ranks (`coop.distributed`, docs/distributed.md): each rank takes
+a contiguous share of every global batch (`rank_share`), the gradients are averaged over the
+global batch before each step, and the feature encoding and the pixel methods' evaluation run
+each rank's share of the batches and gather the results; one process is the case of one rank.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from coop import distributed
 from coop.config import ConfigError, run_name
 from coop.data import (
     CLIP_MEAN,
@@ -124,7 +130,7 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
             datasets where the method can transfer (`Method.load_learnable`).
         clip: an already loaded CLIP of `cfg.model` to reuse (evaluating several datasets).
     """
-    device = resolve_device(cfg.device)
+    device = distributed.init(resolve_device(cfg.device), cfg.train.dist_backend)  # cuda:LOCAL_RANK
     shots = 0 if ckpt is not None else int(cfg.data.shots)
     dataset = build_dataset(
         cfg.data.name, cfg.data.root, shots=shots, seed=int(cfg.data.seed), split_file=cfg.data.split_file
@@ -163,6 +169,22 @@ def seed_epoch(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(s)
 
 
+def global_batches(order: torch.Tensor, batch_size: int, drop_last: bool = True) -> list[torch.Tensor]:
+    """The epoch's batches of indices, in `order`: full batches only (drop_last, as Dassl's few-shot
+    loaders), or one batch of all when there are fewer than `batch_size`; without drop_last a last,
+    smaller batch too (`steps_per_epoch`)."""
+    steps = steps_per_epoch(len(order), batch_size, drop_last)
+    return [order[b * batch_size : (b + 1) * batch_size] for b in range(steps)]
+
+
+def rank_share(batch: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """This rank's contiguous share of a global batch (`coop.distributed.share`; all of it in one
+    process), so that the shares in rank order are the one-process batch."""
+    distributed.require_shares(len(batch), f"train.batch_size={batch_size}: a global batch")
+    start, end = distributed.share(len(batch))
+    return batch[start:end]
+
+
 def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Schedule | None = None) -> dict:
     """One epoch of SGD on `s.method.loss`.
 
@@ -191,47 +213,54 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
         )
         loader = DataLoader(
             images,
-            batch_size=batch_size,
-            sampler=order.tolist(),
-            drop_last=drop_last and n >= batch_size,  # as Dassl does for few-shot loaders
+            batch_sampler=[
+                rank_share(idx, batch_size).tolist() for idx in global_batches(order, batch_size, drop_last)
+            ],
             num_workers=int(cfg.data.num_workers),
             collate_fn=collate_skip_none,
             generator=gen,
             persistent_workers=False,
         )
-        batches = (b for b in loader if b is not None)
+        # ranks step together: a share whose images were all unreadable joins its step empty
+        batches = (b for b in loader if b is not None or distributed.active())
         # the slow, re-encoding path gets a progress bar of its own
         batches = tqdm(batches, total=len(loader), desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
     else:
         feats, labels = train_feats
         view = torch.randint(feats.shape[0], (n,), generator=gen)
-        n_batches = steps_per_epoch(n, batch_size, drop_last)
         batches = (
             (feats[view[idx], idx], labels[idx], None)
-            for idx in (order[b * batch_size : (b + 1) * batch_size] for b in range(n_batches))
+            for idx in (rank_share(b, batch_size) for b in global_batches(order, batch_size, drop_last))
         )
     method.train()
     total_loss, correct, seen = 0.0, 0, 0
     max_steps = None if schedule is None else schedule.steps_in_epoch(epoch)
-    for step, (x, y, _) in enumerate(batches):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for step, batch in enumerate(batches):
         if step == max_steps:
             break
         if schedule is not None and schedule.per_step:
             schedule.apply(optimizer, epoch, step)
-        x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, precision):
-            if train_feats is None and method.input == "features":
-                with torch.no_grad():
-                    x = s.clip.encode_image(x)
-            loss, logits = method.loss(x, y)
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(f"non-finite loss ({loss.item()}) at epoch {epoch + 1}, step {step + 1}")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        total_loss += loss.item() * len(y)
-        correct += int((logits.argmax(-1) == y).sum())
-        seen += len(y)
+        n_local = 0 if batch is None else len(batch[1])
+        if n_local:
+            x, y = batch[0].to(device, dtype, non_blocking=True), batch[1].to(device, non_blocking=True)
+            with autocast(device, precision):
+                if train_feats is None and method.input == "features":
+                    with torch.no_grad():
+                        x = s.clip.encode_image(x)
+                loss, logits = method.loss(x, y)
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"non-finite loss ({loss.item()}) at epoch {epoch + 1}, step {step + 1}"
+                )
+            loss.backward()
+            total_loss += loss.item() * n_local
+            correct += int((logits.argmax(-1) == y).sum())
+            seen += n_local
+        if distributed.average_gradients(params, n_local):  # the global batch's mean (one rank: as is)
+            optimizer.step()
+    total_loss, correct, seen = distributed.all_sum([total_loss, correct, seen])  # over the ranks
     if seen == 0:
         raise DataError(
             f"no readable images in the train split of {cfg.data.name}: all {n} were skipped as unreadable"
@@ -262,10 +291,10 @@ def evaluate_images(s: Setup, split: str = "test") -> dict:
     if not items:
         raise DataError(f"{what} has no images")
     images = ImageDataset(items, s.test_tf, skip_corrupt=bool(cfg.data.skip_corrupt))
-    loader = DataLoader(
+    loader = DataLoader(  # under torchrun, this rank's share of the batches
         images,
         batch_size=int(cfg.train.eval_batch_size),
-        shuffle=False,
+        sampler=distributed.batch_range(len(items), int(cfg.train.eval_batch_size)),
         num_workers=int(cfg.data.num_workers),
         collate_fn=collate_skip_none,
     )
@@ -280,6 +309,7 @@ def evaluate_images(s: Setup, split: str = "test") -> dict:
             x, y, _ = batch
             preds.append(method.logits(x.to(s.device, dtype, non_blocking=True), prepared).argmax(-1).cpu())
             labels.append(y)
+    preds, labels = distributed.gather_lists(preds, labels)  # every rank's, in order
     if not preds:
         raise DataError(f"no readable images in {what}: all {len(items)} were skipped as unreadable")
     labels = torch.cat(labels)

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from coop import distributed
 from coop.data import DataError, Datum, ImageDataset, collate_skip_none
 from coop.data.images import derive_seed
 from coop.io import atomic_write
@@ -128,8 +129,12 @@ def encode_images(
     transform is seeded by (seed, i), whatever `num_workers` is.
     """
     dataset = ImageDataset(items, transform, skip_corrupt=skip_corrupt, seed=seed)
-    loader = DataLoader(
-        dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate_skip_none
+    loader = DataLoader(  # under torchrun, this rank's share of the batches (`distributed.batch_range`)
+        dataset,
+        batch_size=batch_size,
+        sampler=distributed.batch_range(len(items), batch_size),
+        num_workers=num_workers,
+        collate_fn=collate_skip_none,
     )
     dtype = clip.logit_scale.dtype  # half when the model was cast to fp16
     feats, labels, index = [], [], []
@@ -141,6 +146,7 @@ def encode_images(
             feats.append(clip.encode_image(images.to(device, dtype, non_blocking=True)).float().cpu())
             labels.append(y)
             index.append(i)
+    feats, labels, index = distributed.gather_lists(feats, labels, index)  # every rank's, in order
     if not items:
         raise DataError(f"{what} has no images")
     if not feats:
@@ -187,7 +193,9 @@ def cached_features(
     ran = resolve_precision(precision, device)
     key = cache_key(clip, items, transform, views, seed, ran, skip_corrupt)
     path = cache_dir() / f"{key}.pt"
-    cached = _load_cache(path, len(items), skip_corrupt) if use_disk and path.is_file() else None
+    found = distributed.is_main() and use_disk and path.is_file()
+    # rank 0 reads and hands the file to the others, so that the ranks never disagree on a hit
+    cached = distributed.broadcast(_load_cache(path, len(items), skip_corrupt) if found else None)
     if cached is not None:
         log.info("image features from cache %s", path)
         features, labels, index = cached

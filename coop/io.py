@@ -1,7 +1,9 @@
 """Atomic file writes: a reader (or a crash) never sees a half-written file.
 
 Files get the mode a plain `open(path, "w")` would give them (0o666 masked by the umask, e.g.
-0644 under umask 022), not the 0600 of the temporary file they are written through.
+0644 under umask 022), not the 0600 of the temporary file they are written through. In a run
+across ranks (torchrun, `coop.distributed`) only rank 0 writes: the other ranks compute the same
+content and skip the write.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from coop import distributed
 
 _UMASK_LOCK = threading.Lock()
 
@@ -40,6 +44,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         path: destination; its parent folder is created.
         write: writes the content to the temporary path it is given.
     """
+    if not distributed.is_main():  # under torchrun, rank 0 alone writes (run folders, caches)
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

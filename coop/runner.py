@@ -14,7 +14,9 @@ optimizer/epoch/RNG state and the lr schedule's name, written atomically after e
 when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
 `eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`; and,
 with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.tensorboard`).
-`.lock` is held while a process writes the folder (`coop.lock`): a second one refuses.
+`.lock` is held while a process writes the folder (`coop.lock`): a second one refuses. Under
+torchrun (`coop.distributed`) every rank runs this same code on its share of the work; rank 0
+alone holds the lock and writes the folder, rank k logs its warnings to `log.rank<k>.txt`.
 
 The lr of a step is a function of (epoch, step) alone (`coop.schedule`), so a resumed run needs no
 scheduler state beyond the epoch it resumes at; `history.csv`'s `lr` is the rate of each epoch's
@@ -24,6 +26,7 @@ is unreadable, truncated or not a coop checkpoint stops the run with a one-line 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -36,6 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
+from coop import distributed
 from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from coop.config import (
     DEFAULTS,
@@ -73,8 +77,9 @@ class RunError(ValueError):
     """The run folder cannot be used (e.g. it holds a run with another config)."""
 
 
-def attach_log_file(folder: Path) -> logging.Handler:
-    handler = logging.FileHandler(folder / "log.txt")
+def attach_log_file(folder: Path, name: str = "log.txt", level: int = logging.NOTSET) -> logging.Handler:
+    handler = logging.FileHandler(folder / name)
+    handler.setLevel(level)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     return handler
@@ -111,9 +116,13 @@ def train_run(cfg: DictConfig) -> dict:
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     folder = Path(cfg.output_dir)
-    with run_lock(folder):  # one writer per folder: a second process refuses in one line
-        handler = attach_log_file(folder)
-        board = open_board(folder, bool(cfg.train.tensorboard))
+    world = distributed.world()  # under torchrun rank 0 alone writes the folder; rank k logs warnings
+    folder.mkdir(parents=True, exist_ok=True)
+    with run_lock(folder) if world.is_main else contextlib.nullcontext():  # a second run refuses in one line
+        handler = attach_log_file(
+            folder, world.log_name, logging.NOTSET if world.is_main else logging.WARNING
+        )
+        board = open_board(folder, bool(cfg.train.tensorboard) and world.is_main)
         try:
             return _train_run(cfg, folder, board)
         finally:
@@ -151,6 +160,7 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     if method.tunes_on_val:
         require_val(s)  # before any feature is encoded
     fitted, extra = method_fit(s)  # before the optimizer: `fit` may create the trained tensors
+    distributed.broadcast_tensors(method.learnable())  # one fit on every rank (a no-op in one process)
     trained = [p for p in method.learnable().values() if p.requires_grad]
     optimizer = build_optimizer(method.param_groups(), cfg.train)
     schedule = plan_schedule(cfg, len(s.dataset.train))
@@ -191,11 +201,14 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     if method.trainer == "sgd":
         fit(s, optimizer, schedule, start, history, checkpoint, folder, board)
     if method.tunes_on_val:
-        extra.update(tune_on_val(s, fitted))
+        # every rank tunes on the same gathered features; rank 0's choice wins over BLAS rounding
+        extra.update(distributed.broadcast(tune_on_val(s, fitted)))
+        distributed.broadcast_tensors(method.learnable())
     metrics = finalize(s, epochs, history, metrics_path, extra)
     board.evaluation("test", metrics, step=epochs)
     state.update(method.describe())  # what the fit and the tuning chose, e.g. the linear probe's C
     checkpoint(epochs, finished=True)
+    distributed.barrier()  # the other ranks read the checkpoint that rank 0 has just written
     if pending_evaluations(cfg, folder):
         evaluate_targets(cfg, read_resume_checkpoint(ckpt_path), folder, s.clip, board)
     return metrics

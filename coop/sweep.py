@@ -221,9 +221,20 @@ def run_status(folder: Path) -> str:
     return "new"
 
 
-def train_command(run: Run, train: Path, config: str | None) -> list[str]:
+def train_command(run: Run, train: Path, config: str | None, gpus_per_run: int = 1) -> list[str]:
+    """The command of one run: `python train.py ...`, or with `gpus_per_run` > 1 the same under
+    torchrun on one node, one rank per GPU (`coop.distributed`)."""
     cfg = ["--config", str(Path(config).resolve())] if config else []
-    return [sys.executable, str(train), *cfg, *run.overrides, f"output_dir={run.folder}"]
+    launch = [sys.executable]
+    if gpus_per_run > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus_per_run}"]
+    return [*launch, str(train), *cfg, *run.overrides, f"output_dir={run.folder}"]
+
+
+def slot_gpus(gpus: list[str], slot: int, per_run: int = 1) -> str:
+    """CUDA_VISIBLE_DEVICES of worker `slot` when each run takes `per_run` of `gpus`."""
+    start = (slot * per_run) % len(gpus)
+    return ",".join(gpus[(start + i) % len(gpus)] for i in range(per_run))
 
 
 # ---------------------------------------------------------------- execution
@@ -289,8 +300,10 @@ def _finish(run: Run, rc: int | None, error: str = "") -> None:
         run.error = f"exit code {rc}: {_tail(run.folder / 'sweep.log')}"
 
 
-def run_processes(runs: list[Run], cmds: list[list[str]], jobs: int, gpus: list[str], echo: bool) -> None:
-    """Run the commands as local subprocesses, `jobs` at a time, each worker on its own GPU."""
+def run_processes(
+    runs: list[Run], cmds: list[list[str]], jobs: int, gpus: list[str], echo: bool, gpus_per_run: int = 1
+) -> None:
+    """Run the commands as local subprocesses, `jobs` at a time, each worker on its own GPUs."""
     slots: queue.Queue = queue.Queue()
     for i in range(jobs):
         slots.put(i)
@@ -299,7 +312,7 @@ def run_processes(runs: list[Run], cmds: list[list[str]], jobs: int, gpus: list[
     def work(run: Run, cmd: list[str]) -> int:
         slot = slots.get()
         try:
-            env = {"CUDA_VISIBLE_DEVICES": gpus[slot % len(gpus)]} if gpus else {}
+            env = {"CUDA_VISIBLE_DEVICES": slot_gpus(gpus, slot, gpus_per_run)} if gpus else {}
             return run_command(cmd, str(run.folder / "sweep.log"), cwd, env, echo, _register)
         finally:
             slots.put(slot)
@@ -328,6 +341,29 @@ def run_processes(runs: list[Run], cmds: list[list[str]], jobs: int, gpus: list[
     pool.shutdown()
 
 
+def submitit_parameters(args, n_runs: int) -> dict:
+    """submitit's job parameters: one task per job, which runs `train.py` itself or, with
+    `--gpus-per-run N`, torchrun with N ranks on the job's N GPUs."""
+    cluster, per_run = args.executor, getattr(args, "gpus_per_run", 1)
+    if args.gpus_per_node is not None:
+        gpus = args.gpus_per_node
+    else:
+        gpus = per_run if per_run > 1 else (1 if cluster == "slurm" else 0)
+    params = {
+        "timeout_min": args.timeout_min,
+        "gpus_per_node": gpus,
+        "tasks_per_node": 1,
+        "name": "coop-sweep",
+    }
+    if args.cpus_per_task:
+        params["cpus_per_task"] = args.cpus_per_task
+    if cluster == "slurm":
+        if args.partition:
+            params["slurm_partition"] = args.partition
+        params["slurm_array_parallelism"] = args.jobs or n_runs
+    return params
+
+
 def run_submitit(runs: list[Run], cmds: list[list[str]], args, root: Path) -> None:
     """Submit each run as a submitit job (SLURM or submitit's local executor) and wait for them."""
     try:
@@ -336,15 +372,7 @@ def run_submitit(runs: list[Run], cmds: list[list[str]], args, root: Path) -> No
         raise ConfigError("--executor slurm/local needs submitit: pip install 'coop[slurm]'") from None
     cluster = args.executor
     executor = submitit.AutoExecutor(folder=root / ".submitit", cluster=cluster)
-    gpus = args.gpus_per_node if args.gpus_per_node is not None else (1 if cluster == "slurm" else 0)
-    params = {"timeout_min": args.timeout_min, "gpus_per_node": gpus, "name": "coop-sweep"}
-    if args.cpus_per_task:
-        params["cpus_per_task"] = args.cpus_per_task
-    if cluster == "slurm":
-        if args.partition:
-            params["slurm_partition"] = args.partition
-        params["slurm_array_parallelism"] = args.jobs or len(runs)
-    executor.update_parameters(**params)
+    executor.update_parameters(**submitit_parameters(args, len(runs)))
     cwd = os.getcwd()
     pending = list(zip(runs, cmds, strict=True))
     # SLURM: one array job, throttled by SLURM; local executor: at most --jobs at a time.

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
+
+# torchrun's ranks but rank 0 draw no progress bars: tqdm reads TQDM_DISABLE when it is imported,
+# and every tool imports this module first.
+OTHER_RANK = int(os.environ.get("RANK", "0")) > 0
+if OTHER_RANK:
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -15,6 +22,8 @@ def setup_logging(verbose: bool = False) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("coop").setLevel(logging.DEBUG if verbose else logging.INFO)
+    if OTHER_RANK:  # torchrun's ranks but rank 0 log warnings only
+        logging.getLogger("coop").setLevel(logging.WARNING)
     for noisy in ("PIL", "matplotlib", "urllib3", "huggingface_hub", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -97,6 +106,9 @@ def run_cli(main: Callable[[], int | None]) -> None:
     """
     try:
         code = main()
+        distributed = sys.modules.get("coop.distributed")
+        if distributed is not None:  # leave a torchrun run's process group cleanly
+            distributed.close()
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)

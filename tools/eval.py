@@ -9,7 +9,8 @@ as JSON and written to --out (default: eval_<dataset>.json beside the checkpoint
 eval_<dataset>_new.json for `data.subsample_classes=new`: the base-to-new protocol).
 
 With `eval.targets=[...]` every listed dataset is evaluated, each into eval_<dataset>.json beside
-the checkpoint, as a training run does after it finishes.
+the checkpoint, as a training run does after it finishes. `torchrun --nproc-per-node N
+tools/eval.py ...` shards the test images across N ranks (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> int:
     args = ap.parse_args()
     setup_logging(args.verbose)
 
+    from coop import distributed
     from coop.config import load_config
     from coop.io import write_json
     from coop.runner import evaluate_checkpoint, evaluate_checkpoint_targets
@@ -41,14 +43,18 @@ def main() -> int:
         names = list(load_config(None, targets[-1:]).eval.targets)
         rest = [o for o in args.overrides if o not in targets]
         for name, metrics in evaluate_checkpoint_targets(args.checkpoint, names, rest).items():
-            print(json.dumps({"file": name, **{k: metrics[k] for k in ("dataset", "accuracy", "n_test")}}))
+            if distributed.is_main():
+                print(
+                    json.dumps({"file": name, **{k: metrics[k] for k in ("dataset", "accuracy", "n_test")}})
+                )
         return 0
     metrics = evaluate_checkpoint(args.checkpoint, args.overrides)
     classes = "" if metrics["subsample_classes"] == "all" else f"_{metrics['subsample_classes']}"
     name = f"eval_{metrics['dataset']}{classes}.json"
     out = Path(args.out) if args.out else Path(args.checkpoint).parent / name
-    write_json(out, metrics)
-    print(json.dumps({k: metrics[k] for k in ("dataset", "accuracy", "macro_f1", "n_test")}))
+    write_json(out, metrics)  # rank 0 alone writes under torchrun
+    if distributed.is_main():
+        print(json.dumps({k: metrics[k] for k in ("dataset", "accuracy", "macro_f1", "n_test")}))
     return 0
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
+from coop import distributed  # noqa: E402
 from coop.config import ConfigError, load_config  # noqa: E402
 from coop.lock import run_lock  # noqa: E402
 
@@ -40,6 +41,10 @@ def main() -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     setup_logging(args.verbose)
+    if distributed.active():
+        raise ConfigError(
+            "tools/federated.py runs in one process (Flower simulates the clients); launch it without torchrun"
+        )
     if args.cpus_per_client <= 0 or args.clients_per_gpu < 1:
         raise ConfigError("--cpus-per-client must be > 0 and --clients-per-gpu >= 1")
     try:

@@ -35,6 +35,8 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              tower and L/2..L of the image tower, its loss with the frozen image pass): ours with
              and without grad checkpointing, and the reference the official way
              (`coop.reference.mmrl.mmrl_step`: 77+K tokens per class, two full image passes).
+  ddp        where several GPUs are visible: one run on 1 GPU vs on all of them (tools/bench_ddp.py:
+             torchrun, NCCL, ViT-B/16, CoOp on cached features and MaPLe on pixels, epoch times).
 
 Writes `gpu_check.json` into --out (default: the current folder) and prints a table. Without
 CUDA it prints one line and exits 0. `--quick` uses 3,200 images for the epoch.
@@ -46,7 +48,9 @@ import argparse
 import json
 import logging
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -497,6 +501,41 @@ def print_mmrl(rows: list[dict]) -> None:
     print_maple_rows(rows)
 
 
+def check_ddp(device) -> list[dict]:
+    """1 vs all visible GPUs for one run (tools/bench_ddp.py under torchrun, NCCL), when there
+    are several; one row saying why not otherwise."""
+    n = torch.cuda.device_count() if device.type == "cuda" else 0
+    if n < 2:
+        return [{"skipped": f"needs 2 or more GPUs, {n} visible"}]
+    rows = Path(tempfile.mkdtemp()) / "bench_ddp.json"
+    args = [
+        "--device",
+        "cuda",
+        "--ranks",
+        str(n),
+        "--model",
+        "ViT-B-16",
+        "--shots",
+        "128",
+        "--batch-size",
+        "32",
+    ]
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("bench_ddp.py")), *args, "--json", str(rows)],
+        check=True,
+    )
+    return json.loads(rows.read_text())
+
+
+def print_ddp(rows: list[dict]) -> None:
+    print("one run across GPUs (tools/bench_ddp.py)")
+    for r in rows:
+        if "skipped" in r:
+            print(f"  skipped: {r['skipped']}")
+        else:
+            print(f"  {r['workload']:<24} {r['ranks']} ranks  epoch {r['epoch_s']:.3f} s")
+
+
 PRINTERS = {
     "parity": print_parity,
     "text_speed": print_speed,
@@ -506,6 +545,7 @@ PRINTERS = {
     "maple": print_maple,
     "clip_lora": print_clip_lora,
     "mmrl": print_mmrl,
+    "ddp": print_ddp,
 }
 
 
@@ -552,6 +592,7 @@ def main(argv=None) -> int:
         "maple": lambda: check_maple(device, args.tiny),
         "clip_lora": lambda: check_clip_lora(device, args.tiny),
         "mmrl": lambda: check_mmrl(device, args.tiny),
+        "ddp": lambda: check_ddp(device),
     }
     for section, run in sections.items():
         t0 = time.perf_counter()

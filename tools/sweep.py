@@ -5,6 +5,8 @@
     python tools/sweep.py --grid configs/ablations/depth.yaml --out runs/depth --dry-run
     python tools/sweep.py --grid configs/ablations/n_ctx.yaml --out runs/nctx --slurm \\
         --partition gpu --timeout-min 240                    # one SLURM job per run (submitit)
+    python tools/sweep.py --grid configs/ablations/n_ctx.yaml --out runs/nctx --slurm \\
+        --gpus-per-run 4                                     # each job: torchrun, 4 ranks on 4 GPUs
 
 A grid file is a YAML mapping of dotted config keys (those of tools/train.py): a list is swept,
 a scalar is fixed. `key=value` arguments override the file; a list value (`data.seed=[1,2]`)
@@ -60,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--partition", help="SLURM partition")
     p.add_argument("--timeout-min", type=int, default=24 * 60, help="submitit job time limit (minutes)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per submitit job (SLURM default 1)")
+    p.add_argument("--gpus-per-run", type=int, default=1,
+                   help="N > 1: each run is one torchrun of N ranks on N GPUs (docs/distributed.md)")  # fmt: skip
     p.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per submitit job")
     p.add_argument("--no-wait", action="store_true", help="SLURM: submit and exit without waiting")
     p.add_argument("--show-output", action="store_true", help="also print the runs' output")
@@ -71,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.executor = "slurm"
     if args.jobs is not None and args.jobs < 1:
         p.error("--jobs must be >= 1")
+    if args.gpus_per_run < 1:
+        p.error("--gpus-per-run must be >= 1")
     return args
 
 
@@ -90,7 +96,7 @@ def sweep(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"training script not found: {train}")
     log.info("%s (root %s)", summary, root)
     todo = [r for r in runs if r.status != "done"]
-    cmds = [train_command(r, train, args.config) for r in todo]
+    cmds = [train_command(r, train, args.config, args.gpus_per_run) for r in todo]
     for r in todo:
         r.folder.mkdir(parents=True, exist_ok=True)
     if not todo:
@@ -99,12 +105,12 @@ def sweep(args: argparse.Namespace) -> int:
     if args.executor == "process":
         gpus = visible_gpus(args.gpus)
         jobs = args.jobs or 1
-        if gpus and jobs > len(gpus):
-            log.warning("%d jobs share %d GPUs", jobs, len(gpus))
+        if gpus and jobs * args.gpus_per_run > len(gpus):
+            log.warning("%d jobs of %d GPUs share %d GPUs", jobs, args.gpus_per_run, len(gpus))
         log.info(
             "running %d runs, %d at a time%s", len(todo), jobs, f" on GPUs {','.join(gpus)}" if gpus else ""
         )
-        run_processes(todo, cmds, jobs, gpus, args.show_output)
+        run_processes(todo, cmds, jobs, gpus, args.show_output, args.gpus_per_run)
     else:
         run_submitit(todo, cmds, args, root)
         if args.no_wait and args.executor == "slurm":

@@ -8,6 +8,8 @@ Without --config the defaults are CoOp's recipe (coop/config.py). Examples:
     python tools/train.py model.pretrained=none data.shots=4     # offline, random weights
 
 Rerunning the same command on the same output_dir resumes; a finished run is not trained again.
+One run across N GPUs or CPU processes: `torchrun --nproc-per-node N tools/train.py ...`
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ def main() -> int:
     setup_logging(args.verbose)
     cfg = load_config(args.config, args.overrides)
 
+    from coop import distributed
     from coop.runner import train_run
 
     metrics = train_run(cfg)
     summary = {k: metrics[k] for k in ("accuracy", "macro_f1", "n_test", "epochs", "shots", "seed")}
-    print(json.dumps({"output_dir": cfg.output_dir, **summary}))
+    if distributed.is_main():  # under torchrun, one summary line
+        print(json.dumps({"output_dir": cfg.output_dir, **summary}))
     return 0
 
 
