@@ -116,6 +116,7 @@ class ImageTransformer(nn.Module):
         images: torch.Tensor,
         prompts: Sequence[torch.Tensor] | None = None,
         grad_checkpointing: bool = False,
+        tokens: bool = False,
     ) -> torch.Tensor:
         """Encode images (B, 3, H, W) into unnormalised image features (B, E).
 
@@ -126,6 +127,8 @@ class ImageTransformer(nn.Module):
                 embedding, `prompts[i]` replaces the last M hidden states before block i (i < J).
             grad_checkpointing: recompute each block in the backward pass instead of storing its
                 activations (when gradients are enabled).
+            tokens: return every token after ln_post, projected: (B, 1+P(+M), E), [CLS] first
+                (FedOTP's patch features; open_clip's `output_tokens` gives them unprojected).
         """
         depth, m = self._check_prompts(prompts)
         x = self.conv1(images)  # (B, W, gh, gw)
@@ -143,6 +146,8 @@ class ImageTransformer(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        if tokens:
+            return self.ln_post(x) @ self.proj  # (B, T, W) @ (W, E) -> (B, T, E)
         return self.ln_post(x[:, 0]) @ self.proj  # (B, W) @ (W, E) -> (B, E)
 
     def _check_prompts(self, prompts) -> tuple[int, int]:

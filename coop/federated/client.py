@@ -145,7 +145,15 @@ def client_data(cfg: DictConfig, pid: int) -> ClientData:
         method = build_method(clip, ds.classnames, cfg).to(device)
         precision = run_precision(cfg, device)
         prepare_precision(clip, method, precision)  # before the features: fp16 encodes in half
-        feats, labels = features(cfg, clip, items, device, train=True, what=f"client {pid}'s training images")
+        feats, labels = features(
+            cfg,
+            clip,
+            items,
+            device,
+            train=True,
+            what=f"client {pid}'s training images",
+            tokens=method.image_tokens,
+        )
         _CACHE[key] = ClientData(clip, list(ds.classnames), feats, labels, part.digest(), method, precision)
     return _CACHE[key]
 

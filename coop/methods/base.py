@@ -48,6 +48,7 @@ class Method(nn.Module):
     trainer = "none"
     input = "features"
     phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
+    image_tokens = False  # True: "features" are every projected token (B, 1+P, E) (FedOTP)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__()

@@ -1,0 +1,111 @@
+"""FedOTP's and FedPGP's client data (`fl.partition=pathological_fedotp`) and the clients' test sets.
+
+    part = fedotp_partition(train_labels, test_labels, shots=2, clients=10)
+    part.clients[3]                     # indices into the train split: client 3's K-shot items
+    part.settings["client_test"][3]     # indices into the test split: client 3's test images
+
+This is the rule of `DatasetBase.generate_federated_fewshot_dataset` in the FedOTP and FedPGP
+repositories (the same function in both; non-IID, repeat rate 0), run on the full train split,
+with its **fixed internal seed**: the function calls `random.seed(2023)` itself, so the partition
+is the same for every run seed (`data.seed` still seeds the prompts and the batches). With C
+classes (largest label + 1) and N = `fl.clients`:
+
+- the class list 0..C-1 is shuffled (the first draw after `random.seed(2023)`);
+- client i holds the shuffled classes [i c, (i + 1) c), c = round(C / N) (Python's round), and the
+  last client every class from (N - 1) c on;
+- per client in order, then per label in order of first appearance in the train split (Dassl's
+  `split_dataset_by_label`), `random.sample(items, K)` draws K = `data.shots` images (a class with
+  fewer than K images gives all of them), from the same stream.
+
+A client's test set is every test image of its classes (the originals' `generate_federated_dataset`
+on the test split, which reseeds 2023 and deals the same classes); its classifier still spans all
+C classes. PromptFL's copy of the function lacks the fixed seed: `fl.partition=promptfl`
+(`coop.federated.promptfl_data`) is that one, drawn from `data.seed`.
+"""
+
+from __future__ import annotations
+
+import random
+
+from coop.federated.partition import Partition, PartitionError, items_digest
+from coop.federated.promptfl_data import _by_label
+
+FEDOTP_SEED = 2023  # generate_federated_fewshot_dataset's own random.seed(2023)
+
+
+def fedotp_classes(n_classes: int, clients: int, rng: random.Random) -> list[list[int]]:
+    """The shuffled classes dealt out as the originals do (the last client takes the remainder)."""
+    class_list = list(range(n_classes))
+    rng.shuffle(class_list)
+    per_client = int(round(n_classes / clients))
+    return [
+        class_list[i * per_client : (n_classes if i == clients - 1 else (i + 1) * per_client)]
+        for i in range(clients)
+    ]
+
+
+def fedotp_partition(
+    train_labels: list[int],
+    test_labels: list[int],
+    *,
+    shots: int,
+    clients: int,
+    item_keys: list[str] | None = None,
+) -> Partition:
+    """The clients' K-shot items and test sets as FedOTP/FedPGP draw them (module docstring).
+
+    Args:
+        train_labels: labels of the full train split, in split-file order.
+        test_labels: labels of the test split (each client's test set: its classes' images).
+        shots: K, images per class per client (`data.shots`).
+        clients: N, `fl.clients`.
+        item_keys: one string per train item (path and label) for the recorded items hash.
+
+    Raises:
+        PartitionError: settings that leave a client without classes or images.
+    """
+    if shots < 1:
+        raise PartitionError(
+            "fl.partition=pathological_fedotp draws data.shots per class: set data.shots >= 1"
+        )
+    if clients < 1 or not train_labels:
+        raise PartitionError("fl.partition=pathological_fedotp needs fl.clients >= 1 and training images")
+    n_classes = max(train_labels) + 1
+    rng = random.Random(FEDOTP_SEED)
+    classes = fedotp_classes(n_classes, clients, rng)
+    tracker = _by_label(train_labels)
+    assigned = []
+    for own in classes:
+        own_set, items = set(own), []
+        for label, group in tracker.items():
+            if label in own_set:
+                items += rng.sample(group, shots) if len(group) >= shots else group
+        assigned.append(items)
+    empty = [k for k, idx in enumerate(assigned) if not idx]
+    if empty:
+        raise PartitionError(
+            f"fl.partition=pathological_fedotp leaves client {empty[0]} without images ({n_classes} classes, "
+            f"round(C / fl.clients) = {int(round(n_classes / clients))} per client); use fewer fl.clients"
+        )
+    settings = {
+        "shots": shots,
+        "partition_seed": FEDOTP_SEED,
+        "client_classes": classes,
+        "client_test": [[i for i, y in enumerate(test_labels) if y in set(own)] for own in classes],
+    }
+    keys = item_keys if item_keys is not None else [str(y) for y in train_labels]
+    return Partition(
+        "pathological_fedotp", FEDOTP_SEED, settings, assigned, items_digest(keys), list(train_labels)
+    )
+
+
+def client_test_sets(part: Partition, test_labels: list[int]) -> list[list[int]]:
+    """Each client's test set (indices into the test split): the partition's own where it has one
+    (pathological_fedotp), else every test image of the classes in the client's training items."""
+    if "client_test" in part.settings:
+        return [list(t) for t in part.settings["client_test"]]
+    out = []
+    for idx in part.clients:
+        own = {part.labels[i] for i in idx}
+        out.append([i for i, y in enumerate(test_labels) if y in own])
+    return out
