@@ -41,8 +41,8 @@ def unbalanced_ot(
 
     With Kp = diag(1/a) K and Kq = diag(1/b) K^T, from u = 1, v = 1 it repeats
     u = min(1 / (Kp v), 1),  v = 1 / (Kq u)  until mean |v - v_prev| < thresh (over every
-    problem of the batch) or max_iter iterations; T = diag(u) K diag(v). Its column sums equal b,
-    its row sums are min(a, a (K v)) <= a.
+    problem of the batch) or max_iter iterations; T = diag(u) K diag(v). Its column sums equal b
+    (v is updated last); at a fixed point its row sums are min(a, a (K v)) <= a, the relaxed side.
 
     Args:
         K: (P, M, N) kernels of P problems.
