@@ -1,4 +1,4 @@
-"""Federated prompt learning (PromptFL, latent-domain prompts) as a one-machine Flower simulation.
+"""Federated prompt learning (PromptFL, latent domains, FedOTP, FedPGP) as a one-machine Flower simulation.
 
     python tools/federated.py [--config configs/federated/promptfl.yaml] [key=value ...]
 

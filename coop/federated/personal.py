@@ -33,6 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from coop.data import build_dataset, subsample_classes
+from coop.engine import predict
 from coop.federated.partition import Partition
 from coop.federated.personal_data import client_test_sets
 from coop.methods import Method
@@ -108,11 +109,11 @@ class PersonalEvaluator:
     def client_accuracies(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         """One personal model's (local, base, novel) accuracies; local needs `client` set."""
         self.method.load_learnable(tensors, self.classnames)
-        preds = self.task.predict(self.method, self.feats, self.device, self.precision)
+        preds = predict(self.method, self.feats, self.device, self.precision)
         out = {"whole": accuracy(preds, self.labels), "preds": preds}
         if self.base_to_novel:
             self.novel_method.load_learnable(tensors, self.classnames)
-            novel = self.task.predict(self.novel_method, self.novel_feats, self.device, self.precision)
+            novel = predict(self.novel_method, self.novel_feats, self.device, self.precision)
             out["novel"] = accuracy(novel, self.novel_labels)
         return out
 

@@ -210,10 +210,15 @@ class ServerRun:
 
     def evaluate_global(self, tensors: dict, domains=None) -> dict:
         """`task.evaluate` of the global tensors; a personal method's global part alone."""
-        tensors = {**self.strategy.initial_personal, **tensors}  # unused by a global-only forward
-        self.method.global_only = self.personal
-        try:
+        if not self.personal:
             self.method.load_learnable(tensors, self.ds.classnames)
+            return task.evaluate(
+                self.method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
+            )
+        # the personal tensors are unused by a global-only forward
+        self.method.load_learnable({**self.strategy.initial_personal, **tensors}, self.ds.classnames)
+        self.method.global_only = True
+        try:
             return task.evaluate(
                 self.method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
             )

@@ -25,8 +25,8 @@ from coop.config import ConfigError, model_tag, run_name
 from coop.data import CLIP_MEAN, CLIP_STD, build_dataset, build_transforms, subsample_classes
 from coop.data.images import derive_seed
 from coop.data.multidomain import build_multidomain, domain_of
-from coop.engine import use_fp16
-from coop.features import autocast, cached_features, resolve_precision
+from coop.engine import classification_metrics, predict, use_fp16
+from coop.features import cached_features, resolve_precision
 from coop.federated.fedotp import FedOTP
 from coop.federated.fedpgp import FedPGP
 from coop.federated.latent_domains import LatentDomains
@@ -319,39 +319,13 @@ def local_seed(seed: int, rnd: int, client: int) -> int:
     return derive_seed(seed, rnd, client)
 
 
-@torch.no_grad()
-def predict(
-    method: Method, feats: torch.Tensor, device, precision: str = "fp32", chunk: int = 1000
-) -> torch.Tensor:
-    """Predicted labels (N,) of features (N, ...) under the run's precision, `chunk` images at a time."""
-    method.eval()
-    dtype = method.clip.logit_scale.dtype
-    with autocast(torch.device(device), precision):
-        prepared = method.prepare()
-        return torch.cat(
-            [method.logits(f.to(device, dtype), prepared).argmax(-1).cpu() for f in feats.split(chunk)]
-        )
-
-
-@torch.no_grad()
 def evaluate(
     method: Method, feats: torch.Tensor, labels: torch.Tensor, device, domains=None, precision: str = "fp32"
 ) -> dict:
-    """Accuracy (%), macro F1, per-class accuracy (and per-domain accuracy) on features (N, E),
-    under the run's precision (bf16 autocast for amp) as tools/train.py evaluates."""
-    preds = predict(method, feats, device, precision)
-    n_cls = method.n_cls
-    conf = torch.bincount(labels * n_cls + preds, minlength=n_cls * n_cls).reshape(n_cls, n_cls).double()
-    tp, support, predicted = conf.diag(), conf.sum(1), conf.sum(0)
-    f1 = 2 * tp / (support + predicted).clamp(min=1)
-    out = {
-        "accuracy": float(100.0 * tp.sum() / conf.sum()),
-        "macro_f1": float(100.0 * f1[support > 0].mean()),
-        "per_class_accuracy": [
-            round(100.0 * float(tp[c] / support[c]), 4) if support[c] > 0 else None for c in range(n_cls)
-        ],
-        "n_test": int(labels.numel()),
-    }
+    """`coop.engine.evaluate` (accuracy %, macro F1, per-class accuracy, n_test on features (N, ...),
+    under the run's precision as tools/train.py evaluates), plus per-domain accuracy with `domains`."""
+    preds = predict(method, feats, torch.device(device), precision)
+    out = classification_metrics(preds, labels, method.n_cls)
     if domains is not None:
         correct = (preds == labels).tolist()
         out["per_domain_accuracy"] = {
