@@ -115,7 +115,7 @@ def bench(model: str, n_classes: int, batch: int, device: torch.device, repeats:
     }
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ViT-B-16", help="open_clip name or model-config JSON (ViT-B-16)")
     ap.add_argument("--classes", type=int, nargs="+", default=[10, 100], help="class counts (10 100)")
@@ -125,7 +125,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="one JSON line per class count")
     ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     setup_logging(args.verbose)
     for n in args.classes:
         r = bench(args.model, n, args.batch, torch.device(args.device), args.repeats, args.warmup)
