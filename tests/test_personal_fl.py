@@ -28,7 +28,7 @@ from coop.config import ConfigError, load_config  # noqa: E402
 from coop.federated import task  # noqa: E402
 from coop.federated.fedotp import sinkhorn, unbalanced_ot  # noqa: E402
 from coop.federated.personal import round_summary  # noqa: E402
-from coop.federated.personal_data import fedotp_partition  # noqa: E402
+from coop.federated.personal_data import fedotp_partition, labeldir_partition  # noqa: E402
 
 # ---------------------------------------------------------------- the originals' draw, re-derived
 
@@ -108,6 +108,59 @@ def test_pathological_fedotp_of_a_run_ignores_data_seed(tmp_path):
         parts.append(task.client_partition(cfg, task.load_data(cfg)))
     assert parts[0].clients == parts[1].clients and parts[0].settings == parts[1].settings
     assert parts[0].sizes() == [4, 4]  # 2 classes x 2 shots per client
+
+
+def original_labeldir(y_train, y_test, n_parties, beta, seed):
+    """partition_data(..., "noniid-labeldir") of FedOTP's utils/datasplit.py on label arrays, after
+    Dassl's np.random.seed(seed) (global state restored afterwards)."""
+    saved = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        K, N_train = int(y_train.max()) + 1, y_train.shape[0]
+        min_size = 0
+        while min_size < 10:
+            idx_batch_train = [[] for _ in range(n_parties)]
+            idx_batch_test = [[] for _ in range(n_parties)]
+            for k in range(K):
+                train_idx_k = np.where(y_train == k)[0]
+                test_idx_k = np.where(y_test == k)[0]
+                np.random.shuffle(train_idx_k)
+                np.random.shuffle(test_idx_k)
+                proportions = np.random.dirichlet(np.repeat(beta, n_parties))
+                proportions = np.array(
+                    [
+                        p * (len(idx_j) < N_train / n_parties)
+                        for p, idx_j in zip(proportions, idx_batch_train, strict=True)
+                    ]
+                )
+                proportions = proportions / proportions.sum()
+                cut_train = (np.cumsum(proportions) * len(train_idx_k)).astype(int)[:-1]
+                cut_test = (np.cumsum(proportions) * len(test_idx_k)).astype(int)[:-1]
+                idx_batch_train = [
+                    a + b.tolist()
+                    for a, b in zip(idx_batch_train, np.split(train_idx_k, cut_train), strict=True)
+                ]
+                idx_batch_test = [
+                    a + b.tolist()
+                    for a, b in zip(idx_batch_test, np.split(test_idx_k, cut_test), strict=True)
+                ]
+                min_size = min(min(len(i) for i in idx_batch_train), min(len(i) for i in idx_batch_test))
+        for j in range(n_parties):
+            np.random.shuffle(idx_batch_train[j])
+            np.random.shuffle(idx_batch_test[j])
+        return idx_batch_train, idx_batch_test
+    finally:
+        np.random.set_state(saved)
+
+
+@pytest.mark.parametrize("n_classes, users, beta, seed", [(10, 5, 0.3, 1), (20, 10, 0.1, 2), (10, 4, 5.0, 3)])
+def test_dirichlet_labeldir_equals_the_originals_function(n_classes, users, beta, seed):
+    gen = np.random.RandomState(0)
+    y_train, y_test = gen.randint(n_classes, size=2000), gen.randint(n_classes, size=1000)
+    ref_train, ref_test = original_labeldir(y_train, y_test, users, beta, seed)
+    part = labeldir_partition(y_train.tolist(), y_test.tolist(), beta=beta, clients=users, seed=seed)
+    assert part.clients == ref_train and part.settings["client_test"] == ref_test
+    assert min(len(c) for c in part.clients + part.settings["client_test"]) >= 10
 
 
 # ---------------------------------------------------------------- the OT solvers

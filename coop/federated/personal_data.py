@@ -1,4 +1,5 @@
-"""FedOTP's and FedPGP's client data (`fl.partition=pathological_fedotp`) and the clients' test sets.
+"""FedOTP's and FedPGP's client data (`fl.partition=pathological_fedotp`, `dirichlet_labeldir`) and
+the clients' test sets.
 
     part = fedotp_partition(train_labels, test_labels, shots=2, clients=10)
     part.clients[3]                     # indices into the train split: client 3's K-shot items
@@ -21,6 +22,9 @@ A client's test set is every test image of its classes (the originals' `generate
 on the test split, which reseeds 2023 and deals the same classes); its classifier still spans all
 C classes. PromptFL's copy of the function lacks the fixed seed: `fl.partition=promptfl`
 (`coop.federated.promptfl_data`) is that one, drawn from `data.seed`.
+
+`fl.partition=dirichlet_labeldir` is the originals' CIFAR split (`labeldir_partition`): Dirichlet
+label skew with the test split cut by the same per-class proportions.
 """
 
 from __future__ import annotations
@@ -97,6 +101,76 @@ def fedotp_partition(
     return Partition(
         "pathological_fedotp", FEDOTP_SEED, settings, assigned, items_digest(keys), list(train_labels)
     )
+
+
+LABELDIR_MIN_SIZE = 10  # the originals' min_require_size: every client >= 10 train and test images
+LABELDIR_MAX_DRAWS = 1000  # ours: give up (PartitionError) instead of looping for ever
+
+
+def labeldir_partition(
+    train_labels: list[int],
+    test_labels: list[int],
+    *,
+    beta: float,
+    clients: int,
+    seed: int,
+    item_keys: list[str] | None = None,
+) -> Partition:
+    """The originals' `noniid-labeldir` (`partition_data` in FedOTP's utils/datasplit.py): label skew
+    by Dir(beta), the test split cut by the **same** per-class proportions.
+
+    From numpy's stream seeded with `seed` (Dassl's `set_random_seed(cfg.SEED)`; the partition is
+    its first draw), repeat until every client has >= 10 train and >= 10 test images: for each class
+    k = 0..C-1, shuffle its train and test indices, draw p ~ Dir(beta, ..., beta) over the clients,
+    zero the share of clients that already hold >= N_train / N_clients train images, renormalise,
+    and cut both index lists at floor(cumsum(p) * n_k). Finally each client's train and test lists
+    are shuffled. C = largest train label + 1.
+
+    Args:
+        train_labels, test_labels: labels of the train and test splits.
+        beta: the Dirichlet concentration (`fl.alpha`).
+        clients: `fl.clients`.
+        seed: `data.seed`.
+        item_keys: one string per train item for the recorded items hash.
+    """
+    import numpy as np
+
+    y_train, y_test = np.asarray(train_labels), np.asarray(test_labels)
+    n_classes, n_train = int(y_train.max()) + 1, len(y_train)
+    rng = np.random.RandomState(seed)  # the global np.random after np.random.seed(seed)
+    for _ in range(LABELDIR_MAX_DRAWS):
+        train_parts, test_parts = [[] for _ in range(clients)], [[] for _ in range(clients)]
+        for k in range(n_classes):
+            train_k, test_k = np.where(y_train == k)[0], np.where(y_test == k)[0]
+            rng.shuffle(train_k)
+            rng.shuffle(test_k)
+            p = rng.dirichlet(np.repeat(beta, clients))
+            p = np.array(
+                [q * (len(part) < n_train / clients) for q, part in zip(p, train_parts, strict=True)]
+            )
+            p = p / p.sum()
+            cuts_train = (np.cumsum(p) * len(train_k)).astype(int)[:-1]
+            cuts_test = (np.cumsum(p) * len(test_k)).astype(int)[:-1]
+            train_parts = [
+                a + b.tolist() for a, b in zip(train_parts, np.split(train_k, cuts_train), strict=True)
+            ]
+            test_parts = [
+                a + b.tolist() for a, b in zip(test_parts, np.split(test_k, cuts_test), strict=True)
+            ]
+        if min(len(x) for x in train_parts + test_parts) >= LABELDIR_MIN_SIZE:
+            break
+    else:
+        raise PartitionError(
+            f"fl.partition=dirichlet_labeldir: no draw in {LABELDIR_MAX_DRAWS} gave every client "
+            f"{LABELDIR_MIN_SIZE} train and test images ({n_train} images, {clients} clients, fl.alpha={beta})"
+        )
+    for j in range(clients):
+        rng.shuffle(train_parts[j])
+        rng.shuffle(test_parts[j])
+    settings = {"alpha": float(beta), "client_test": [[int(i) for i in t] for t in test_parts]}
+    keys = item_keys if item_keys is not None else [str(y) for y in train_labels]
+    assigned = [[int(i) for i in t] for t in train_parts]
+    return Partition("dirichlet_labeldir", seed, settings, assigned, items_digest(keys), list(train_labels))
 
 
 def client_test_sets(part: Partition, test_labels: list[int]) -> list[list[int]]:

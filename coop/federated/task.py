@@ -31,7 +31,7 @@ from coop.federated.fedotp import FedOTP
 from coop.federated.fedpgp import FedPGP
 from coop.federated.latent_domains import LatentDomains
 from coop.federated.partition import Partition, partition
-from coop.federated.personal_data import fedotp_partition
+from coop.federated.personal_data import fedotp_partition, labeldir_partition
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
 from coop.model import CLIP
@@ -169,6 +169,7 @@ def fl_run_name(cfg: DictConfig) -> str:
         "pathological": f"pathological{fl.classes_per_client}",
         "promptfl": promptfl,
         "pathological_fedotp": "fedotp-pathological",
+        "dirichlet_labeldir": f"labeldir{fl.alpha}",
     }
     agg = f"fedprox{fl.mu}" if fl.aggregation == "fedprox" else fl.aggregation
     extra = f"_{part.get(fl.partition, fl.partition)}_{agg}_c{fl.clients}_r{fl.rounds}_e{fl.local_epochs}"
@@ -240,6 +241,11 @@ def client_partition(cfg: DictConfig, ds) -> Partition:
         return fedotp_partition(
             [d.label for d in ds.train], [d.label for d in ds.test], shots=int(cfg.data.shots),
             clients=int(fl.clients), item_keys=keys,
+        )  # fmt: skip
+    if fl.partition == "dirichlet_labeldir":
+        return labeldir_partition(
+            [d.label for d in ds.train], [d.label for d in ds.test], beta=float(fl.alpha),
+            clients=int(fl.clients), seed=int(cfg.data.seed), item_keys=keys,
         )  # fmt: skip
     if fl.partition == "promptfl":
         return promptfl_partition(
