@@ -32,8 +32,9 @@ import statistics
 import torch
 from omegaconf import DictConfig
 
-from coop.data import build_dataset, subsample_classes
+from coop.data import DataError, build_dataset, subsample_classes
 from coop.engine import predict
+from coop.federated import task
 from coop.federated.partition import Partition
 from coop.federated.personal_data import client_test_sets
 from coop.methods import Method
@@ -82,9 +83,12 @@ class PersonalEvaluator:
         device,
         precision: str,
     ):
-        from coop.federated import task  # task imports the methods; this module stays below it
-
-        self.task, self.method, self.classnames = task, method, list(ds.classnames)
+        if len(test_labels) != len(ds.test):  # the clients' test sets index the whole test split
+            raise DataError(
+                f"personalised metrics need every test image: {len(ds.test) - len(test_labels)} were "
+                "skipped as unreadable (data.skip_corrupt)"
+            )
+        self.method, self.classnames = method, list(ds.classnames)
         self.feats, self.labels, self.device, self.precision = test_feats, test_labels, device, precision
         self.client_test = [
             torch.tensor(t, dtype=torch.long) for t in client_test_sets(part, test_labels.tolist())
@@ -107,7 +111,8 @@ class PersonalEvaluator:
             self.novel_feats = feats[0]
 
     def client_accuracies(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One personal model's (local, base, novel) accuracies; local needs `client` set."""
+        """One personal model's predictions on the whole test split ("preds"), its accuracy there
+        ("whole") and, in base-to-novel runs, its accuracy on the novel test split ("novel")."""
         self.method.load_learnable(tensors, self.classnames)
         preds = predict(self.method, self.feats, self.device, self.precision)
         out = {"whole": accuracy(preds, self.labels), "preds": preds}
