@@ -66,7 +66,17 @@ def main() -> int:
     except FederatedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    summary = {k: metrics[k] for k in ("accuracy", "macro_f1", "n_test", "rounds", "bytes_sent", "seed")}
+    keys = (
+        "accuracy",
+        "macro_f1",
+        "n_test",
+        "rounds",
+        "bytes_sent",
+        "seed",
+        "local_accuracy",
+        "novel_accuracy",
+    )
+    summary = {k: metrics[k] for k in keys if k in metrics}  # local/novel: personalised methods
     print(json.dumps({"output_dir": cfg.output_dir, **summary}))
     return 0
 
