@@ -1,6 +1,7 @@
 """The client side: local training on cached image features, and the ClientApp's handlers.
 
-A client is stateless between rounds. Each TRAIN message carries the global tensors, the run's
+A client is stateless between rounds. Each TRAIN message carries the global tensors (for FedOTP
+and FedPGP also this client's own personal tensors, which the server keeps per client), the run's
 config (YAML) and the round's lr; the client
 
 1. builds (once per process, then from memory) CLIP, the dataset, the partition and the image
