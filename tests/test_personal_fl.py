@@ -327,6 +327,18 @@ def test_bad_personal_settings_are_one_line(args, message):
         task.check_config(load_config(None, args, base=task.FEDERATED_BASE))
 
 
+def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation():
+    from coop.model import ModelError
+
+    cfg = load_config(
+        None, ["fl.method=fedotp", "model.name=RN50", "model.pretrained=none"], base=task.FEDERATED_BASE
+    )
+    with pytest.raises(
+        ModelError, match="fl.method=fedotp reads patch tokens from our ViT tower: model RN50"
+    ):
+        task.check_model(cfg)
+
+
 def test_round_summary_final_last5_and_max():
     rows = [{"local_accuracy": v, "base_accuracy": None} for v in (10.0, 50.0, 20.0, 30.0, 40.0, 35.0)]
     out = round_summary(rows)

@@ -59,6 +59,7 @@ def main() -> int:
         metrics = finished_metrics(cfg)
         if metrics is None:
             task.client_partition(cfg, task.load_data(cfg))  # bad data or partition: fail before Ray starts
+            task.check_model(cfg)
             with run_lock(cfg.output_dir):  # a second writer of the folder refuses before Ray starts
                 metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu)
     except PartitionError as e:

@@ -34,7 +34,8 @@ from coop.federated.partition import Partition, partition
 from coop.federated.personal_data import fedotp_partition, labeldir_partition
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
-from coop.model import CLIP
+from coop.model import CLIP, ModelError
+from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,18 @@ def check_config(cfg: DictConfig) -> None:
                 f"fl.partition=promptfl draws from every class: data.subsample_classes={cfg.data.subsample_classes} "
                 "is not supported"
             )
+
+
+def check_model(cfg: DictConfig) -> None:
+    """A one-line ModelError, before any simulation starts, when `fl.method` needs patch tokens
+    (FedOTP) and the model's image tower is not our ViT (e.g. RN50)."""
+    if getattr(FL_METHODS[cfg.fl.method], "image_tokens", False):
+        try:
+            load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device="cpu").require_vision_prompts()
+        except ModelError as e:
+            raise ModelError(
+                f"fl.method={cfg.fl.method} reads patch tokens from our ViT tower: {e}"
+            ) from None
 
 
 def _check_personal(cfg: DictConfig) -> None:
