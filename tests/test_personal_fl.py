@@ -327,16 +327,20 @@ def test_bad_personal_settings_are_one_line(args, message):
         task.check_config(load_config(None, args, base=task.FEDERATED_BASE))
 
 
-def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation():
+def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation(tmp_path):
     from coop.model import ModelError
 
-    cfg = load_config(
-        None, ["fl.method=fedotp", "model.name=RN50", "model.pretrained=none"], base=task.FEDERATED_BASE
-    )
+    tiny = json.loads(TINY_CONFIG.read_text())
+    resnet = {
+        **tiny,
+        "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "patch_size": None},
+    }
+    (tmp_path / "tiny-rn.json").write_text(json.dumps(resnet))
+    args = ["fl.method=fedotp", f"model.name={tmp_path / 'tiny-rn.json'}", "model.pretrained=none"]
     with pytest.raises(
-        ModelError, match="fl.method=fedotp reads patch tokens from our ViT tower: model RN50"
+        ModelError, match="fl.method=fedotp reads patch tokens from our ViT tower: .*ModifiedResNet"
     ):
-        task.check_model(cfg)
+        task.check_model(load_config(None, args, base=task.FEDERATED_BASE))
 
 
 def test_round_summary_final_last5_and_max():
