@@ -210,20 +210,25 @@ class ServerRun:
 
     def evaluate_global(self, tensors: dict, domains=None) -> dict:
         """`task.evaluate` of the global tensors; a personal method's global part alone."""
-        if not self.personal:
-            self.method.load_learnable(tensors, self.ds.classnames)
-            return task.evaluate(
-                self.method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
-            )
-        # the personal tensors are unused by a global-only forward
-        self.method.load_learnable({**self.strategy.initial_personal, **tensors}, self.ds.classnames)
-        self.method.global_only = True
+        if self.personal:  # the personal tensors are unused by the global-only forward
+            tensors = {**self.strategy.initial_personal, **tensors}
+            self.method.global_only = True
+        self.method.load_learnable(tensors, self.ds.classnames)
         try:
             return task.evaluate(
                 self.method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
             )
         finally:
-            self.method.global_only = False
+            if self.personal:
+                self.method.global_only = False
+
+    def personal_fields(self, accuracy: float) -> dict:
+        """The personalised metrics of this round's global tensors (`coop.federated.personal`)."""
+        out = self.evaluator.evaluate(self.arrays, self.strategy.personal_of)
+        row = {k: None if out[k] is None else round(out[k], 4) for k in PERSONAL_FIELDS if k in out}
+        row["global_accuracy"] = accuracy
+        row["local_per_client"] = [round(a, 4) for a in out["local_per_client"]]
+        return row
 
     def checkpoint(self, finished: bool = False) -> None:
         state = {
@@ -286,13 +291,7 @@ class ServerRun:
             "time_s": round(time.perf_counter() - t0, 3),
         }
         if self.personal:
-            personal = self.evaluator.evaluate(self.arrays, strategy.personal_of)
-            row.update(
-                {k: None if v is None else round(v, 4) for k, v in personal.items() if k in PERSONAL_FIELDS}
-            )
-            row["global_accuracy"] = row["accuracy"]
-            row["local_per_client"] = [round(a, 4) for a in personal["local_per_client"]]
-            row["time_s"] = round(time.perf_counter() - t0, 3)
+            row.update(self.personal_fields(row["accuracy"]), time_s=round(time.perf_counter() - t0, 3))
         self.history.append(row)
         self.checkpoint()
         write_history(self.folder, self.history, self.personal)
