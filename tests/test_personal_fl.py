@@ -432,12 +432,20 @@ def run_inprocess(folder: Path, overrides: list[str], grid: LocalGrid) -> dict:
 @pytest.fixture(scope="module")
 def personal_runs(task_identity, four_classes, tmp_path_factory):
     """FedPGP base-to-novel and FedOTP, 2 clients, 3 rounds, fraction 0.5 after round 1."""
-    runs = {}
-    for method, extra in (("fedpgp", ["data.subsample_classes=base", "fedpgp.rank=2"]), ("fedotp", [])):
-        overrides = [*BASE, f"data.root={four_classes}", f"fl.method={method}", f"fl.rounds={ROUNDS}",
-                     "fl.fraction=0.5", "prompt.n_ctx=4", *extra]  # fmt: skip
-        folder = tmp_path_factory.mktemp(method) / "run"
-        runs[method] = (folder, overrides, run_inprocess(folder, overrides, LocalGrid(2)))
+    import logging
+
+    logger = logging.getLogger("coop")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # progress lines to log.txt, as tools/federated.py sets it
+    try:
+        runs = {}
+        for method, extra in (("fedpgp", ["data.subsample_classes=base", "fedpgp.rank=2"]), ("fedotp", [])):
+            overrides = [*BASE, f"data.root={four_classes}", f"fl.method={method}", f"fl.rounds={ROUNDS}",
+                         "fl.fraction=0.5", "prompt.n_ctx=4", *extra]  # fmt: skip
+            folder = tmp_path_factory.mktemp(method) / "run"
+            runs[method] = (folder, overrides, run_inprocess(folder, overrides, LocalGrid(2)))
+    finally:
+        logger.setLevel(level)
     return runs
 
 
@@ -505,6 +513,7 @@ def test_personalised_metrics_equal_a_direct_computation(personal_runs, method):
     assert metrics["local_accuracy_last5_mean"] == pytest.approx(float(np.mean(local)), abs=1e-3)
     assert metrics["local_accuracy_last5_std"] == pytest.approx(float(np.std(local)), abs=1e-3)
     assert metrics["local_accuracy_max_test_selected"] == pytest.approx(max(local), abs=1e-3)
+    assert "(test-set selection, as the originals print it; not used)" in (folder / "log.txt").read_text()
     if method == "fedpgp":
         b, n, lo = sum(direct["base"]) / 2, sum(direct["novel"]) / 2, metrics["local_accuracy"]
         assert metrics["base_accuracy"] == pytest.approx(b, abs=1e-3)

@@ -323,6 +323,12 @@ class ServerRun:
         metrics = self.evaluate_global(self.arrays, domains)
         if self.personal and self.history:
             metrics.update(round_summary(self.history), local_per_client=self.history[-1]["local_per_client"])
+            log.info(
+                "local accuracy: final %.2f%%, last-5 mean %.2f ± %.2f; max over rounds %.2f%% "
+                "(test-set selection, as the originals print it; not used)", metrics["local_accuracy"],
+                metrics["local_accuracy_last5_mean"], metrics["local_accuracy_last5_std"],
+                metrics["local_accuracy_max_test_selected"],
+            )  # fmt: skip
         metrics.update(
             epochs=int(cfg.fl.rounds) * int(cfg.fl.local_epochs),
             rounds=int(cfg.fl.rounds),
