@@ -526,8 +526,9 @@ def test_personalised_metrics_equal_a_direct_computation(personal_runs, method):
         assert "base_accuracy" not in metrics and rows[-1]["novel_accuracy"] == ""
 
 
-def test_crash_inside_a_round_resumes_to_the_same_tensors(personal_runs, tmp_path):
-    ref_folder, overrides, ref = personal_runs["fedpgp"]
+@pytest.mark.parametrize("method", ["fedpgp", "fedotp"])
+def test_crash_inside_a_round_resumes_to_the_same_tensors(personal_runs, tmp_path, method):
+    ref_folder, overrides, ref = personal_runs[method]
     folder = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):  # killed inside round 1, after client 0 trained
         run_inprocess(folder, overrides, LocalGrid(2, crash_after=1))
