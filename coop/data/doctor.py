@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from coop.data.base import DataError, Source
 from coop.data.catalog import CHECKABLE, COOP_DATASETS, COOP_SPLIT_SIZES, DOWNLOADS  # noqa: F401 (re-exported)
+from coop.data.cifar import CIFAR_FOLDERS, cifar_files, read_cifar
 from coop.data.datasets import (
     FGVC_LAYOUT,
     FGVC_LISTS,
@@ -88,6 +89,9 @@ def layout(name: str, root: str, split_file: str | None = None) -> Layout:
         v = IMAGENET_VARIANTS[name]
         d = os.path.join(root, v.folder)
         return Layout(d, os.path.join(d, v.images), [os.path.join(d, CLASSNAMES_FILE)])
+    if name in CIFAR_FOLDERS:  # torchvision's python-version folder; images are its arrays
+        d = os.path.join(root, CIFAR_FOLDERS[name])
+        return Layout(d, d, [os.path.join(d, f) for f in cifar_files(name)])
     if name == "imagefolder":
         if split_file is not None:
             return Layout(root, root, [os.path.abspath(split_file)])
@@ -105,6 +109,8 @@ def read_source(name: str, root: str, split_file: str | None = None) -> Source:
         return read_fgvc_aircraft(root)
     if name in IMAGENET_VARIANTS:
         return read_imagenet_variant(root, name)
+    if name in CIFAR_FOLDERS:
+        return read_cifar(root, name, write=False)
     return read_imagefolder(root, split_file)
 
 
@@ -288,7 +294,9 @@ def check_dataset(name: str, root, sample: int | None = 50, split_file: str | No
         )
         return report
     report.counts = counts_of(src)
-    report.problems += check_counts(name, lay, src) + check_images(name, src, sample)
+    report.problems += check_counts(name, lay, src)
+    if name not in CIFAR_FOLDERS or os.path.isdir(os.path.join(src.image_dir, "train")):
+        report.problems += check_images(name, src, sample)  # CIFAR: torchvision checked the arrays' MD5s
     return report
 
 
