@@ -16,6 +16,10 @@ Per dataset it checks, read-only (nothing is ever written into DATA):
 4. that every image the split lists exists;
 5. that images decode: a sample of `sample` images, or all of them (`sample=None`).
 
+CIFAR-10/100 (`coop.data.cifar`) are torchvision's python-version folders: the doctor checks their
+files and counts (torchvision checks the MD5 sums) and decodes the PNGs only once a read has
+written them.
+
 Every problem comes with one line saying what to do: which file to fetch, from where CoOp's
 DATASETS.md says to get it (`coop.data.catalog.DOWNLOADS`), and where to put it. Entry point:
 `tools/check_data.py`.
