@@ -168,6 +168,7 @@ CHOICES = {
         "promptfl",
         "pathological_fedotp",
         "dirichlet_labeldir",
+        "dirichlet_labeldir100",
     ),
     "fl.lr_schedule": ("cosine", "constant"),
     "fedotp.ot": ("cot", "sinkhorn"),

@@ -28,7 +28,7 @@ from coop.config import ConfigError, load_config  # noqa: E402
 from coop.federated import task  # noqa: E402
 from coop.federated.fedotp import sinkhorn, unbalanced_ot  # noqa: E402
 from coop.federated.personal import round_summary  # noqa: E402
-from coop.federated.personal_data import fedotp_partition, labeldir_partition  # noqa: E402
+from coop.federated.personal_data import fedotp_partition, labeldir100_partition, labeldir_partition  # noqa: E402
 
 # ---------------------------------------------------------------- the originals' draw, re-derived
 
@@ -161,6 +161,72 @@ def test_dirichlet_labeldir_equals_the_originals_function(n_classes, users, beta
     part = labeldir_partition(y_train.tolist(), y_test.tolist(), beta=beta, clients=users, seed=seed)
     assert part.clients == ref_train and part.settings["client_test"] == ref_test
     assert min(len(c) for c in part.clients + part.settings["client_test"]) >= 10
+
+
+def original_labeldir100(y, n_parties, beta, run_seed):
+    """partition_data(..., "noniid-labeldir100") on labels y (train then test), transcribed; the
+    final client shuffle uses Python's global random after Dassl's random.seed(run_seed)."""
+    from coop.federated.personal_data import CIFAR100_COARSE
+
+    saved, saved_np = random.getstate(), np.random.get_state()
+    random.seed(run_seed)
+    try:
+        coarse_labels = np.array(CIFAR100_COARSE)
+        rng = random.Random(12345)
+        np.random.seed(12345)
+        n_samples = y.shape[0]
+        selected_indices = rng.sample(list(range(n_samples)), n_samples)
+        n_samples_by_client = n_samples // n_parties
+        by_fine = {k: list() for k in range(100)}
+        by_coarse = {k: list() for k in range(20)}
+        for idx in selected_indices:
+            by_fine[y[idx]].append(idx)
+            by_coarse[coarse_labels[y[idx]]].append(idx)
+        available = [ii for ii in range(20)]
+        fine_of = {k: list() for k in range(20)}
+        for fine_label, coarse_label in enumerate(coarse_labels):
+            fine_of[coarse_label].append(fine_label)
+        net = [[] for i in range(n_parties)]
+
+        def renormalize(weights, index):
+            w = np.delete(weights, index)
+            return w / w.sum()
+
+        for client_idx in range(n_parties):
+            cw = np.random.dirichlet(alpha=beta * np.ones(len(fine_of)))
+            fw = {c: np.random.dirichlet(alpha=10 * np.ones(len(f))) for c, f in fine_of.items()}
+            for _ in range(n_samples_by_client):
+                ci = int(np.argmax(np.random.multinomial(1, cw)))
+                c = available[ci]
+                fi = int(np.argmax(np.random.multinomial(1, fw[c])))
+                f = fine_of[c][fi]
+                sample_idx = int(rng.choice(list(by_fine[f])))
+                net[client_idx] = np.append(net[client_idx], sample_idx)
+                by_fine[f].remove(sample_idx)
+                by_coarse[c].remove(sample_idx)
+                if len(by_fine[f]) == 0:
+                    fine_of[c].remove(f)
+                    fw[c] = renormalize(fw[c], fi)
+                    if len(by_coarse[c]) == 0:
+                        fine_of.pop(c, None)
+                        available.remove(c)
+                        cw = renormalize(cw, ci)
+        random.shuffle(net)
+        return net
+    finally:
+        random.setstate(saved)
+        np.random.set_state(saved_np)
+
+
+def test_dirichlet_labeldir100_equals_the_originals_function():
+    train = [k for k in range(100) for _ in range(4)]
+    test = list(range(100))
+    y = np.array(train + test)
+    ref = original_labeldir100(y, 5, 0.3, run_seed=1)
+    part = labeldir100_partition(train, test, beta=0.3, clients=5, seed=1)
+    assert part.clients == [[int(i) for i in r if i < 400] for r in ref]
+    assert part.settings["client_test"] == [[int(i) - 400 for i in r if i >= 400] for r in ref]
+    assert sorted(sum(part.clients, [])) == list(range(400))  # 500 // 5 each: every image dealt once
 
 
 # ---------------------------------------------------------------- the OT solvers
@@ -341,6 +407,27 @@ def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation(tmp_p
         ModelError, match="fl.method=fedotp reads patch tokens from our ViT tower: .*ModifiedResNet"
     ):
         task.check_model(load_config(None, args, base=task.FEDERATED_BASE))
+
+
+@pytest.mark.parametrize(
+    "name, method, partition",
+    [
+        ("fedotp_fewshot", "fedotp", "pathological_fedotp"),
+        ("fedotp_cifar100", "fedotp", "dirichlet_labeldir100"),
+        ("fedpgp_base2novel", "fedpgp", "pathological_fedotp"),
+    ],
+)
+def test_recipes_are_valid_configs(name, method, partition):
+    from conftest import REPO
+
+    cfg = load_config(str(REPO / "configs" / "federated" / f"{name}.yaml"), [], base=task.FEDERATED_BASE)
+    task.check_config(cfg)
+    assert (cfg.fl.method, cfg.fl.partition, cfg.fl.lr_schedule, cfg.train.lr) == (
+        method,
+        partition,
+        "constant",
+        0.001,
+    )
 
 
 def test_round_summary_final_last5_and_max():

@@ -173,6 +173,98 @@ def labeldir_partition(
     return Partition("dirichlet_labeldir", seed, settings, assigned, items_digest(keys), list(train_labels))
 
 
+# CIFAR-100's coarse label of each fine label (its meta file's mapping), as the originals list it
+CIFAR100_COARSE = (
+    4, 1, 14, 8, 0, 6, 7, 7, 18, 3, 3, 14, 9, 18, 7, 11, 3, 9, 7, 11, 6, 11, 5, 10, 7, 6, 13, 15, 3, 15,
+    0, 11, 1, 10, 12, 14, 16, 9, 11, 5, 5, 19, 8, 8, 15, 13, 14, 17, 18, 10, 16, 4, 17, 4, 2, 0, 17, 4, 18, 17,
+    10, 3, 2, 12, 12, 16, 12, 1, 9, 19, 2, 10, 0, 1, 16, 12, 9, 13, 15, 13, 16, 19, 2, 4, 6, 19, 5, 5, 8, 19,
+    18, 1, 2, 15, 6, 0, 17, 8, 14, 13,
+)  # fmt: skip
+LABELDIR100_SEED = 12345  # partition_data's own seed for noniid-labeldir100
+LABELDIR100_FINE_ALPHA = 10.0  # its fixed concentration over the fine labels of a coarse label
+
+
+def _renormalize(weights, index: int):
+    """The weights without entry `index`, summing to 1 again (the originals' `renormalize`)."""
+    import numpy as np
+
+    out = np.delete(weights, index)
+    return out / out.sum()
+
+
+def labeldir100_partition(
+    train_labels: list[int],
+    test_labels: list[int],
+    *,
+    beta: float,
+    clients: int,
+    seed: int,
+    item_keys: list[str] | None = None,
+) -> Partition:
+    """The originals' `noniid-labeldir100` for CIFAR-100 (fine labels 0..99 in CIFAR-100's order).
+
+    On the train and test images together (test indices after the train ones), with Python's and
+    numpy's streams both seeded with the function's own 12345: the images are listed in a random
+    order per fine and per coarse label; each client in turn draws coarse weights ~ Dir(beta) over
+    the coarse labels left and fine weights ~ Dir(10) within each, then N_images // N_clients times
+    picks a coarse label and a fine label by one multinomial draw each, and takes a random image
+    of it (`random.choice`); an exhausted fine label (and then coarse label) leaves the draw, its
+    weights renormalised. The client lists are finally shuffled with the run's own Python stream
+    (`random.shuffle` after Dassl's `random.seed(data.seed)`), then split into train and test.
+
+    Args:
+        train_labels, test_labels: CIFAR-100's fine labels of the train and test splits.
+        beta: the concentration over the coarse labels (`fl.alpha`).
+        clients: `fl.clients`.
+        seed: `data.seed` (only the final order of the clients depends on it).
+        item_keys: one string per train item for the recorded items hash.
+    """
+    import numpy as np
+
+    if max(train_labels) >= len(CIFAR100_COARSE):
+        raise PartitionError("fl.partition=dirichlet_labeldir100 needs CIFAR-100's 100 fine labels")
+    y, n_train = list(train_labels) + list(test_labels), len(train_labels)
+    rng, nrng = random.Random(LABELDIR100_SEED), np.random.RandomState(LABELDIR100_SEED)
+    order = rng.sample(list(range(len(y))), len(y))
+    by_fine = {k: [] for k in range(len(CIFAR100_COARSE))}
+    by_coarse = {k: [] for k in range(max(CIFAR100_COARSE) + 1)}
+    for i in order:
+        by_fine[y[i]].append(i)
+        by_coarse[CIFAR100_COARSE[y[i]]].append(i)
+    available = list(by_coarse)
+    fine_of = {k: [] for k in by_coarse}
+    for fine, coarse in enumerate(CIFAR100_COARSE):
+        fine_of[coarse].append(fine)
+    drawn = [[] for _ in range(clients)]
+    for k in range(clients):
+        coarse_w = nrng.dirichlet(beta * np.ones(len(fine_of)))
+        fine_w = {c: nrng.dirichlet(LABELDIR100_FINE_ALPHA * np.ones(len(f))) for c, f in fine_of.items()}
+        for _ in range(len(y) // clients):
+            ci = int(np.argmax(nrng.multinomial(1, coarse_w)))
+            c = available[ci]
+            fi = int(np.argmax(nrng.multinomial(1, fine_w[c])))
+            f = fine_of[c][fi]
+            idx = int(rng.choice(list(by_fine[f])))
+            drawn[k].append(idx)
+            by_fine[f].remove(idx)
+            by_coarse[c].remove(idx)
+            if not by_fine[f]:
+                fine_of[c].remove(f)
+                fine_w[c] = _renormalize(fine_w[c], fi)
+                if not by_coarse[c]:
+                    fine_of.pop(c)
+                    available.remove(c)
+                    coarse_w = _renormalize(coarse_w, ci)
+    random.Random(seed).shuffle(drawn)
+    train = [[i for i in d if i < n_train] for d in drawn]
+    settings = {
+        "alpha": float(beta),
+        "client_test": [[i - n_train for i in d if i >= n_train] for d in drawn],
+    }
+    keys = item_keys if item_keys is not None else [str(v) for v in train_labels]
+    return Partition("dirichlet_labeldir100", seed, settings, train, items_digest(keys), list(train_labels))
+
+
 def client_test_sets(part: Partition, test_labels: list[int]) -> list[list[int]]:
     """Each client's test set (indices into the test split): the partition's own where it has one
     (pathological_fedotp), else every test image of the classes in the client's training items."""

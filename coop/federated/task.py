@@ -31,7 +31,7 @@ from coop.federated.fedotp import FedOTP
 from coop.federated.fedpgp import FedPGP
 from coop.federated.latent_domains import LatentDomains
 from coop.federated.partition import Partition, partition
-from coop.federated.personal_data import fedotp_partition, labeldir_partition
+from coop.federated.personal_data import fedotp_partition, labeldir100_partition, labeldir_partition
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
 from coop.model import CLIP, ModelError
@@ -138,6 +138,10 @@ def _check_personal(cfg: DictConfig) -> None:
             )
         if cfg.data.subsample_classes == "new":
             raise ConfigError("fl.partition=pathological_fedotp trains on all or the base classes, not new")
+    if fl.partition == "dirichlet_labeldir100" and (cfg.data.name != "cifar100" or int(cfg.data.shots) != 0):
+        raise ConfigError(
+            "fl.partition=dirichlet_labeldir100 is CIFAR-100's split: data.name=cifar100 data.shots=0"
+        )
     if not is_personal(cfg):
         return
     if fl.aggregation not in ("fedavg", "uniform"):
@@ -183,6 +187,7 @@ def fl_run_name(cfg: DictConfig) -> str:
         "promptfl": promptfl,
         "pathological_fedotp": "fedotp-pathological",
         "dirichlet_labeldir": f"labeldir{fl.alpha}",
+        "dirichlet_labeldir100": f"labeldir100-{fl.alpha}",
     }
     agg = f"fedprox{fl.mu}" if fl.aggregation == "fedprox" else fl.aggregation
     extra = f"_{part.get(fl.partition, fl.partition)}_{agg}_c{fl.clients}_r{fl.rounds}_e{fl.local_epochs}"
@@ -257,6 +262,11 @@ def client_partition(cfg: DictConfig, ds) -> Partition:
         )  # fmt: skip
     if fl.partition == "dirichlet_labeldir":
         return labeldir_partition(
+            [d.label for d in ds.train], [d.label for d in ds.test], beta=float(fl.alpha),
+            clients=int(fl.clients), seed=int(cfg.data.seed), item_keys=keys,
+        )  # fmt: skip
+    if fl.partition == "dirichlet_labeldir100":
+        return labeldir100_partition(
             [d.label for d in ds.train], [d.label for d in ds.test], beta=float(fl.alpha),
             clients=int(fl.clients), seed=int(cfg.data.seed), item_keys=keys,
         )  # fmt: skip
