@@ -136,7 +136,12 @@ DEFAULTS = {
         "beta": 0.5,
         "ensemble_weight": 0.5,
         "on_client_failure": "continue",
+        "lr_schedule": "cosine",  # per round: cosine over the rounds, or constant (FedOTP, FedPGP)
     },
+    # fl.method=fedotp (coop.federated.fedotp): entropic OT between patch tokens and the prompts
+    "fedotp": {"eps": 0.1, "gamma": 0.8, "ot": "cot", "max_iter": 100, "thresh": 1e-3},
+    # fl.method=fedpgp (coop.federated.fedpgp): rank of U V, weight and temperature of the pull
+    "fedpgp": {"rank": 8, "mu": 0.5, "temp": 0.5},
     "output_dir": None,
     "device": "auto",
 }
@@ -148,8 +153,19 @@ CHOICES = {
     "train.optimizer": ("sgd", "adam", "adamw"),
     "train.schedule": ("cosine", "cosine_iter", "constant"),
     "data.subsample_classes": ("all", "base", "new"),
-    "fl.method": ("promptfl", "latent_domains"),
-    "fl.partition": ("iid", "dirichlet", "pathological", "domain", "promptfl"),
+    "fl.method": ("promptfl", "latent_domains", "fedotp", "fedpgp"),
+    "fl.partition": (
+        "iid",
+        "dirichlet",
+        "pathological",
+        "domain",
+        "promptfl",
+        "pathological_fedotp",
+        "dirichlet_labeldir",
+        "dirichlet_labeldir100",
+    ),
+    "fl.lr_schedule": ("cosine", "constant"),
+    "fedotp.ot": ("cot", "sinkhorn"),
     "fl.aggregation": ("fedavg", "uniform", "fedprox", "last_client"),
     "fl.on_client_failure": ("continue", "stop"),
     "train.dist_backend": ("auto", "gloo", "nccl"),

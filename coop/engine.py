@@ -269,16 +269,20 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
 
 
 @torch.no_grad()
-def evaluate(method: Method, features: torch.Tensor, labels: torch.Tensor, device, precision="fp32"):
-    """Top-1 accuracy (%), macro F1 and per-class accuracy from cached image features (N, E)."""
+def predict(method: Method, features: torch.Tensor, device, precision="fp32") -> torch.Tensor:
+    """Predicted labels (N,) from cached image features (N, ...), 1,000 images at a time."""
     method.eval()
     dtype = method.clip.logit_scale.dtype
     with autocast(device, precision):
         prepared = method.prepare()  # e.g. the class text features, once for all images
-        preds = torch.cat(
+        return torch.cat(
             [method.logits(f.to(device, dtype), prepared).argmax(-1).cpu() for f in features.split(1000)]
         )
-    return classification_metrics(preds, labels, method.n_cls)
+
+
+def evaluate(method: Method, features: torch.Tensor, labels: torch.Tensor, device, precision="fp32"):
+    """Top-1 accuracy (%), macro F1 and per-class accuracy from cached image features (N, E)."""
+    return classification_metrics(predict(method, features, device, precision), labels, method.n_cls)
 
 
 @torch.no_grad()

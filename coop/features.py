@@ -86,6 +86,7 @@ def cache_key(
     seed: int | None,
     precision: str,
     skip_corrupt: bool,
+    tokens: bool = False,
 ) -> str:
     """The cache file name: a hash of everything the features depend on.
 
@@ -96,6 +97,7 @@ def cache_key(
         views: how many passes; `seed` seeds their augmentations.
         precision: the precision that really ran, from `resolve_precision` (fp32, amp, fp16).
         skip_corrupt: whether unreadable images were skipped (a strict run never shares a cache).
+        tokens: every projected token per image (`CLIP.encode_image(tokens=True)`) instead of [CLS].
     """
     h = hashlib.sha1()
     h.update(f"format={CACHE_FORMAT}\n".encode())
@@ -103,6 +105,8 @@ def cache_key(
     h.update(f"image_forward={clip.image_forward}\n".encode())
     h.update(repr(transform).encode())
     h.update(f"views={views} seed={seed} precision={precision} skip_corrupt={skip_corrupt}\n".encode())
+    if tokens:  # only then, so that the keys of existing [CLS] caches stay valid
+        h.update(b"tokens\n")
     for d in items:
         h.update(f"{d.path}\t{d.label}\n".encode())
     return h.hexdigest()[:24]
@@ -121,8 +125,11 @@ def encode_images(
     seed: int | None = None,
     desc: str = "encode",
     what: str = "the images",
+    tokens: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Image features of `items`: (features (N', E) fp32 on CPU, labels (N',), kept indices (N',)).
+
+    With `tokens`, every projected token per image: features (N', 1+P, E).
 
     Unreadable images raise, or are skipped with `skip_corrupt` (then N' < N); a DataError naming
     `what` (e.g. "the train split of dtd") when none is readable. With `seed`, image i's random
@@ -143,7 +150,9 @@ def encode_images(
             if batch is None:
                 continue
             images, y, i = batch
-            feats.append(clip.encode_image(images.to(device, dtype, non_blocking=True)).float().cpu())
+            feats.append(
+                clip.encode_image(images.to(device, dtype, non_blocking=True), tokens=tokens).float().cpu()
+            )
             labels.append(y)
             index.append(i)
     feats, labels, index = distributed.gather_lists(feats, labels, index)  # every rank's, in order
@@ -182,16 +191,19 @@ def cached_features(
     views: int = 1,
     seed: int | None = None,
     use_disk: bool = True,
+    tokens: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Features of `views` passes over `items` through `transform`: ((V, N, E), labels (N,)).
+
+    With `tokens`: every projected token, ((V, N, 1+P, E), labels); 1+P = 197 for ViT-B/16.
 
     With a random transform each view is a fresh augmentation, view v seeded by (seed, v) per
     image. Results go to the disk cache (`$COOP_CACHE_DIR/features`) under `cache_key`. Other
     keyword arguments go to `encode_images` (batch_size, num_workers, desc, what).
     """
     ran = resolve_precision(precision, device)
-    key = cache_key(clip, items, transform, views, seed, ran, skip_corrupt)
+    key = cache_key(clip, items, transform, views, seed, ran, skip_corrupt, tokens)
     path = cache_dir() / f"{key}.pt"
     found = distributed.is_main() and use_disk and path.is_file()
     # rank 0 reads and hands the file to the others, so that the ranks never disagree on a hit
@@ -213,10 +225,11 @@ def cached_features(
                 skip_corrupt=skip_corrupt,
                 seed=view_seed,
                 desc=desc,
+                tokens=tokens,
                 **kwargs,
             )
             per_view.append(feats)
-        features = torch.stack(per_view)  # (V, N', E)
+        features = torch.stack(per_view)  # (V, N', E) or, with tokens, (V, N', 1+P, E)
         if use_disk:
             state = {"features": features, "labels": labels, "index": index}
             try:

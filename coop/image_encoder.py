@@ -121,6 +121,7 @@ class ImageTransformer(nn.Module):
         images: torch.Tensor,
         prompts: Sequence[torch.Tensor] | None = None,
         grad_checkpointing: bool = False,
+        tokens: bool = False,
     ) -> torch.Tensor:
         """Encode images (B, 3, H, W) into unnormalised image features (B, E).
 
@@ -131,6 +132,8 @@ class ImageTransformer(nn.Module):
                 embedding, `prompts[i]` replaces the last M hidden states before block i (i < J).
             grad_checkpointing: recompute each block in the backward pass instead of storing its
                 activations (when gradients are enabled).
+            tokens: return every token after ln_post, projected: (B, 1+P(+M), E), [CLS] first
+                (FedOTP's patch features; open_clip's `output_tokens` gives them unprojected).
         """
         depth, m = self._check_prompts(prompts)
         x = self.embed(images)  # (B, 1+P, W)
@@ -142,6 +145,8 @@ class ImageTransformer(nn.Module):
             if 1 <= i < depth:
                 x = torch.cat([x[:, :-m], _per_image(prompts[i], b, x.dtype)], dim=1)  # replace the last M
             x = _run(block, x, grad_checkpointing)
+        if tokens:
+            return self.ln_post(x) @ self.proj  # (B, T, W) @ (W, E) -> (B, T, E)
         return self.ln_post(x[:, 0]) @ self.proj  # (B, W) @ (W, E) -> (B, E)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:

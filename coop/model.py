@@ -134,7 +134,7 @@ class CLIP(nn.Module):
         return self.text(ids.to(self.logit_scale.device))
 
     def encode_image(
-        self, images: torch.Tensor, prompts=None, grad_checkpointing: bool = False
+        self, images: torch.Tensor, prompts=None, grad_checkpointing: bool = False, tokens: bool = False
     ) -> torch.Tensor:
         """Images (N, 3, H, W) -> unnormalised image features (N, E).
 
@@ -143,12 +143,13 @@ class CLIP(nn.Module):
             prompts: None, or J vision-prompt tensors (see `ImageTransformer.forward`); a
                 ModelError naming the model when the image tower is not a standard ViT.
             grad_checkpointing: recompute the image tower's blocks in the backward pass (ViTs).
+            tokens: every token after ln_post, projected, (N, 1+P, E) (ViTs; see `ImageTransformer`).
         """
         if not self.supports_vision_prompts:
-            if prompts is not None:
+            if prompts is not None or tokens:
                 self.require_vision_prompts()
             return self.visual(images)
-        return self.visual(images, prompts, grad_checkpointing)
+        return self.visual(images, prompts, grad_checkpointing, tokens)
 
     def train(self, mode: bool = True) -> CLIP:
         # CLIP is frozen: BatchNorm (RN50) and dropout stay in inference mode.

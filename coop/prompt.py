@@ -246,10 +246,13 @@ class PromptLearner(nn.Module):
             return 1
         return 1 + (self.n_ctx if self.position == "end" else self.n_ctx // 2)
 
-    def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompt embeddings (n_cls, L, W) and deep prompts (J-1, n_cls or 1, M, W) or None."""
+    def forward(self, ctx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompt embeddings (n_cls, L, W) and deep prompts (J-1, n_cls or 1, M, W) or None.
+
+        `ctx` replaces the learner's own context (same shape), e.g. FedPGP's sigma + U V."""
         n_cls, _, width = self.token_embeds.shape
-        ctx = self.ctx if self.csc else self.ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
+        ctx = self.ctx if ctx is None else ctx
+        ctx = ctx if self.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
         index = self.slots.unsqueeze(-1).expand(-1, -1, width)  # (n_cls, M, W)
         prompts = self.token_embeds.scatter(1, index, ctx.to(self.token_embeds.dtype))  # (n_cls, L, W)
         deep = None
@@ -272,9 +275,9 @@ class PromptClassifier(nn.Module):
         self.clip.requires_grad_(False)
         self.clip.eval()
 
-    def text_features(self) -> torch.Tensor:
-        """Unnormalised class text features (n_cls, E)."""
-        prompts, deep = self.prompt_learner()
+    def text_features(self, ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """Unnormalised class text features (n_cls, E); `ctx` replaces the learner's own context."""
+        prompts, deep = self.prompt_learner(ctx)
         pl, text = self.prompt_learner, self.clip.text
         slots = pl.slots if deep is not None else None
         start = pl.shared_prefix  # [SOS] or [SOS][v1..]: the same for every class, computed once

@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 RUN_FILES = ("metrics.json", "config.yaml", "checkpoint.pt", "sweep.log")  # sweep.log: failed at start
 # The last three: base-to-new runs. `hm` is derived per setting from the means (see summarize).
 METRICS = ("accuracy", "macro_f1", "new_accuracy", "hm", "hm_per_seed")
+# Personalised federated runs (FedOTP, FedPGP; coop.federated.personal): final round and the mean
+# of the last 5 rounds per metric; `--table personal` averages them over seeds.
+PERSONAL_METRICS = tuple(
+    f"{m}{suffix}"
+    for m in ("local_accuracy", "base_accuracy", "novel_accuracy", "hm", "hm_base_novel", "global_accuracy")
+    for suffix in ("", "_last5_mean")
+)
 IGNORED_KEYS = frozenset({"data.seed"} | RESULT_FREE_KEYS)  # never grouping keys by default
 KEY_ORDER = ("method", "data.name", "model.name", "model.pretrained", "data.shots")  # leading columns
 DEFAULT_METHOD = "coop"  # runs whose config predates the `method` key
@@ -172,10 +179,10 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
     done = df[df["complete"]].copy() if "complete" in df else df.copy()
     by = list(by) or [k for k in ("data.name", "model.name") if k in done]
     _check_keys(by, done)
-    has_hm = {"accuracy", "new_accuracy"} <= set(done.columns)
-    metrics = [m for m in metrics if m in done.columns or (m == "hm" and has_hm)]
+    has_hm = {"accuracy", "new_accuracy"} <= set(done.columns) and "hm" not in done.columns
+    requested, metrics = metrics, [m for m in metrics if m in done.columns or (m == "hm" and has_hm)]
     if not metrics:
-        raise ConfigError(f"no metric columns ({', '.join(METRICS)}) in the finished runs")
+        raise ConfigError(f"no metric columns ({', '.join(requested)}) in the finished runs")
     for key in by:
         done[key] = done[key].map(_group_value)
     pooled = [k for k in varying_keys(done) if k not in by]
@@ -190,7 +197,7 @@ def summarize(df: pd.DataFrame, by: list[str], metrics=METRICS, ddof: int = 1) -
         row["n_runs"] = len(group)
         row["seeds"] = ",".join(str(s) for s in sorted(set(seeds)))
         for m in metrics:
-            if m == "hm":
+            if m == "hm" and has_hm:
                 row["hm_mean"], row["hm_std"] = _hm_of_means(group), float("nan")
                 continue
             col = pd.to_numeric(group[m], errors="coerce")

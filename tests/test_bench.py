@@ -110,6 +110,14 @@ def test_bench_tcp_compares_both_sides_and_states_its_bound(capsys):
     assert len(grads) == 5 and all(float(d) < 1e-4 for _, d in grads)
 
 
+def test_bench_federated_fedotp_step_equals_the_originals_way(capsys):
+    args = ["--model", str(TINY_CONFIG), "--classes", "5", "--batch", "2", "--repeats", "1", "--json"]
+    assert load_tool("bench_federated").main(args) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["classes"] == 5 and r["reference_s"] > 0 and r["coop_s"] > 0
+    assert r["loss_rel_diff"] < 1e-5 and r["grad_rel_diff"] < 1e-4  # the same step, computed two ways
+
+
 def test_bench_train_counts_steps(capsys):
     # 2 shots x 3 textile classes = 6 images; batch 4 drops the last partial batch: 1 step per epoch
     args = [

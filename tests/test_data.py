@@ -73,10 +73,10 @@ def test_dataset_names():
     assert set(DATASETS) == {
         "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
         "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101", "imagefolder", "textile",
-        "imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r", "multidomain",
+        "imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r", "multidomain", "cifar10", "cifar100",
     }  # fmt: skip
     with pytest.raises(ValueError, match="valid names: .*dtd.*textile"):
-        build_dataset("cifar10", "/nowhere")
+        build_dataset("svhn", "/nowhere")
 
 
 def test_split_json_full(dtd_root):

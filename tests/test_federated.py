@@ -277,3 +277,36 @@ def test_latent_domains_on_multidomain_data_with_a_failing_client(fl_env, tmp_pa
     assert metrics["n_test"] == 18 and len(metrics["domain_usage"]) == 2 and sum(metrics["domain_usage"]) > 0
     prompt = torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
     assert {"global.deep_ctx", "domain0.deep_ctx", "domain1.deep_ctx", "query"} <= set(prompt)
+
+
+def test_fedotp_simulation_equals_the_in_process_grid(fl_env, tmp_path, monkeypatch):
+    """FedOTP through Ray (tools/federated.py): the same global and personal tensors and
+    personalised metrics as the same run on test_personal_fl's in-process grid."""
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_personal_fl import BASE as PERSONAL
+    from test_personal_fl import LocalGrid, run_inprocess
+
+    root = make_image_folder(tmp_path / "four", classes=("r", "g", "b", "y"), n_train=5, n_test=3)
+    overrides = [
+        *PERSONAL,
+        f"data.root={root}",
+        "fl.method=fedotp",
+        "fl.rounds=2",
+        "fl.fraction=0.5",
+        "prompt.n_ctx=4",
+    ]
+    proc = run_tool(tmp_path / "ray", overrides, fl_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("COOP_CACHE_DIR", fl_env["COOP_CACHE_DIR"])
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    metrics = run_inprocess(tmp_path / "local", overrides, LocalGrid(2))
+    ray, local = (torch.load(tmp_path / f / "checkpoint.pt", weights_only=True) for f in ("ray", "local"))
+    assert torch.equal(ray["prompt"]["global.ctx"], local["prompt"]["global.ctx"])
+    for k in (0, 1):
+        assert torch.equal(
+            ray["strategy"]["personal"][k]["local.ctx"], local["strategy"]["personal"][k]["local.ctx"]
+        )
+    ours = json.loads((tmp_path / "ray" / "metrics.json").read_text())
+    assert ours["local_accuracy"] == metrics["local_accuracy"] and ours["method"] == "fedotp"
+    assert [r["sampled"] for r in history(tmp_path / "ray")] == ["2", "1"]

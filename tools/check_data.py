@@ -3,6 +3,7 @@
     python tools/check_data.py DATA                              # the 11 datasets + 4 ImageNet variants
     python tools/check_data.py DATA --dataset dtd eurosat --full # decode every image
     python tools/check_data.py FOLDER --dataset imagefolder [--split-file split.json]
+    python tools/check_data.py DATA --dataset cifar10 cifar100   # torchvision's CIFAR folders
 
 Per dataset: the folder and split (or class-list) files where the readers look, whether the
 split parses, the counts of classes and images per split against CoOp's published split sizes,

@@ -6,6 +6,7 @@
     python tools/collect.py runs/latent_domains --table domains # leave-one-domain-out
     python tools/collect.py runs/base_to_new --table datasets --published   # beside the papers
     python tools/collect.py runs/b2n --table base_to_new --published       # CoCoOp's Table 1 layout
+    python tools/collect.py runs/fedpgp --table personal       # personalised federated metrics
 
 Reads every `metrics.json` (with its `config.yaml`) under ROOT and groups the finished runs by
 `--by` (default: the config keys whose values differ between runs, except data.seed and the keys
@@ -36,6 +37,11 @@ multi-domain data): one row per method and setting, one column per target domain
 on the held-out domain, mean ± std over seeds, n), then the Average over the target domains of
 complete rows; writes `results_domains.csv` and `results_domains.md`.
 
+--table personal: personalised federated runs (fl.method=fedotp or fedpgp): one row per setting,
+the final-round value and the mean of the last 5 rounds of Local, Base, Novel, HM (of the three),
+HM(Base, Novel) and the global accuracy (docs/federated.md), each mean ± std over seeds; writes
+`results_personal.csv` and `results_personal.md`.
+
 Files go into ROOT, or --out. Runs without `metrics.json` are listed as incomplete, never dropped
 silently. Exit 1 when no run finished.
 """
@@ -53,6 +59,7 @@ from _cli import run_cli, setup_logging  # noqa: E402
 from coop import base_to_new  # noqa: E402
 from coop.reproduce import with_published  # noqa: E402
 from coop.results import (  # noqa: E402
+    PERSONAL_METRICS,
     dataset_table,
     domain_table,
     format_dataset_markdown,
@@ -72,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--by", nargs="+", metavar="KEY", help="grouping config keys (default: those that vary)")
     ap.add_argument(
         "--table",
-        choices=("settings", "datasets", "base_to_new", "domains"),
+        choices=("settings", "datasets", "base_to_new", "domains", "personal"),
         default="settings",
         help="table layout",
     )
@@ -133,6 +140,12 @@ def main(argv=None) -> int:
         markdown = format_dataset_markdown(table)
         intro = f"{n_done} finished run(s); {args.metric} on each held-out target domain, mean ± std over seeds (n = seeds)"
         stem = "results_domains"
+    elif args.table == "personal":
+        by = args.by if args.by is not None else varying_keys(runs)
+        table = summarize(runs, by, metrics=PERSONAL_METRICS, ddof=args.ddof)
+        markdown = format_markdown(table)
+        intro = f"{n_done} finished run(s), personalised metrics (final round and last-5 mean), mean ± std over seeds"
+        stem = "results_personal"
     else:
         by = args.by if args.by is not None else varying_keys(runs)
         table = summarize(runs, by, ddof=args.ddof)

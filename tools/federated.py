@@ -1,4 +1,4 @@
-"""Federated prompt learning (PromptFL, latent-domain prompts) as a one-machine Flower simulation.
+"""Federated prompt learning (PromptFL, latent domains, FedOTP, FedPGP) as a one-machine Flower simulation.
 
     python tools/federated.py [--config configs/federated/promptfl.yaml] [key=value ...]
 
@@ -64,6 +64,7 @@ def main() -> int:
         metrics = finished_metrics(cfg)
         if metrics is None:
             task.client_partition(cfg, task.load_data(cfg))  # bad data or partition: fail before Ray starts
+            task.check_model(cfg)
             with run_lock(cfg.output_dir):  # a second writer of the folder refuses before Ray starts
                 metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu)
     except PartitionError as e:
@@ -71,7 +72,17 @@ def main() -> int:
     except FederatedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    summary = {k: metrics[k] for k in ("accuracy", "macro_f1", "n_test", "rounds", "bytes_sent", "seed")}
+    keys = (
+        "accuracy",
+        "macro_f1",
+        "n_test",
+        "rounds",
+        "bytes_sent",
+        "seed",
+        "local_accuracy",
+        "novel_accuracy",
+    )
+    summary = {k: metrics[k] for k in keys if k in metrics}  # local/novel: personalised methods
     print(json.dumps({"output_dir": cfg.output_dir, **summary}))
     return 0
 

@@ -14,7 +14,7 @@ COOP_DATASETS = (
     "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
     "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101", *IMAGENET_VARIANTS,
 )  # fmt: skip
-CHECKABLE = (*COOP_DATASETS, "imagefolder")
+CHECKABLE = (*COOP_DATASETS, "imagefolder", "cifar10", "cifar100")
 
 SPLIT_SIZES_SOURCE = (
     "CoOp (Zhou et al., IJCV 2022), appendix table of dataset statistics (classes, train, val, "
@@ -103,5 +103,14 @@ DOWNLOADS: dict[str, dict[str, tuple[str, str]]] = {
     "imagenet_r": {
         "images": ("imagenet-r.tar", "https://github.com/hendrycks/imagenet-r"),
         "files": _COPY_CLASSNAMES,
+    },
+    # not CoOp's: the CIFAR protocols of FedOTP and FedPGP (torchvision's python-version archives)
+    "cifar10": {
+        "images": ("cifar-10-python.tar.gz", "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"),
+        "files": ("cifar-10-python.tar.gz", "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"),
+    },
+    "cifar100": {
+        "images": ("cifar-100-python.tar.gz", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"),
+        "files": ("cifar-100-python.tar.gz", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"),
     },
 }  # fmt: skip

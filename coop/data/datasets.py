@@ -43,6 +43,7 @@ from coop.data.base import (
     save_cache,
     test_only_error,
 )
+from coop.data.cifar import CIFAR_FOLDERS, read_cifar
 from coop.data.fewshot import fewshot_dataset
 from coop.data.folders import list_class_dirs, list_class_images, list_images, read_wnid_classnames
 from coop.data.imagenet_variants import IMAGENET_VARIANTS, TEST_ONLY_DATASETS, read_imagenet_variant
@@ -280,6 +281,7 @@ DATASETS: dict[str, Callable[..., Source]] = {
     "textile": read_textile,
     "multidomain": read_multidomain,
     **{name: partial(read_imagenet_variant, name=name) for name in IMAGENET_VARIANTS},
+    **{name: partial(read_cifar, name=name) for name in CIFAR_FOLDERS},  # torchvision's folders
 }
 
 

@@ -16,6 +16,10 @@ Per dataset it checks, read-only (nothing is ever written into DATA):
 4. that every image the split lists exists;
 5. that images decode: a sample of `sample` images, or all of them (`sample=None`).
 
+CIFAR-10/100 (`coop.data.cifar`) are torchvision's python-version folders: the doctor checks their
+files and counts (torchvision checks the MD5 sums) and decodes the PNGs only once a read has
+written them.
+
 Findings are of two kinds. **Errors** make the dataset unusable: a run would fail or silently
 lose images (a missing or misplaced file, a split the reader cannot parse, an empty split,
 missing or corrupt images). **Differences** leave it usable but not comparable with the papers:
@@ -35,6 +39,7 @@ from tqdm import tqdm
 
 from coop.data.base import DataError, Source
 from coop.data.catalog import CHECKABLE, COOP_DATASETS, COOP_SPLIT_SIZES, DOWNLOADS  # noqa: F401 (re-exported)
+from coop.data.cifar import CIFAR_FOLDERS, cifar_files, read_cifar
 from coop.data.datasets import (
     FGVC_LAYOUT,
     FGVC_LISTS,
@@ -92,6 +97,9 @@ def layout(name: str, root: str, split_file: str | None = None) -> Layout:
         v = IMAGENET_VARIANTS[name]
         d = os.path.join(root, v.folder)
         return Layout(d, os.path.join(d, v.images), [os.path.join(d, CLASSNAMES_FILE)])
+    if name in CIFAR_FOLDERS:  # torchvision's python-version folder; images are its arrays
+        d = os.path.join(root, CIFAR_FOLDERS[name])
+        return Layout(d, d, [os.path.join(d, f) for f in cifar_files(name)])
     if name == "imagefolder":
         if split_file is not None:
             return Layout(root, root, [os.path.abspath(split_file)])
@@ -109,6 +117,8 @@ def read_source(name: str, root: str, split_file: str | None = None) -> Source:
         return read_fgvc_aircraft(root)
     if name in IMAGENET_VARIANTS:
         return read_imagenet_variant(root, name)
+    if name in CIFAR_FOLDERS:
+        return read_cifar(root, name, write=False)
     return read_imagefolder(root, split_file)
 
 
@@ -316,7 +326,9 @@ def check_dataset(name: str, root, sample: int | None = 50, split_file: str | No
         return report
     report.counts = counts_of(src)
     errors, report.differences = check_counts(name, lay, src)
-    report.errors += errors + check_images(name, src, sample)
+    report.errors += errors
+    if name not in CIFAR_FOLDERS or os.path.isdir(os.path.join(src.image_dir, "train")):
+        report.errors += check_images(name, src, sample)  # CIFAR: torchvision checked the arrays' MD5s
     return report
 
 

@@ -1,4 +1,5 @@
-"""Federated prompt learning on Flower: PromptFL and latent-domain prompts.
+"""Federated prompt learning on Flower: PromptFL, latent-domain prompts, and the personalised FedOTP
+and FedPGP (`fedotp`, `fedpgp`, `personal`, `personal_data`).
 
 Flower (`pip install 'coop[federated]'`) is imported only by the modules that need it, so
 `import coop` works without it. Entry point: `tools/federated.py`.

@@ -1,6 +1,7 @@
 """The client side: local training on cached image features, and the ClientApp's handlers.
 
-A client is stateless between rounds. Each TRAIN message carries the global tensors, the run's
+A client is stateless between rounds. Each TRAIN message carries the global tensors (for FedOTP
+and FedPGP also this client's own personal tensors, which the server keeps per client), the run's
 config (YAML) and the round's lr; the client
 
 1. builds (once per process, then from memory) CLIP, the dataset, the partition and the image
@@ -145,7 +146,15 @@ def client_data(cfg: DictConfig, pid: int) -> ClientData:
         method = build_method(clip, ds.classnames, cfg).to(device)
         precision = run_precision(cfg, device)
         prepare_precision(clip, method, precision)  # before the features: fp16 encodes in half
-        feats, labels = features(cfg, clip, items, device, train=True, what=f"client {pid}'s training images")
+        feats, labels = features(
+            cfg,
+            clip,
+            items,
+            device,
+            train=True,
+            what=f"client {pid}'s training images",
+            tokens=method.image_tokens,
+        )
         _CACHE[key] = ClientData(clip, list(ds.classnames), feats, labels, part.digest(), method, precision)
     return _CACHE[key]
 

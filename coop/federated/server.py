@@ -17,7 +17,9 @@ Each round:
 4. `checkpoint.pt` is written atomically (global tensors, strategy state, round, history), then
    one history.csv row: round, accuracy, macro_f1, train_loss (clients' mean, weighted by their
    examples), train_acc, clients (that replied), sampled, failed, bytes_down, bytes_up,
-   bytes_sent (raw prompt-tensor bytes; bytes_sent = down + up), lr, time_s.
+   bytes_sent (raw prompt-tensor bytes; bytes_sent = down + up), lr, time_s; personal methods
+   (FedOTP, FedPGP) add the personalised metrics of `coop.federated.personal` (PERSONAL_FIELDS),
+   and their `accuracy` is the global part alone.
 
 Rerunning resumes after the last checkpointed round; as clients are stateless and every random
 choice derives from (seed, round, client), a resumed run ends with the same tensors as an
@@ -41,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from coop import runner
 from coop.config import to_yaml
 from coop.federated import task
+from coop.federated.personal import PERSONAL_FIELDS, PersonalEvaluator, round_summary
 from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
 from coop.lock import run_lock
@@ -89,8 +92,10 @@ def read_checkpoint(path: Path) -> dict | None:
     return ckpt
 
 
-def write_history(folder: Path, history: list[dict]) -> None:
-    runner.write_history(folder, history, HISTORY_FIELDS)
+def write_history(folder: Path, history: list[dict], personal: bool = False) -> None:
+    fields = HISTORY_FIELDS + (PERSONAL_FIELDS if personal else [])
+    # rows also keep local_per_client (checkpoint, metrics.json), which the CSV leaves out
+    runner.write_history(folder, [{k: r.get(k) for k in fields} for r in history], fields)
 
 
 def discover_clients(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
@@ -156,9 +161,19 @@ class ServerRun:
         self.precision = task.run_precision(cfg, self.device)
         task.prepare_precision(clip, self.method, self.precision)  # the clients run the same
         self.test_feats, self.test_labels = task.features(
-            cfg, clip, self.ds.test, self.device, train=False, what="the test split"
-        )
+            cfg, clip, self.ds.test, self.device, train=False, what="the test split",
+            tokens=self.method.image_tokens,
+        )  # fmt: skip
         fl = cfg.fl
+        tensors = {k: v.detach().cpu().clone() for k, v in self.method.learnable().items()}
+        keys = getattr(self.method, "personal_keys", ())
+        self.personal = bool(keys)  # FedOTP, FedPGP: per-client tensors, personalised metrics
+        self.evaluator = None
+        if self.personal:
+            self.evaluator = PersonalEvaluator(
+                cfg, clip, self.ds, self.part, self.method, self.test_feats[0], self.test_labels,
+                self.device, self.precision,
+            )  # fmt: skip
         self.strategy = PromptStrategy(
             clients=int(fl.clients),
             fraction=float(fl.fraction),
@@ -166,8 +181,9 @@ class ServerRun:
             aggregation=fl.aggregation,
             mu=float(fl.mu),
             beta=float(fl.beta),
+            initial_personal={k: tensors[k] for k in keys},
         )
-        self.arrays = {k: v.detach().cpu().clone() for k, v in self.method.learnable().items()}
+        self.arrays = {k: v for k, v in tensors.items() if k not in keys}  # the global tensors
         self.round, self.history, self.failures = 0, [], []
         self.board = OFF  # TensorBoard: one point per round (coop.tensorboard)
 
@@ -189,11 +205,30 @@ class ServerRun:
 
     def evaluate_fn(self, server_round: int, record: ArrayRecord) -> MetricRecord:
         """Flower's central evaluation signature: the global tensors on the global test split."""
-        self.method.load_learnable(record.to_torch_state_dict(), self.ds.classnames)
-        result = task.evaluate(
-            self.method, self.test_feats[0], self.test_labels, self.device, precision=self.precision
-        )
+        result = self.evaluate_global(record.to_torch_state_dict())
         return MetricRecord({"accuracy": result["accuracy"], "macro-f1": result["macro_f1"]})
+
+    def evaluate_global(self, tensors: dict, domains=None) -> dict:
+        """`task.evaluate` of the global tensors; a personal method's global part alone."""
+        if self.personal:  # the personal tensors are unused by the global-only forward
+            tensors = {**self.strategy.initial_personal, **tensors}
+            self.method.global_only = True
+        self.method.load_learnable(tensors, self.ds.classnames)
+        try:
+            return task.evaluate(
+                self.method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
+            )
+        finally:
+            if self.personal:
+                self.method.global_only = False
+
+    def personal_fields(self, accuracy: float) -> dict:
+        """The personalised metrics of this round's global tensors (`coop.federated.personal`)."""
+        out = self.evaluator.evaluate(self.arrays, self.strategy.personal_of)
+        row = {k: None if out[k] is None else round(out[k], 4) for k in PERSONAL_FIELDS if k in out}
+        row["global_accuracy"] = accuracy
+        row["local_per_client"] = [round(a, 4) for a in out["local_per_client"]]
+        return row
 
     def checkpoint(self, finished: bool = False) -> None:
         state = {
@@ -214,7 +249,7 @@ class ServerRun:
         """Train, aggregate, evaluate, then checkpoint and log round `rnd`."""
         cfg, strategy, t0 = self.cfg, self.strategy, time.perf_counter()
         rounds = int(cfg.fl.rounds)
-        lr = task.round_lr(rnd, rounds, float(cfg.train.lr))
+        lr = task.round_lr(rnd, rounds, float(cfg.train.lr), cfg.fl.lr_schedule)
         config = ConfigRecord(
             {"coop-config": self.client_yaml, "lr": lr, "partition-digest": self.part.digest()}
         )
@@ -255,14 +290,21 @@ class ServerRun:
             "lr": lr,
             "time_s": round(time.perf_counter() - t0, 3),
         }
+        if self.personal:
+            row.update(self.personal_fields(row["accuracy"]), time_s=round(time.perf_counter() - t0, 3))
         self.history.append(row)
         self.checkpoint()
-        write_history(self.folder, self.history)
+        write_history(self.folder, self.history, self.personal)
         self.board.round(row)
         log.info(
             "round %d/%d: accuracy %.2f%%, train loss %.4f, %d clients, %d bytes sent (%.1f s)",
             rnd, rounds, row["accuracy"], row["train_loss"], row["clients"], row["bytes_sent"], row["time_s"],
         )  # fmt: skip
+        if self.personal:
+            log.info(
+                "round %d/%d: local %.2f%%, base %s, novel %s, global %.2f%%", rnd, rounds, row["local_accuracy"],
+                row["base_accuracy"], row["novel_accuracy"], row["global_accuracy"],
+            )  # fmt: skip
 
     def fit(self, grid: Grid, node_timeout: float, round_timeout: float) -> None:
         rounds = int(self.cfg.fl.rounds)
@@ -277,11 +319,16 @@ class ServerRun:
     def finalize(self) -> dict:
         """Evaluate the final prompt (per class and per domain), write metrics.json."""
         cfg, method = self.cfg, self.method
-        method.load_learnable(self.arrays, self.ds.classnames)
         domains = task.item_domains(self.ds, self.ds.test)
-        metrics = task.evaluate(
-            method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
-        )
+        metrics = self.evaluate_global(self.arrays, domains)
+        if self.personal and self.history:
+            metrics.update(round_summary(self.history), local_per_client=self.history[-1]["local_per_client"])
+            log.info(
+                "local accuracy: final %.2f%%, last-5 mean %.2f ± %.2f; max over rounds %.2f%% "
+                "(test-set selection, as the originals print it; not used)", metrics["local_accuracy"],
+                metrics["local_accuracy_last5_mean"], metrics["local_accuracy_last5_std"],
+                metrics["local_accuracy_max_test_selected"],
+            )  # fmt: skip
         metrics.update(
             epochs=int(cfg.fl.rounds) * int(cfg.fl.local_epochs),
             rounds=int(cfg.fl.rounds),

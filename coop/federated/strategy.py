@@ -18,6 +18,11 @@ sampling and aggregation are the same in every run and on resume:
         D_k <- beta * D_k + (1 - beta) * mean of the received D_k,
         weighted by the samples each client routed to D_k (uniform: plain mean);
         D_k is unchanged in a round where no client used it;
+- personal methods (FedOTP, FedPGP: `personal_keys`): round 1 trains every client, later rounds
+  sample as above (the originals' rule); the message to client k carries the global tensors and
+  k's own personal tensors (its last trained ones, or the common initial value), and k's reply's
+  personal tensors replace them (`personal`, kept in the checkpoint). Only the global tensors
+  are aggregated;
 - failures: a client whose reply is an error (or malformed) is left out of the round and
   reported in `last_failures` with its partition id and reason; the caller decides whether the
   run goes on (`fl.on_client_failure`). If every sampled client fails, there is nothing to
@@ -109,8 +114,20 @@ class PromptStrategy(Strategy):
         aggregation, mu, beta: `fl.aggregation`, `fl.mu`, `fl.beta`.
     """
 
-    def __init__(self, *, clients: int, fraction: float, seed: int, aggregation: str, mu: float, beta: float):
+    def __init__(
+        self,
+        *,
+        clients: int,
+        fraction: float,
+        seed: int,
+        aggregation: str,
+        mu: float,
+        beta: float,
+        initial_personal: dict[str, torch.Tensor] | None = None,
+    ):
         self.clients, self.fraction, self.seed = clients, fraction, seed
+        self.initial_personal = dict(initial_personal or {})  # personal methods: every client's start
+        self.personal: dict[int, dict[str, torch.Tensor]] = {}  # partition id -> its personal tensors
         self.aggregation, self.mu, self.beta = aggregation, mu, beta
         self.nodes: dict[int, int] = {}  # partition id -> Flower node id
         self.current: dict[str, torch.Tensor] = {}
@@ -120,10 +137,15 @@ class PromptStrategy(Strategy):
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps besides the global tensors (which hold the moving averages)."""
-        return {"domain_usage": list(self.domain_usage)}
+        return {"domain_usage": list(self.domain_usage), "personal": dict(self.personal)}
 
     def load_state_dict(self, state: dict) -> None:
         self.domain_usage = list(state.get("domain_usage", []))
+        self.personal = {int(k): dict(v) for k, v in state.get("personal", {}).items()}
+
+    def personal_of(self, pid: int) -> dict[str, torch.Tensor]:
+        """Client `pid`'s personal tensors (the initial value until it has trained)."""
+        return self.personal.get(pid, self.initial_personal)
 
     def set_nodes(self, nodes: dict[int, int]) -> None:
         self.nodes = dict(nodes)
@@ -141,13 +163,25 @@ class PromptStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        pids = sample_clients(self.seed, server_round, self.clients, self.fraction)
+        first_all = bool(self.initial_personal) and server_round == 1
+        pids = (
+            list(range(self.clients))
+            if first_all
+            else sample_clients(self.seed, server_round, self.clients, self.fraction)
+        )
         self.current = arrays.to_torch_state_dict()
         config["server-round"] = server_round
         config["proximal-mu"] = float(self.mu) if self.aggregation == "fedprox" else 0.0
-        record = RecordDict({"arrays": arrays, "config": config})
-        self.last_stats = {"sampled": pids, "bytes_down": tensor_bytes(self.current) * len(pids)}
-        return [Message(record, message_type=MessageType.TRAIN, dst_node_id=self.nodes[p]) for p in pids]
+        messages, down = [], 0
+        for p in pids:
+            sent = {**self.current, **self.personal_of(p)}
+            record = RecordDict(
+                {"arrays": ArrayRecord(sent) if self.initial_personal else arrays, "config": config}
+            )
+            messages.append(Message(record, message_type=MessageType.TRAIN, dst_node_id=self.nodes[p]))
+            down += tensor_bytes(sent)
+        self.last_stats = {"sampled": pids, "bytes_down": down}
+        return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -194,6 +228,9 @@ class PromptStrategy(Strategy):
         if not good:
             return None, None
         for g in good:
+            if self.initial_personal:
+                self.personal[g["pid"]] = {k: g["tensors"][k] for k in self.initial_personal}
+        for g in good:
             if len(self.domain_usage) < len(g["usage"]):
                 self.domain_usage += [0] * (len(g["usage"]) - len(self.domain_usage))
             for k, u in enumerate(g["usage"]):
@@ -210,12 +247,14 @@ class PromptStrategy(Strategy):
         return ArrayRecord(new), metrics
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> str:
+        expected = {**self.current, **self.initial_personal}
         for key, t in tensors.items():
-            if key not in self.current or self.current[key].shape != t.shape:
+            if key not in expected or expected[key].shape != t.shape:
                 return f"sent an unexpected tensor {key} {tuple(t.shape)}"
             if not torch.isfinite(t).all():
                 return f"sent non-finite values in {key}"
-        return ""
+        missing = set(self.initial_personal) - set(tensors)
+        return f"sent no personal tensor {sorted(missing)[0]}" if missing else ""
 
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []  # evaluation is central (the server's evaluate_fn on the global test split)

@@ -5,6 +5,10 @@ client computes exactly the partition and features the server expects (`Partitio
 
     promptfl        `coop.methods.CoOp`: CoOp's prompt (any position, csc, depth), aggregated
     latent_domains  `coop.federated.latent_domains.LatentDomains`: G + D_1..D_K + queries
+    fedotp          `coop.federated.fedotp.FedOTP`: global + local prompt, OT on patch tokens
+    fedpgp          `coop.federated.fedpgp.FedPGP`: global sigma + personal U V
+
+The last two are personalised: their `personal_keys` stay per client (`is_personal`).
 """
 
 from __future__ import annotations
@@ -21,17 +25,34 @@ from coop.config import ConfigError, model_tag, run_name
 from coop.data import CLIP_MEAN, CLIP_STD, build_dataset, build_transforms, subsample_classes
 from coop.data.images import derive_seed
 from coop.data.multidomain import build_multidomain, domain_of
-from coop.engine import use_fp16
-from coop.features import autocast, cached_features, resolve_precision
+from coop.engine import classification_metrics, predict, use_fp16
+from coop.features import cached_features, resolve_precision
+from coop.federated.fedotp import FedOTP
+from coop.federated.fedpgp import FedPGP
 from coop.federated.latent_domains import LatentDomains
 from coop.federated.partition import Partition, partition
+from coop.federated.personal_data import fedotp_partition, labeldir100_partition, labeldir_partition
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
-from coop.model import CLIP
+from coop.model import CLIP, ModelError
+from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
 
-FL_METHODS: dict[str, type[Method]] = {"promptfl": CoOp, "latent_domains": LatentDomains}
+FL_METHODS: dict[str, type[Method]] = {
+    "promptfl": CoOp,
+    "latent_domains": LatentDomains,
+    "fedotp": FedOTP,
+    "fedpgp": FedPGP,
+}
+FULL_SPLIT_PARTITIONS = ("promptfl", "pathological_fedotp")  # draw data.shots per client from full splits
+
+
+def is_personal(cfg: DictConfig) -> bool:
+    """Whether `fl.method` keeps a personal part per client (FedOTP, FedPGP)."""
+    return bool(getattr(FL_METHODS[cfg.fl.method], "personal_keys", ()))
+
+
 # Defaults of federated runs that differ from tools/train.py's (a `base` for `load_config`):
 # clients train on cached features, one view per image unless the config asks for more.
 FEDERATED_BASE = {"train": {"aug_views": 1}}
@@ -78,6 +99,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"fl.iid must be true or false, got {fl.iid!r}")
     if not 0 <= _num(fl.repeat_rate) < 1:
         raise ConfigError(f"fl.repeat_rate must be a number in [0, 1), got {fl.repeat_rate!r}")
+    _check_personal(cfg)
     if fl.partition == "promptfl":
         if cfg.data.name == "multidomain":
             raise ConfigError(
@@ -92,6 +114,55 @@ def check_config(cfg: DictConfig) -> None:
                 f"fl.partition=promptfl draws from every class: data.subsample_classes={cfg.data.subsample_classes} "
                 "is not supported"
             )
+
+
+def check_model(cfg: DictConfig) -> None:
+    """A one-line ModelError, before any simulation starts, when `fl.method` needs patch tokens
+    (FedOTP) and the model's image tower is not our ViT (e.g. RN50)."""
+    if getattr(FL_METHODS[cfg.fl.method], "image_tokens", False):
+        try:
+            load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device="cpu").require_vision_prompts()
+        except ModelError as e:
+            raise ModelError(
+                f"fl.method={cfg.fl.method} reads patch tokens from our ViT tower: {e}"
+            ) from None
+
+
+def _check_personal(cfg: DictConfig) -> None:
+    fl = cfg.fl
+    if fl.partition == "pathological_fedotp":
+        if cfg.data.name == "multidomain" or int(cfg.data.shots) < 1:
+            raise ConfigError(
+                "fl.partition=pathological_fedotp draws data.shots >= 1 images per class from one dataset's "
+                "train split (not data.name=multidomain)"
+            )
+        if cfg.data.subsample_classes == "new":
+            raise ConfigError("fl.partition=pathological_fedotp trains on all or the base classes, not new")
+    if fl.partition == "dirichlet_labeldir100" and (cfg.data.name != "cifar100" or int(cfg.data.shots) != 0):
+        raise ConfigError(
+            "fl.partition=dirichlet_labeldir100 is CIFAR-100's split: data.name=cifar100 data.shots=0"
+        )
+    if not is_personal(cfg):
+        return
+    if fl.aggregation not in ("fedavg", "uniform"):
+        raise ConfigError(f"fl.method={fl.method} averages its global part: fl.aggregation=fedavg or uniform")
+    if cfg.prompt.csc or int(cfg.prompt.depth) != 1:
+        raise ConfigError(
+            f"fl.method={fl.method} learns shared context at the input: prompt.csc=false, prompt.depth=1"
+        )
+    o, p = cfg.fedotp, cfg.fedpgp
+    checks = {
+        "fedotp.eps": _num(o.eps) > 0,
+        "fedotp.gamma": 0 < _num(o.gamma) <= 1,
+        "fedotp.max_iter": isinstance(o.max_iter, int) and o.max_iter >= 1,
+        "fedotp.thresh": _num(o.thresh) > 0,
+        "fedpgp.rank": isinstance(p.rank, int) and p.rank >= 1,
+        "fedpgp.mu": _num(p.mu) >= 0,
+        "fedpgp.temp": _num(p.temp) > 0,
+    }
+    for key, ok in checks.items():
+        if not ok:
+            raise ConfigError(f"{key} is out of range: {OmegaConf.select(cfg, key)!r}")
 
 
 def _num(value) -> float:
@@ -114,6 +185,9 @@ def fl_run_name(cfg: DictConfig) -> str:
         "dirichlet": f"dirichlet{fl.alpha}",
         "pathological": f"pathological{fl.classes_per_client}",
         "promptfl": promptfl,
+        "pathological_fedotp": "fedotp-pathological",
+        "dirichlet_labeldir": f"labeldir{fl.alpha}",
+        "dirichlet_labeldir100": f"labeldir100-{fl.alpha}",
     }
     agg = f"fedprox{fl.mu}" if fl.aggregation == "fedprox" else fl.aggregation
     extra = f"_{part.get(fl.partition, fl.partition)}_{agg}_c{fl.clients}_r{fl.rounds}_e{fl.local_epochs}"
@@ -121,6 +195,13 @@ def fl_run_name(cfg: DictConfig) -> str:
         extra += f"_f{fl.fraction}"
     if fl.method == "latent_domains":
         extra += f"_k{fl.domains}_b{fl.beta}_w{fl.ensemble_weight}"
+    if fl.method == "fedotp":
+        o = cfg.fedotp
+        extra += f"_{o.ot}_g{o.gamma}_eps{o.eps}"
+    if fl.method == "fedpgp":
+        extra += f"_r{cfg.fedpgp.rank}_mu{cfg.fedpgp.mu}_t{cfg.fedpgp.temp}"
+    if fl.lr_schedule != "cosine":
+        extra += f"_lr{fl.lr_schedule}"
     return f"federated/{fl.method}/{dataset}/{rest}{extra}/{seed}"
 
 
@@ -151,10 +232,12 @@ def resolve_device(name: str) -> torch.device:
 def load_data(cfg: DictConfig):
     """The run's few-shot dataset; multi-domain data honour `data.target_domain`.
 
-    With fl.partition=promptfl the full splits: every client draws data.shots per class from them.
+    With fl.partition=promptfl or pathological_fedotp the full splits (of data.subsample_classes):
+    every client draws data.shots per class from them.
     """
-    if cfg.fl.partition == "promptfl":
-        return build_dataset(cfg.data.name, cfg.data.root, shots=0, seed=int(cfg.data.seed))
+    if cfg.fl.partition in FULL_SPLIT_PARTITIONS:
+        ds = build_dataset(cfg.data.name, cfg.data.root, shots=0, seed=int(cfg.data.seed))
+        return subsample_classes(ds, cfg.data.subsample_classes)
     if cfg.data.name == "multidomain":
         ds = build_multidomain(cfg.data.root, cfg.data.target_domain, int(cfg.data.shots), int(cfg.data.seed))
     else:
@@ -172,6 +255,21 @@ def client_partition(cfg: DictConfig, ds) -> Partition:
     """The partition of `ds.train` among `fl.clients` clients (deterministic in the config)."""
     fl = cfg.fl
     keys = [f"{os.path.relpath(d.path, ds.image_dir)}\t{d.label}" for d in ds.train]
+    if fl.partition == "pathological_fedotp":
+        return fedotp_partition(
+            [d.label for d in ds.train], [d.label for d in ds.test], shots=int(cfg.data.shots),
+            clients=int(fl.clients), item_keys=keys,
+        )  # fmt: skip
+    if fl.partition == "dirichlet_labeldir":
+        return labeldir_partition(
+            [d.label for d in ds.train], [d.label for d in ds.test], beta=float(fl.alpha),
+            clients=int(fl.clients), seed=int(cfg.data.seed), item_keys=keys,
+        )  # fmt: skip
+    if fl.partition == "dirichlet_labeldir100":
+        return labeldir100_partition(
+            [d.label for d in ds.train], [d.label for d in ds.test], beta=float(fl.alpha),
+            clients=int(fl.clients), seed=int(cfg.data.seed), item_keys=keys,
+        )  # fmt: skip
     if fl.partition == "promptfl":
         return promptfl_partition(
             ds.train,
@@ -203,10 +301,11 @@ def transforms(clip: CLIP):
     )
 
 
-def features(cfg: DictConfig, clip: CLIP, items, device, *, train: bool, what: str):
+def features(cfg: DictConfig, clip: CLIP, items, device, *, train: bool, what: str, tokens: bool = False):
     """Image features ((V, N, E), labels) of `items`: V = train.aug_views for training, else 1.
 
     Computed at the run's precision (`run_precision`), in CLIP's dtype (half after fp16's cast).
+    With `tokens` (a method's `image_tokens`, FedOTP) every projected token: (V, N, 1+P, E).
     """
     device = torch.device(device)
     train_tf, test_tf = transforms(clip)
@@ -226,6 +325,7 @@ def features(cfg: DictConfig, clip: CLIP, items, device, *, train: bool, what: s
         num_workers=int(cfg.data.num_workers),
         desc=what,
         what=what,
+        tokens=tokens,
     )
 
 
@@ -235,8 +335,11 @@ def build_method(clip: CLIP, classnames: list[str], cfg: DictConfig) -> Method:
     return FL_METHODS[cfg.fl.method](clip, classnames, cfg)
 
 
-def round_lr(rnd: int, rounds: int, lr: float) -> float:
-    """Round r (1-based) trains at lr * (1 + cos(pi (r - 1) / rounds)) / 2: a cosine over rounds."""
+def round_lr(rnd: int, rounds: int, lr: float, schedule: str = "cosine") -> float:
+    """Round r (1-based) trains at lr * (1 + cos(pi (r - 1) / rounds)) / 2: a cosine over rounds;
+    `constant`: lr every round (FedOTP's and FedPGP's single_step schedule with gamma 1)."""
+    if schedule == "constant":
+        return lr
     return lr * 0.5 * (1 + math.cos(math.pi * (rnd - 1) / rounds))
 
 
@@ -245,31 +348,13 @@ def local_seed(seed: int, rnd: int, client: int) -> int:
     return derive_seed(seed, rnd, client)
 
 
-@torch.no_grad()
 def evaluate(
     method: Method, feats: torch.Tensor, labels: torch.Tensor, device, domains=None, precision: str = "fp32"
 ) -> dict:
-    """Accuracy (%), macro F1, per-class accuracy (and per-domain accuracy) on features (N, E),
-    under the run's precision (bf16 autocast for amp) as tools/train.py evaluates."""
-    method.eval()
-    dtype = method.clip.logit_scale.dtype
-    with autocast(torch.device(device), precision):
-        prepared = method.prepare()
-        preds = torch.cat(
-            [method.logits(f.to(device, dtype), prepared).argmax(-1).cpu() for f in feats.split(1000)]
-        )
-    n_cls = method.n_cls
-    conf = torch.bincount(labels * n_cls + preds, minlength=n_cls * n_cls).reshape(n_cls, n_cls).double()
-    tp, support, predicted = conf.diag(), conf.sum(1), conf.sum(0)
-    f1 = 2 * tp / (support + predicted).clamp(min=1)
-    out = {
-        "accuracy": float(100.0 * tp.sum() / conf.sum()),
-        "macro_f1": float(100.0 * f1[support > 0].mean()),
-        "per_class_accuracy": [
-            round(100.0 * float(tp[c] / support[c]), 4) if support[c] > 0 else None for c in range(n_cls)
-        ],
-        "n_test": int(labels.numel()),
-    }
+    """`coop.engine.evaluate` (accuracy %, macro F1, per-class accuracy, n_test on features (N, ...),
+    under the run's precision as tools/train.py evaluates), plus per-domain accuracy with `domains`."""
+    preds = predict(method, feats, torch.device(device), precision)
+    out = classification_metrics(preds, labels, method.n_cls)
     if domains is not None:
         correct = (preds == labels).tolist()
         out["per_domain_accuracy"] = {

@@ -98,6 +98,7 @@ class Method(nn.Module):
     tunes_on_val = False  # whether the runner calls `tune` with the val split's features
     fit_request: FeatureRequest | None = None  # the training features `fit` and `tune` take
     phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
+    image_tokens = False  # True: "features" are every projected token (B, 1+P, E) (FedOTP)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__()
