@@ -11,15 +11,15 @@ those values replace the defaults for every key that no file, override or saved 
 
 from __future__ import annotations
 
-import hashlib
-import math
 import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from coop.config_checks import ConfigError, is_int, is_number, validate_optimizer, validate_sections
 from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
+from coop.run_names import method_settings, model_tag, run_name  # noqa: F401 (coop.config's API)
 
 METHODS = (
     "coop",
@@ -191,10 +191,6 @@ RESULT_FREE_KEYS = frozenset(
 )
 
 
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key or file."""
-
-
 def epochs_for_shots(shots: int, dataset: str) -> int:
     """CoOp's schedule: 50 epochs for 1 shot, 100 for 2-4, 200 for 8-16 (and all data); ImageNet 50."""
     if dataset == "imagenet":
@@ -293,14 +289,6 @@ def _key_from_message(message: str) -> str:
     return m.group(1) if m else message.splitlines()[0]
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def validate(cfg: DictConfig) -> None:
     """Raise a one-line ConfigError, naming the key and its value, for a config that cannot run."""
     for key, allowed in CHOICES.items():
@@ -309,34 +297,26 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     for key in ("data.shots", "train.aug_views", "prompt.depth", "train.warmup_epochs", "data.num_workers"):
         value = OmegaConf.select(cfg, key)
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
     for key in ("train.batch_size", "train.eval_batch_size"):
         value = OmegaConf.select(cfg, key)
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
     lr, warmup_lr = cfg.train.lr, cfg.train.warmup_lr
-    if not _is_number(lr) or not lr > 0:  # `not >` also rejects NaN
+    if not is_number(lr) or not lr > 0:  # `not >` also rejects NaN
         raise ConfigError(f"train.lr must be a number > 0, got {lr!r}")
-    if not _is_number(warmup_lr) or not warmup_lr >= 0:
+    if not is_number(warmup_lr) or not warmup_lr >= 0:
         raise ConfigError(f"train.warmup_lr must be a number >= 0, got {warmup_lr!r}")
     epochs = cfg.train.epochs
-    if epochs is not None and (not _is_int(epochs) or epochs < 0):
+    if epochs is not None and (not is_int(epochs) or epochs < 0):
         raise ConfigError(f"train.epochs must be a non-negative integer or null, got {epochs!r}")
     validate_optimizer(cfg)
     if epochs == 0 and cfg.method in ("coop", "kgcoop") and not cfg.prompt.ctx_init:
         raise ConfigError(
             "train.epochs=0 evaluates untrained prompts: set prompt.ctx_init (e.g. 'a photo of a')"
         )
-    validate_vision(cfg)
-    validate_lora(cfg)
-    chunk = cfg.cocoop.chunk_prompts
-    if not _is_int(chunk) or chunk < 1:
-        raise ConfigError(f"cocoop.chunk_prompts must be an integer >= 1, got {chunk!r}")
-    weight = cfg.kgcoop.weight
-    if not _is_number(weight) or not weight >= 0:
-        raise ConfigError(f"kgcoop.weight must be a number >= 0, got {weight!r}")
-    validate_tip(cfg)
+    validate_sections(cfg)
     if not isinstance(cfg.train.tensorboard, bool):
         raise ConfigError(f"train.tensorboard must be true or false, got {cfg.train.tensorboard!r}")
     split_file = cfg.data.split_file
@@ -345,17 +325,6 @@ def validate(cfg: DictConfig) -> None:
             f"data.split_file={split_file!r} is read by data.name=imagefolder only (got {cfg.data.name!r}); "
             "set data.split_file=null for other datasets"
         )
-    for key in ("text_weight", "image_weight", "kl_weight"):
-        value = cfg.promptsrc[key]
-        if not _is_number(value) or not value >= 0:
-            raise ConfigError(f"promptsrc.{key} must be a number >= 0, got {value!r}")
-    mean, std = cfg.promptsrc.gpa_mean, cfg.promptsrc.gpa_std
-    if not _is_number(mean) or not math.isfinite(mean):
-        raise ConfigError(f"promptsrc.gpa_mean must be a finite number (an epoch), got {mean!r}")
-    if not _is_number(std) or not 0 < std < math.inf:
-        raise ConfigError(f"promptsrc.gpa_std must be a finite number > 0 (epochs), got {std!r}")
-    validate_mmrl(cfg)
-    validate_tcp_dept(cfg)
     targets = cfg.eval.targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"eval.targets must be a list of dataset names, got {targets!r}")
@@ -365,97 +334,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"train.warmup_epochs={warmup} must be less than the {epochs} training epochs "
             f"(train.epochs={cfg.train.epochs}), or the cosine schedule never starts"
-        )
-
-
-def validate_tip(cfg: DictConfig) -> None:
-    """The `tip.*` keys (Tip-Adapter's cache model and its alpha/beta search)."""
-    tip = cfg.tip
-    if not _is_int(tip.augment_epochs) or tip.augment_epochs < 1:
-        raise ConfigError(f"tip.augment_epochs must be an integer >= 1, got {tip.augment_epochs!r}")
-    for key in ("init_alpha", "init_beta"):
-        if not _is_number(tip[key]) or not tip[key] >= 0:
-            raise ConfigError(f"tip.{key} must be a number >= 0, got {tip[key]!r}")
-    scale, steps = _pair(tip.search_scale), _pair(tip.search_step)
-    if scale is None or not all(v > 0 for v in scale):
-        raise ConfigError(
-            f"tip.search_scale must be two numbers > 0 ([beta, alpha]), got {tip.search_scale!r}"
-        )
-    if steps is None or not all(_is_int(v) and v >= 1 for v in steps):
-        raise ConfigError(
-            f"tip.search_step must be two integers >= 1 ([beta, alpha]), got {tip.search_step!r}"
-        )
-    if not isinstance(tip.search, bool):
-        raise ConfigError(f"tip.search must be true or false, got {tip.search!r}")
-
-
-def _pair(value) -> list | None:
-    items = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else None
-    return items if items is not None and len(items) == 2 and all(map(_is_number, items)) else None
-
-
-def validate_optimizer(cfg: DictConfig) -> None:
-    """The optimizer, schedule and augmentation keys of `train` (`coop.schedule`)."""
-    t = cfg.train
-    betas = _pair(t.betas)
-    if betas is None or not all(0 <= b < 1 for b in betas):
-        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas!r}")
-    if not _is_number(t.eps) or not t.eps > 0:
-        raise ConfigError(f"train.eps must be a number > 0, got {t.eps!r}")
-    if not _is_number(t.min_lr) or not 0 <= t.min_lr <= t.lr:
-        raise ConfigError(f"train.min_lr must be a number in [0, train.lr={t.lr}], got {t.min_lr!r}")
-    for key in ("iterations", "iterations_per_shot"):
-        value = t[key]
-        if value is not None and (not _is_int(value) or value < 1):
-            raise ConfigError(f"train.{key} must be an integer >= 1 or null, got {value!r}")
-    if t.iterations is not None and t.iterations_per_shot is not None:
-        raise ConfigError(
-            f"train.iterations={t.iterations} and train.iterations_per_shot={t.iterations_per_shot} "
-            "both set the run's length; set one of them to null"
-        )
-    if (t.iterations is not None or t.iterations_per_shot is not None) and t.epochs is not None:
-        raise ConfigError(
-            f"train.epochs={t.epochs} and train.iterations{'' if t.iterations else '_per_shot'} both set "
-            "the run's length; set train.epochs=null"
-        )
-    if not isinstance(t.augment, bool):
-        raise ConfigError(f"train.augment must be true or false, got {t.augment!r}")
-    if not isinstance(t.drop_last, bool):
-        raise ConfigError(f"train.drop_last must be true or false, got {t.drop_last!r}")
-    scale = _pair(t.crop_scale)
-    if scale is None or not 0 < scale[0] <= scale[1] <= 1:
-        raise ConfigError(
-            f"train.crop_scale must be [min, max] with 0 < min <= max <= 1, got {t.crop_scale!r}"
-        )
-
-
-def validate_lora(cfg: DictConfig) -> None:
-    """`lora.*` (coop.lora): rank >= 1, alpha > 0, dropout in [0, 1), towers/targets from their sets,
-    layers "all" | "half-up" | "half-bottom" | a list of 0-based block indices (checked against
-    each tower's block count when the method is built)."""
-    lora = cfg.lora
-    if not _is_int(lora.rank) or lora.rank < 1:
-        raise ConfigError(f"lora.rank must be an integer >= 1, got {lora.rank!r}")
-    if not _is_number(lora.alpha) or not lora.alpha > 0:
-        raise ConfigError(f"lora.alpha must be a number > 0, got {lora.alpha!r}")
-    if not _is_number(lora.dropout) or not 0 <= lora.dropout < 1:
-        raise ConfigError(f"lora.dropout must be a number in [0, 1), got {lora.dropout!r}")
-    for key, allowed in (("towers", ("text", "vision")), ("targets", ("q", "k", "v"))):
-        value = lora[key]
-        items = list(value) if OmegaConf.is_list(value) else None
-        if not items or any(v not in allowed for v in items) or len(set(items)) != len(items):
-            raise ConfigError(
-                f"lora.{key} must be a list of distinct values of {', '.join(allowed)}, got {value!r}"
-            )
-    layers = lora.layers
-    if OmegaConf.is_list(layers):
-        if not layers or not all(_is_int(i) and i >= 0 for i in layers):
-            raise ConfigError(
-                f"lora.layers must be a non-empty list of 0-based block indices, got {layers!r}"
-            )
-    elif layers not in ("all", "half-up", "half-bottom"):
-        raise ConfigError(
-            f"lora.layers={layers!r} is not one of all, half-up, half-bottom or a list of block indices"
         )
 
 
@@ -481,65 +359,6 @@ def check_base_to_new(cfg: DictConfig) -> None:
     )
 
 
-DEPT_HOSTS = ("coop", "cocoop", "kgcoop", "maple")  # coop.methods.dept
-
-
-def validate_tcp_dept(cfg: DictConfig) -> None:
-    """`tcp.*` and `dept.*`: numbers in range; DePT only on the hosts it wraps."""
-    layer = cfg.tcp.layer
-    if not _is_int(layer) or layer < 1:
-        raise ConfigError(f"tcp.layer must be an integer >= 1 (a text block), got {layer!r}")
-    for key in ("tcp.weight", "dept.lr_scale"):
-        value = OmegaConf.select(cfg, key)
-        if not _is_number(value) or not value >= 0:
-            raise ConfigError(f"{key} must be a number >= 0, got {value!r}")
-    if not _is_number(cfg.dept.weight) or not 0 <= cfg.dept.weight <= 1:
-        raise ConfigError(f"dept.weight must be a number in [0, 1], got {cfg.dept.weight!r}")
-    if not isinstance(cfg.dept.enabled, bool):
-        raise ConfigError(f"dept.enabled must be true or false, got {cfg.dept.enabled!r}")
-    if cfg.dept.enabled and cfg.method not in DEPT_HOSTS:
-        raise ConfigError(f"dept.enabled=true wraps method={'|'.join(DEPT_HOSTS)}, got method={cfg.method}")
-
-
-def validate_vision(cfg: DictConfig) -> None:
-    """`vision.n_ctx` / `vision.depth`: null or an integer >= 1; maple takes both from `prompt.*`,
-    so a `vision.*` value that differs from them is an error."""
-    for key in ("vision.n_ctx", "vision.depth"):
-        value = OmegaConf.select(cfg, key)
-        if value is not None and (not _is_int(value) or value < 1):
-            raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
-    if cfg.method == "maple":
-        for key in ("n_ctx", "depth"):
-            value, text = cfg.vision[key], cfg.prompt[key]
-            if value is not None and value != text:
-                raise ConfigError(
-                    f"vision.{key}={value} conflicts with prompt.{key}={text}: maple couples its vision "
-                    f"prompts to the text prompts and takes their count and depth from prompt.{key}"
-                )
-
-
-def validate_mmrl(cfg: DictConfig) -> None:
-    """`mmrl.*`: sizes >= 1, alpha in [0, 1], lambda >= 0, layer lists null or increasing 1-based
-    block numbers (checked against the towers' depths when the method is built)."""
-    m = cfg.mmrl
-    for key in ("n_tokens", "rep_dim"):
-        if not _is_int(m[key]) or m[key] < 1:
-            raise ConfigError(f"mmrl.{key} must be an integer >= 1, got {m[key]!r}")
-    if not _is_number(m.alpha) or not 0 <= m.alpha <= 1:
-        raise ConfigError(f"mmrl.alpha must be a number in [0, 1], got {m.alpha!r}")
-    if not _is_number(m.reg_weight) or not 0 <= m.reg_weight < math.inf:
-        raise ConfigError(f"mmrl.reg_weight must be a finite number >= 0, got {m.reg_weight!r}")
-    for key in ("layers", "vision_layers"):
-        value = m[key]
-        if value is None:
-            continue
-        items = list(value) if OmegaConf.is_list(value) else None
-        if not items or not all(_is_int(i) and i >= 1 for i in items) or items != sorted(set(items)):
-            raise ConfigError(
-                f"mmrl.{key} must be null or a non-empty increasing list of 1-based block numbers, got {value!r}"
-            )
-
-
 def flatten(cfg: dict, prefix: str = "") -> dict:
     """A nested config dict as {dotted key: value}, e.g. {"data.shots": 16}."""
     out = {}
@@ -553,69 +372,6 @@ def resolved_epochs(cfg: DictConfig) -> int:
     if cfg.train.epochs is not None:
         return int(cfg.train.epochs)
     return epochs_for_shots(int(cfg.data.shots), cfg.data.name)
-
-
-def model_tag(name: str) -> str:
-    """A folder-safe model name: "ViT-B/16" -> "ViT-B-16", "cfg/tiny.json" -> "tiny"."""
-    if name.endswith(".json"):
-        name = Path(name).stem
-    return name.replace("/", "-")
-
-
-def method_settings(cfg: DictConfig) -> str:
-    """The settings part of a run name: what the method's results depend on.
-
-    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple, promptsrc and tcp: the same
-    after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
-    _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
-    (a literal template by its hash); linear_probe: linear_probe; tip_adapter and tip_adapter_f:
-    <method>_views<tip.augment_epochs>; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>.
-    DePT (`dept.enabled`) adds "_dept".
-    """
-    if cfg.method == "zeroshot":
-        templates = str(cfg.zeroshot.templates)
-        if templates not in ("coop", "kgcoop", "coop_ensemble", "ensemble"):
-            templates = "template-" + hashlib.sha1(templates.encode()).hexdigest()[:8]
-        return f"zeroshot_{templates}"
-    if cfg.method == "linear_probe":
-        return "linear_probe"
-    if cfg.method in ("tip_adapter", "tip_adapter_f"):
-        return f"{cfg.method}_views{cfg.tip.augment_epochs}"
-    if cfg.method == "clip_lora":
-        lora = cfg.lora
-        layers = lora.layers if isinstance(lora.layers, str) else "-".join(str(i) for i in lora.layers)
-        towers, targets = "+".join(lora.towers), "".join(lora.targets)
-        return f"clip_lora_r{lora.rank}_a{lora.alpha:g}_drop{lora.dropout:g}_{towers}_{targets}_{layers}"
-    if cfg.method == "mmrl":
-        m = cfg.mmrl
-        layers = "-".join(map(str, m.layers)) if m.layers is not None else "auto"
-        vision_layers = "-".join(map(str, m.vision_layers)) if m.vision_layers is not None else "auto"
-        return f"mmrl_k{m.n_tokens}_dr{m.rep_dim}_l{layers}_vl{vision_layers}_a{m.alpha}_lam{m.reg_weight}"
-    vision = f"vctx{cfg.vision.n_ctx}_vdepth{cfg.vision.depth}"
-    if cfg.method == "vpt":
-        return f"vpt_{vision}"
-    p = cfg.prompt
-    n_ctx = p.n_ctx if p.n_ctx is not None else ("init" if p.ctx_init else 4)
-    pos = "middle" if p.position == "mid" else p.position
-    prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
-    text = f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
-    text = f"{text}_{vision}" if cfg.method in ("ivlp", "promptsrc") else text
-    return f"{text}_dept" if cfg.dept.enabled else text
-
-
-def run_name(cfg: DictConfig) -> str:
-    """CoOp-style run folder: <dataset>/<model>/shots<K>/<settings>/seed<S>.
-
-    The settings part is `method_settings` (for CoOp nctx<M>_csc<C>_pos<P>_depth<J>); runs without
-    augmentation (train.augment=false) add "_noaug", base-to-new runs (data.subsample_classes
-    base/new) "_base"/"_new".
-    """
-    classes = "" if cfg.data.subsample_classes == "all" else f"_{cfg.data.subsample_classes}"
-    augment = "" if cfg.train.augment else "_noaug"  # never one folder for both
-    return (
-        f"{cfg.data.name}/{model_tag(cfg.model.name)}/shots{cfg.data.shots}/"
-        f"{method_settings(cfg)}{augment}{classes}/seed{cfg.data.seed}"
-    )
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -1,0 +1,75 @@
+"""Run folder names: `<dataset>/<model>/shots<K>/<settings>/seed<S>`, CoOp's script layout, with
+the settings part naming what each method's results depend on.
+
+    run_name(cfg)  # "dtd/ViT-B-16/shots16/nctx16_cscfalse_posend_depth1/seed1"
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+
+def model_tag(name: str) -> str:
+    """A folder-safe model name: "ViT-B/16" -> "ViT-B-16", "cfg/tiny.json" -> "tiny"."""
+    if name.endswith(".json"):
+        name = Path(name).stem
+    return name.replace("/", "-")
+
+
+def method_settings(cfg: DictConfig) -> str:
+    """The settings part of a run name: what the method's results depend on.
+
+    coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple, promptsrc and tcp: the same
+    after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
+    _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
+    (a literal template by its hash); linear_probe: linear_probe; tip_adapter and tip_adapter_f:
+    <method>_views<tip.augment_epochs>; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>.
+    DePT (`dept.enabled`) adds "_dept".
+    """
+    if cfg.method == "zeroshot":
+        templates = str(cfg.zeroshot.templates)
+        if templates not in ("coop", "kgcoop", "coop_ensemble", "ensemble"):
+            templates = "template-" + hashlib.sha1(templates.encode()).hexdigest()[:8]
+        return f"zeroshot_{templates}"
+    if cfg.method == "linear_probe":
+        return "linear_probe"
+    if cfg.method in ("tip_adapter", "tip_adapter_f"):
+        return f"{cfg.method}_views{cfg.tip.augment_epochs}"
+    if cfg.method == "clip_lora":
+        lora = cfg.lora
+        layers = lora.layers if isinstance(lora.layers, str) else "-".join(str(i) for i in lora.layers)
+        towers, targets = "+".join(lora.towers), "".join(lora.targets)
+        return f"clip_lora_r{lora.rank}_a{lora.alpha:g}_drop{lora.dropout:g}_{towers}_{targets}_{layers}"
+    if cfg.method == "mmrl":
+        m = cfg.mmrl
+        layers = "-".join(map(str, m.layers)) if m.layers is not None else "auto"
+        vision_layers = "-".join(map(str, m.vision_layers)) if m.vision_layers is not None else "auto"
+        return f"mmrl_k{m.n_tokens}_dr{m.rep_dim}_l{layers}_vl{vision_layers}_a{m.alpha}_lam{m.reg_weight}"
+    vision = f"vctx{cfg.vision.n_ctx}_vdepth{cfg.vision.depth}"
+    if cfg.method == "vpt":
+        return f"vpt_{vision}"
+    p = cfg.prompt
+    n_ctx = p.n_ctx if p.n_ctx is not None else ("init" if p.ctx_init else 4)
+    pos = "middle" if p.position == "mid" else p.position
+    prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
+    text = f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
+    text = f"{text}_{vision}" if cfg.method in ("ivlp", "promptsrc") else text
+    return f"{text}_dept" if cfg.dept.enabled else text
+
+
+def run_name(cfg: DictConfig) -> str:
+    """CoOp-style run folder: <dataset>/<model>/shots<K>/<settings>/seed<S>.
+
+    The settings part is `method_settings` (for CoOp nctx<M>_csc<C>_pos<P>_depth<J>); runs without
+    augmentation (train.augment=false) add "_noaug", base-to-new runs (data.subsample_classes
+    base/new) "_base"/"_new".
+    """
+    classes = "" if cfg.data.subsample_classes == "all" else f"_{cfg.data.subsample_classes}"
+    augment = "" if cfg.train.augment else "_noaug"  # never one folder for both
+    return (
+        f"{cfg.data.name}/{model_tag(cfg.model.name)}/shots{cfg.data.shots}/"
+        f"{method_settings(cfg)}{augment}{classes}/seed{cfg.data.seed}"
+    )
