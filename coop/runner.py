@@ -46,8 +46,6 @@ from coop.config import (
     RESULT_FREE_KEYS,
     check_base_to_new,
     flatten,
-    load_config,
-    model_tag,
     to_yaml,
 )
 from coop.data import DataError
@@ -62,11 +60,11 @@ from coop.engine import (
     training_features,
     val_features,
 )
+from coop.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.io import atomic_write, write_json
 from coop.lock import run_lock
-from coop.model import CLIP
 from coop.schedule import Schedule, build_optimizer, plan_schedule
-from coop.tensorboard import OFF, Board, open_board
+from coop.tensorboard import Board, open_board
 
 log = logging.getLogger(__name__)
 
@@ -311,21 +309,6 @@ def tune_on_val(s: Setup, train) -> dict:
     return s.method.tune(train, (val[0], val_labels))
 
 
-def run_fields(cfg: DictConfig, method, epochs: int, history: list[dict]) -> dict:
-    """The fields that describe a run in `metrics.json` and every `eval_*.json` it writes."""
-    return {
-        "method": cfg.method,
-        "epochs": epochs,
-        "shots": int(cfg.data.shots),
-        "seed": int(cfg.data.seed),
-        "dataset": cfg.data.name,
-        "model": model_tag(cfg.model.name),
-        "pretrained": cfg.model.pretrained,
-        **method.describe(),
-        "final_train_loss": history[-1]["loss"] if history else None,
-    }
-
-
 def finalize(
     s: Setup, epochs: int, history: list[dict], metrics_path: Path, extra: dict | None = None
 ) -> dict:
@@ -341,99 +324,3 @@ def finalize(
         metrics_path,
     )
     return metrics
-
-
-def targets_of(cfg: DictConfig) -> list[tuple[str, str]]:
-    """(dataset, classes) a finished run is also evaluated on: `eval.targets`, and the new classes
-    of a base-to-new run (`data.subsample_classes=base`)."""
-    targets = [(str(name), "all") for name in cfg.eval.targets]
-    if cfg.data.subsample_classes == "base":
-        targets.append((cfg.data.name, "new"))
-    return targets
-
-
-def eval_file(dataset: str, classes: str = "all") -> str:
-    """`eval_<dataset>.json`, or `eval_<dataset>_new.json` for the new classes of base-to-new."""
-    return f"eval_{dataset}{'' if classes == 'all' else '_' + classes}.json"
-
-
-def pending_evaluations(cfg: DictConfig, folder: Path) -> list[tuple[str, str]]:
-    return [t for t in targets_of(cfg) if not (folder / eval_file(*t)).is_file()]
-
-
-def evaluate_on(
-    cfg: dict, ckpt: dict, dataset: str, classes: str = "all", clip: CLIP | None = None
-) -> tuple[dict, CLIP]:
-    """Metrics of a checkpoint's learned tensors on `dataset`'s test split (its own class list).
-
-    Args:
-        cfg: the run's config (plain dict); `dataset` and `classes` replace its data.name and
-            data.subsample_classes.
-        ckpt: the run's checkpoint (its learned tensors and class names).
-        dataset, classes: what to evaluate on.
-        clip: an already loaded CLIP of the run's model, reused across targets.
-
-    Returns:
-        (metrics with the same fields as `metrics.json` plus `trained_on`, the CLIP used).
-    """
-    target = load_config(None, [f"data.name={dataset}", f"data.subsample_classes={classes}"], base=cfg)
-    s = setup(target, ckpt, clip=clip)
-    metrics = evaluate_run(s)
-    history = ckpt.get("history") or []
-    metrics.update(
-        run_fields(target, s.method, int(ckpt.get("epoch", 0)), history),
-        subsample_classes=classes,
-        trained_on=ckpt["config"]["data"]["name"],
-    )
-    return metrics, s.clip
-
-
-def evaluate_targets(
-    cfg: DictConfig, ckpt: dict, folder: Path, clip: CLIP | None = None, board: Board = OFF
-) -> dict[str, dict]:
-    """Evaluate every pending target of a finished run; writes `eval_<dataset>.json` into `folder`.
-
-    Feature caches are shared between runs, so each target's test set is encoded once per model.
-    """
-    config = OmegaConf.to_container(cfg, resolve=True)
-    results = {}
-    for dataset, classes in pending_evaluations(cfg, folder):
-        metrics, clip = evaluate_on(config, ckpt, dataset, classes, clip)
-        path = folder / eval_file(dataset, classes)
-        write_json(path, metrics)
-        board.evaluation(path.stem.replace("eval_", "test_", 1), metrics, step=int(ckpt.get("epoch", 0)))
-        log.info(
-            "%s: accuracy %.2f%% on %d images -> %s", dataset, metrics["accuracy"], metrics["n_test"], path
-        )
-        results[path.name] = metrics
-    return results
-
-
-def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    """Test accuracy of a saved run on its own dataset or, where the method transfers, another one.
-
-    Args:
-        path: a `checkpoint.pt`.
-        overrides: `key=value` changes to the run's config, e.g. "data.name=dtd", "data.root=...".
-
-    Raises:
-        CheckpointError: `path` is missing, corrupt, truncated or not a coop checkpoint.
-        TransferError: the learned tensors cannot score the requested classes (csc context).
-    """
-    ckpt = load_checkpoint(path)
-    cfg = load_config(None, overrides, base=ckpt["config"])
-    metrics, _ = evaluate_on(
-        OmegaConf.to_container(cfg, resolve=True), ckpt, cfg.data.name, cfg.data.subsample_classes
-    )
-    metrics["checkpoint"] = str(path)
-    return metrics
-
-
-def evaluate_checkpoint_targets(path: str | Path, targets: list[str], overrides=()) -> dict[str, dict]:
-    """`eval.targets` for a saved run: each target's metrics, written beside the checkpoint."""
-    ckpt = load_checkpoint(path)
-    cfg = load_config(None, [*overrides, f"eval.targets=[{','.join(targets)}]"], base=ckpt["config"])
-    folder = Path(path).parent
-    for dataset in targets:  # re-evaluate on request, even where a file exists
-        (folder / eval_file(dataset)).unlink(missing_ok=True)
-    return evaluate_targets(cfg, ckpt, folder)

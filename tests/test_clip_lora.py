@@ -18,13 +18,14 @@ from test_vision_language import WIDE_VISION
 
 import coop.runner
 from coop.config import ConfigError, load_config, run_name
+from coop.evaluation import evaluate_checkpoint
 from coop.lora import LoRAAdapters, LoRAError, resolve_layers
 from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
 from coop.model import CLIP, ModelError
 from coop.published import FEW_SHOT_16, lookup
 from coop.reference.clip_lora import clip_lora_logits
-from coop.runner import evaluate_checkpoint, train_run
+from coop.runner import train_run
 from coop.schedule import build_optimizer
 
 CLASSES = ["red thing", "green_thing", "t-shirt"]

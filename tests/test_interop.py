@@ -25,6 +25,7 @@ from coop.checkpoint import load_checkpoint
 from coop.config import load_config
 from coop.data.images import load_image
 from coop.engine import eval_features, setup
+from coop.evaluation import evaluate_checkpoint
 from coop.interop import (
     ImportShapeError,
     MappingError,
@@ -44,7 +45,7 @@ from coop.reference import (
     vpt_logits,
 )
 from coop.results import load_runs
-from coop.runner import evaluate_checkpoint, train_run
+from coop.runner import train_run
 
 # Vision width 96 against text width 64, so that a transposed coupling or a swapped tower shows.
 WIDE = {

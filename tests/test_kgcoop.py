@@ -16,10 +16,11 @@ from test_recipe import interrupt_at
 
 import coop.methods.kgcoop as kgcoop_module
 from coop.config import ConfigError, load_config, run_name
+from coop.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
 from coop.methods import build_method
 from coop.reference import coop_text_features
 from coop.results import dataset_table, load_runs
-from coop.runner import evaluate_checkpoint, evaluate_checkpoint_targets, train_run
+from coop.runner import train_run
 from coop.sweep import load_grid, plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]

@@ -20,6 +20,7 @@ from test_recipe import interrupt_at
 import coop
 from coop import reference
 from coop.config import ConfigError, load_config, run_name
+from coop.evaluation import evaluate_checkpoint
 from coop.gpa import GaussianAggregate, gpa_weights
 from coop.methods import build_method
 from coop.methods.promptsrc import (
@@ -32,7 +33,7 @@ from coop.methods.promptsrc import (
 )
 from coop.reference import promptsrc_fixed_embeddings, reference_inputs
 from coop.results import dataset_table, load_runs, summarize
-from coop.runner import evaluate_checkpoint, train_run
+from coop.runner import train_run
 from coop.sweep import load_grid, plan
 
 CLASSNAMES = ["red_thing", "green thing", "blue whale", "a dog"]

@@ -20,7 +20,8 @@ from test_methods import coop_search_by_hand
 from coop.config import load_config
 from coop.data import ImageDataset, build_dataset
 from coop.engine import clip_transforms
-from coop.runner import evaluate_checkpoint_targets, train_run
+from coop.evaluation import evaluate_checkpoint_targets
+from coop.runner import train_run
 from coop.sweep import load_grid, plan
 from coop.weights import load_clip
 

@@ -18,8 +18,9 @@ from coop.checkpoint import CheckpointError, CheckpointNotFoundError, load_check
 from coop.config import ConfigError, load_config
 from coop.data import DataError, ImageDataset, build_dataset, build_transforms
 from coop.engine import clip_transforms, setup, use_fp16
+from coop.evaluation import evaluate_checkpoint
 from coop.features import cache_dir, cache_key, cached_features, resolve_precision
-from coop.runner import RunError, evaluate_checkpoint, train_run
+from coop.runner import RunError, train_run
 from coop.schedule import epoch_lr
 
 CPU = torch.device("cpu")

@@ -18,11 +18,12 @@ from coop.config import ConfigError, load_config, run_name
 from coop.data import ImageDataset, build_dataset
 from coop.data.images import derive_seed
 from coop.engine import REQUEST_STREAM, clip_transforms
+from coop.evaluation import evaluate_checkpoint_targets
 from coop.methods import build_method
 from coop.methods.tip_adapter import search_alpha_beta, search_grid
 from coop.methods.zeroshot import IMAGENET_TEMPLATES_SELECT
 from coop.recipes import TIP_SETTINGS
-from coop.runner import evaluate_checkpoint_targets, train_run
+from coop.runner import train_run
 from coop.schedule import plan_schedule
 from coop.sweep import load_grid, plan
 

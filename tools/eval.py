@@ -35,8 +35,8 @@ def main() -> int:
 
     from coop import distributed
     from coop.config import load_config
+    from coop.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
     from coop.io import write_json
-    from coop.runner import evaluate_checkpoint, evaluate_checkpoint_targets
 
     targets = [o for o in args.overrides if o.split("=", 1)[0].strip() == "eval.targets"]
     if targets:

@@ -27,13 +27,13 @@ from omegaconf import OmegaConf
 from coop.checkpoint import save_checkpoint
 from coop.config import load_config, model_tag, to_yaml
 from coop.data import build_dataset, subsample_classes
+from coop.evaluation import evaluate_on, evaluate_targets
 from coop.interop.dassl import InteropError, read_state_dict
 from coop.interop.names import implied_overrides, map_names
 from coop.io import atomic_write, write_json
 from coop.lock import run_lock
 from coop.methods import build_method
 from coop.model import CLIP
-from coop.runner import evaluate_on, evaluate_targets
 from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
