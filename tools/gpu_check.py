@@ -324,14 +324,20 @@ MAPLE_SIZES = {
 }  # fmt: skip
 
 
-def check_maple(device, tiny: bool) -> list[dict]:
-    """Time and peak memory of one MaPLe step (forward + backward), ours and the reference."""
-    sizes = MAPLE_SIZES["tiny" if tiny else "full"]
+def per_model(table: dict, steps, device, tiny: bool) -> list[dict]:
+    """`steps(model, sizes, device)` rows for each model of `table`'s full or tiny sizes, freeing
+    the device between models."""
+    sizes = table["tiny" if tiny else "full"]
     rows = []
     for model in sizes["models"]:
-        rows += maple_steps(model, sizes, device)
+        rows += steps(model, sizes, device)
         free(device)
     return rows
+
+
+def check_maple(device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one MaPLe step (forward + backward), ours and the reference."""
+    return per_model(MAPLE_SIZES, maple_steps, device, tiny)
 
 
 def step_batch(clip, sizes: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,12 +432,7 @@ CLIP_LORA_SIZES = {
 def check_clip_lora(device, tiny: bool) -> list[dict]:
     """Time and peak memory of one CLIP-LoRA step, ours (with and without grad checkpointing) and
     the reference, per model."""
-    sizes = CLIP_LORA_SIZES["tiny" if tiny else "full"]
-    rows = []
-    for model in sizes["models"]:
-        rows += clip_lora_steps(model, sizes, device)
-        free(device)
-    return rows
+    return per_model(CLIP_LORA_SIZES, clip_lora_steps, device, tiny)
 
 
 def clip_lora_steps(model: str, sizes: dict, device) -> list[dict]:
@@ -466,12 +467,7 @@ MMRL_SIZES = {
 
 def check_mmrl(device, tiny: bool) -> list[dict]:
     """Time and peak memory of one MMRL step (its whole loss, forward + backward), ours and the reference."""
-    sizes = MMRL_SIZES["tiny" if tiny else "full"]
-    rows = []
-    for model in sizes["models"]:
-        rows += mmrl_steps(model, sizes, device)
-        free(device)
-    return rows
+    return per_model(MMRL_SIZES, mmrl_steps, device, tiny)
 
 
 def mmrl_steps(model: str, sizes: dict, device) -> list[dict]:
