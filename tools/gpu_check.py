@@ -315,7 +315,7 @@ def print_epoch(e: dict) -> None:
           f"  ({e['speedup']:.1f}x per epoch)")  # fmt: skip
 
 
-# --- MaPLe: one vision-language training step (issue 13) ------------------------------------
+# --- MaPLe: one vision-language training step -----------------------------------------------
 
 MAPLE_SIZES = {
     "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 4, "repeats": 3, "set": ()},
