@@ -263,6 +263,8 @@ def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path
 
 
 def test_held_warnings_drop_nothing():
+    """What simulate() holds back until log.txt exists comes out whole, in order, one line each."""
+    pytest.importorskip("flwr")
     from coop.federated.app import HeldWarnings
 
     logger, seen = logging.getLogger("test_held_warnings"), []
