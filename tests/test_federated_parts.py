@@ -4,6 +4,7 @@ the multi-domain reader and bad input. Also `make_multidomain`, the generated mu
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -259,3 +260,28 @@ def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == "error: fl.clients=100 is more than the 18 training images"
     assert not (tmp_path / "run").exists()
+
+
+def test_held_warnings_drop_nothing():
+    """What simulate() holds back until log.txt exists comes out whole, in order, one line each."""
+    pytest.importorskip("flwr")
+    from coop.federated.app import HeldWarnings
+
+    logger, seen = logging.getLogger("test_held_warnings"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    held = HeldWarnings()
+    logger.addFilter(held)
+    try:
+        logger.info("info passes")
+        logger.warning("first\n   warning")
+        logger.error("an error")
+        assert seen == ["info passes"]
+        assert held.release() == ["first warning", "an error"]  # one line each, in order
+        logger.warning("after the release")
+        assert seen == ["info passes", "after the release"] and held.release() == []
+    finally:
+        logger.removeFilter(held)
+        logger.removeHandler(handler)

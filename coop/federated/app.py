@@ -65,24 +65,61 @@ def backend_config(cfg: DictConfig, cpus_per_client: float = 1.0, clients_per_gp
     }
 
 
+class HeldWarnings(logging.Filter):
+    """Holds the warnings that Flower logs before the ServerApp starts, for the run's log.txt.
+
+    `run_simulation` logs its own deprecation before our ServerApp runs, so before the run folder's
+    log.txt exists; left alone it reached the console twice (Flower's handler and the root's) and
+    log.txt never. Held here, `run_server` logs each once to both. Nothing is dropped: `release`
+    hands over every held message and lets later records through.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[str] | None = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.held is None or record.levelno < logging.WARNING:
+            return True
+        self.held.append(" ".join(record.getMessage().split()))  # Flower's multi-line text on one line
+        return False
+
+    def release(self) -> list[str]:
+        held, self.held = self.held or [], None
+        return held
+
+
 def simulate(cfg: DictConfig, cpus_per_client: float = 1.0, clients_per_gpu: int = 1) -> dict:
-    """Run `cfg` as a Flower simulation with fl.clients SuperNodes; returns metrics.json's content."""
+    """Run `cfg` as a Flower simulation with fl.clients SuperNodes; returns metrics.json's content.
+
+    This uses `flwr.simulation.run_simulation`, which Flower 1.42 deprecates in favour of `flwr run`
+    against a local SuperLink; docs/federated.md says why we keep it and what a move needs. Its
+    deprecation warning is logged once, in log.txt and on the console (HeldWarnings).
+    """
     from flwr.simulation import run_simulation
 
     result: dict = {}
     app = ServerApp()
+    flower = logging.getLogger("flwr")
+    held = HeldWarnings()
 
     @app.main()
     def _main(grid: Grid, context: Context) -> None:
-        result.update(run_server(grid, cfg))
+        result.update(run_server(grid, cfg, notes=held.release()))
 
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # its per-round INFO lines duplicate ours
-    run_simulation(
-        server_app=app,
-        client_app=client_app,
-        num_supernodes=int(cfg.fl.clients),
-        backend_config=backend_config(cfg, cpus_per_client, clients_per_gpu),
-    )
+    flower.setLevel(logging.WARNING)  # its per-round INFO lines duplicate ours
+    flower.addFilter(held)
+    try:
+        run_simulation(
+            server_app=app,
+            client_app=client_app,
+            num_supernodes=int(cfg.fl.clients),
+            backend_config=backend_config(cfg, cpus_per_client, clients_per_gpu),
+        )
+    finally:
+        flower.removeFilter(held)
+        for note in held.release():  # the ServerApp never started: the console still gets them
+            log.warning("Flower: %s", note)
     if not result:
         raise FederatedError(f"the simulation ended without results; see {cfg.output_dir}/log.txt")
     return result

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -64,11 +65,24 @@ class FederatedError(RuntimeError):
     """A federated run cannot go on (its message is one line and names the client or folder)."""
 
 
-def run_server(grid: Grid, cfg: DictConfig, node_timeout: float = 600.0, round_timeout: float = 24 * 3600.0):
-    """Run (or resume, or return the metrics of a finished) federated run; returns metrics.json."""
+def run_server(
+    grid: Grid,
+    cfg: DictConfig,
+    node_timeout: float = 600.0,
+    round_timeout: float = 24 * 3600.0,
+    notes: Sequence[str] = (),
+):
+    """Run (or resume, or return the metrics of a finished) federated run; returns metrics.json.
+
+    Args:
+        notes: warnings logged before the run folder's log.txt existed (Flower's, while it started
+            the simulation); logged first, so that log.txt and the console carry each once.
+    """
     folder = Path(cfg.output_dir)
     with run_lock(folder):  # one writer per folder (re-entrant: tools/federated.py holds it already)
         handler = runner.attach_log_file(folder)
+        for note in notes:
+            log.warning("Flower: %s", note)
         board = open_board(folder, bool(cfg.train.tensorboard))
         try:
             return _run(grid, cfg, folder, node_timeout, round_timeout, board)
