@@ -27,6 +27,11 @@ A chunk computes size + P scores per query, a little more than the reference's a
 (P + S) / 2 per row, but without padding the linear layers and without a copy of the prefix per
 row: keys and values of the prefix are repeated once per chunk. The same layout serves G groups
 (CoCoOp: one prefix per image, the same rows after each): group g's chunks attend to prefix g.
+
+`size` is chosen from the lengths (`chunk_size`): the chunk layout's q, k, v and attention output
+are kept for the backward pass, so empty slots cost memory; 32 slots hold a single row of ~20
+tokens. On a CPU, long sequences are cut into class tiles (`tiles`), each packed on its own and
+run through the whole tower (`TextTransformer._encode_packed`): the same arithmetic per row.
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-CHUNK = 32  # slots per attention chunk (at least the longest row); measured in docs/text_speed.md
+CHUNK = 32  # the measured default chunk (docs/text_speed.md); `chunk_size` stays within its scores
 # Packed tokens (times groups) per class tile: each tile's rows run through the whole tower in one
 # packing. A tile keeps every per-token tensor small (the MLP's (T, 4W) input: 8 MiB at W = 512),
 # so the CPU allocator reuses freed memory instead of mapping fresh pages that the kernel must
 # zero on first touch: at 1,000 classes an untiled step spent a quarter of its time in those page
-# faults (docs/text_speed.md). 100 ImageNet classes fit one tile in every layout.
+# faults (docs/text_speed.md). 100 ImageNet classes take one or two tiles (450 to 2,020 tokens).
 TILE = 1024
 
 
@@ -156,15 +161,18 @@ def chunk_size(sizes: list[int], prefix: int) -> int:
 
 
 def tiles(lengths: torch.Tensor, groups: int = 1, size: int | None = None) -> list[slice]:
-    """Consecutive rows in tiles of at most `size` packed tokens times `groups` (default `TILE`).
+    """Consecutive rows in tiles of at most `size` packed tokens times `groups`.
 
     A tile holds at least one row; one tile when everything fits (the usual case below ~100 classes).
 
     Args:
-        lengths: (N,) own tokens per row.
+        lengths: (N,) own tokens per row, on the device they run on.
         groups: G, how many times each row is computed (one per prefix).
-        size: tokens per tile.
+        size: tokens per tile; default `TILE` on a CPU and one tile elsewhere (CUDA's caching
+            allocator reuses its blocks, and there small tiles would only add kernel launches).
     """
+    if size is None and lengths.device.type != "cpu":
+        return [slice(0, len(lengths))]
     budget = (size or TILE) // groups
     out, start, used = [], 0, 0
     for n, s in enumerate(lengths.tolist()):
