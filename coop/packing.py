@@ -27,6 +27,11 @@ A chunk computes size + P scores per query, a little more than the reference's a
 (P + S) / 2 per row, but without padding the linear layers and without a copy of the prefix per
 row: keys and values of the prefix are repeated once per chunk. The same layout serves G groups
 (CoCoOp: one prefix per image, the same rows after each): group g's chunks attend to prefix g.
+
+`size` is chosen from the lengths (`chunk_size`): the chunk layout's q, k, v and attention output
+are kept for the backward pass, so empty slots cost memory; 32 slots hold a single row of ~20
+tokens. On a CPU, long sequences are cut into class tiles (`tiles`), each packed on its own and
+run through the whole tower (`TextTransformer._encode_packed`): the same arithmetic per row.
 """
 
 from __future__ import annotations
@@ -36,7 +41,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-CHUNK = 32  # slots per attention chunk (at least the longest row); measured in docs/text_speed.md
+CHUNK = 32  # the measured default chunk (docs/text_speed.md); `chunk_size` stays within its scores
+# Packed tokens (times groups) per class tile: each tile's rows run through the whole tower in one
+# packing. A tile keeps every per-token tensor small (the MLP's (T, 4W) input: 8 MiB at W = 512),
+# so the CPU allocator reuses freed memory instead of mapping fresh pages that the kernel must
+# zero on first touch: at 1,000 classes an untiled step spent a quarter of its time in those page
+# faults (docs/text_speed.md). 100 ImageNet classes take one or two tiles (450 to 2,020 tokens).
+TILE = 1024
 
 
 @dataclass(frozen=True)
@@ -116,19 +127,10 @@ class Packing:
         return y[:, self.slot if out is None else self.slot[out]]  # back to packed order
 
 
-def pack(lengths: torch.Tensor, prefix: int, groups: int = 1, chunk: int | None = None) -> Packing:
-    """The packed layout of N rows of `lengths` own tokens after a `prefix`-token prefix.
-
-    Args:
-        lengths: (N,) own tokens per row (>= 1), on the device the layout is for.
-        prefix: P, the prefix keys every query sees (0: none).
-        groups: G, how many times the rows repeat, each after its own prefix.
-        chunk: slots per attention chunk (default `CHUNK`); raised to the longest row when shorter.
-    """
-    device = lengths.device
-    sizes = lengths.tolist()
-    size = max(chunk or CHUNK, max(sizes))
-    chunk_of, start_of = [], []  # greedy: rows in order, a new chunk when the row does not fit
+def _fill(sizes: list[int], size: int) -> tuple[list[int], list[int]]:
+    """Rows in order into chunks of `size` slots (a new chunk when a row does not fit): each row's
+    chunk and first slot in it."""
+    chunk_of, start_of = [], []
     current, used = -1, size
     for s in sizes:
         if used + s > size:
@@ -136,7 +138,66 @@ def pack(lengths: torch.Tensor, prefix: int, groups: int = 1, chunk: int | None 
         chunk_of.append(current)
         start_of.append(used)
         used += s
-    chunks = current + 1
+    return chunk_of, start_of
+
+
+def chunk_size(sizes: list[int], prefix: int) -> int:
+    """Slots per chunk for rows of `sizes` tokens: the least memory, at no more attention scores
+    than chunks of `CHUNK` slots.
+
+    A chunk of C slots holds C queries and P + C keys and values, all kept for the backward pass
+    (half of a block's saved tensors at 1,000 classes), so its memory is chunks * (2C + P); its
+    scores are chunks * C * (P + C). Rows of ~20 tokens (M = 16, class at the front) leave 12 of
+    32 slots empty; 43 slots hold two of them. Sizes from the longest row to 2 * CHUNK are tried.
+    """
+    base = max(CHUNK, max(sizes))
+
+    def cost(size: int) -> tuple[int, int]:  # (memory, scores) of the layout
+        chunks = _fill(sizes, size)[0][-1] + 1
+        return chunks * (2 * size + prefix), chunks * size * (prefix + size)
+
+    costs = {c: cost(c) for c in range(max(sizes), 2 * base + 1)}
+    return min((memory, c) for c, (memory, scores) in costs.items() if scores <= costs[base][1])[1]
+
+
+def tiles(lengths: torch.Tensor, groups: int = 1, size: int | None = None) -> list[slice]:
+    """Consecutive rows in tiles of at most `size` packed tokens times `groups`.
+
+    A tile holds at least one row; one tile when everything fits (the usual case below ~100 classes).
+
+    Args:
+        lengths: (N,) own tokens per row, on the device they run on.
+        groups: G, how many times each row is computed (one per prefix).
+        size: tokens per tile; default `TILE` on a CPU and one tile elsewhere (CUDA's caching
+            allocator reuses its blocks, and there small tiles would only add kernel launches).
+    """
+    if size is None and lengths.device.type != "cpu":
+        return [slice(0, len(lengths))]
+    budget = (size or TILE) // groups
+    out, start, used = [], 0, 0
+    for n, s in enumerate(lengths.tolist()):
+        if used and used + s > budget:
+            out.append(slice(start, n))
+            start, used = n, 0
+        used += s
+    return out + [slice(start, len(lengths))]
+
+
+def pack(lengths: torch.Tensor, prefix: int, groups: int = 1, chunk: int | None = None) -> Packing:
+    """The packed layout of N rows of `lengths` own tokens after a `prefix`-token prefix.
+
+    Args:
+        lengths: (N,) own tokens per row (>= 1), on the device the layout is for.
+        prefix: P, the prefix keys every query sees (0: none).
+        groups: G, how many times the rows repeat, each after its own prefix.
+        chunk: slots per attention chunk, raised to the longest row when shorter; default: chosen
+            from the lengths (`chunk_size`).
+    """
+    device = lengths.device
+    sizes = lengths.tolist()
+    size = max(chunk, max(sizes)) if chunk else chunk_size(sizes, prefix)
+    chunk_of, start_of = _fill(sizes, size)
+    chunks = chunk_of[-1] + 1
     offsets = torch.cumsum(lengths, 0) - lengths  # (N,)
     row = torch.repeat_interleave(torch.arange(len(sizes), device=device), lengths)  # (T,)
     pos = torch.arange(len(row), device=device) - offsets[row]  # (T,)

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from coop.inserted import InsertedTokens
-from coop.packing import Packing, pack
+from coop.packing import Packing, pack, tiles
 
 
 @dataclass(frozen=True)
@@ -383,6 +383,9 @@ class TextTransformer(nn.Module):
     def _encode_packed(self, kv, x, eos, start: int, deep_prompts, slots, recompute: bool) -> torch.Tensor:
         """The one forward pass of prompts: rows' tokens start.. packed, after G prefixes.
 
+        Rows run in class tiles (`coop.packing.tiles`), each through the whole tower in one
+        packing: the same arithmetic per row, with per-token tensors of a tile's size.
+
         Args:
             kv: per block, (G, H, P, Dh) prefix keys and values with P = start; None for start 0.
             x: (G or 1, N, L, W) token embeddings of positions start.. .
@@ -392,17 +395,37 @@ class TextTransformer(nn.Module):
             (G, N, E) projected [EOS] features.
         """
         g = 1 if kv is None else kv[0][0].shape[0]
+        deep = deep_by_block(deep_prompts)
+        per_row = {i for i, tokens in deep.items() if len(tokens) > 1}  # else (1, M, W), shared
+        feats = [
+            self._encode_tile(
+                kv,
+                x[:, rows],
+                eos[rows],
+                start,
+                {i: tokens[rows] if i in per_row else tokens for i, tokens in deep.items()},
+                per_row,
+                None if slots is None else slots[rows],
+                recompute,
+            )
+            for rows in tiles(eos + 1 - start, g)
+        ]
+        return feats[0] if len(feats) == 1 else torch.cat(feats, 1)  # (G, N, E)
+
+    def _encode_tile(self, kv, x, eos, start: int, deep: dict, per_row: set, slots, recompute: bool):
+        """`_encode_packed` for one tile of rows; `deep` holds the tile's tokens by block, and
+        `per_row` the blocks whose tokens are one set per row."""
+        g = 1 if kv is None else kv[0][0].shape[0]
         width = x.shape[-1]
         packing = pack(eos + 1 - start, start, g)
         h = x[:, packing.row, packing.pos] + self.positional_embedding[start + packing.pos]  # (G|1, T, W)
         h = h.expand(g, -1, -1)  # (G, T, W)
-        deep = deep_by_block(deep_prompts)
         in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
         last = len(self.blocks) - 1
         kv = list(kv) if kv is not None else [(None, None)] * len(self.blocks)  # start 0: no prefix
         for i, block in enumerate(self.blocks):
             tokens = deep.get(i)
-            if tokens is not None and in_prefix and len(tokens) > 1:  # per-row tokens in prefix slots
+            if tokens is not None and in_prefix and i in per_row:  # per-row tokens in prefix slots
                 h, packing, start = self._unshare_prefix(h, packing, eos, start, in_prefix, g)
                 kv[i:] = [(k[:, :, :1], v[:, :, :1]) for k, v in kv[i:]]  # [SOS] alone stays shared
                 in_prefix = 0

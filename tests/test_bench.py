@@ -95,6 +95,10 @@ def test_bench_text_compares_both_sides(capsys):
     )
     out = capsys.readouterr().out
     assert "speed-up:" in out and "after 1 warm-up call(s) each" in out
+    assert "times: best of 1 after 1 warm-up round(s), wall" in out  # the closing table: both sides' times
+    assert re.search(
+        r"^\| M=4, end \| 5 \| 77 / \([^)]+\) = \S+x \| [\d,]+ ms \| [\d,]+ ms \| \S+x \|", out, re.M
+    )
     diff = float(re.search(r"max \|diff\| output: (\S+)", out).group(1))
     assert diff < 1e-5
 

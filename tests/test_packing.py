@@ -173,3 +173,41 @@ def test_cocoop_batch_equals_reference_loop(tiny_clip, tiny_openclip, names, pro
     for key, grad in g_ref.items():
         assert grad.abs().max() > 0, key
         assert rel(g_ours[key], grad) < 1e-4, key
+
+
+def test_tiles_and_chunk_size():
+    lengths = torch.tensor([3, 5, 2, 7, 9, 1])
+    assert packing.tiles(lengths, size=8) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5), slice(5, 6)]
+    assert packing.tiles(lengths, groups=2, size=16) == packing.tiles(lengths, size=8)  # G tokens per row
+    assert packing.tiles(lengths, size=100) == [slice(0, 6)]
+    # rows of 20 after [SOS]: 32 slots hold one (65 kept rows per row), 40 hold two (81 per pair)
+    # at fewer scores (40 x 41 < 2 x 32 x 33); 60 would hold three but at more scores
+    assert packing.chunk_size([20] * 10, prefix=1) == 40
+    assert packing.chunk_size([16] * 4, prefix=1) == 32
+    assert packing.pack(torch.tensor([20] * 10), prefix=1).size == 40
+    assert packing.pack(torch.tensor([20] * 10), prefix=1, chunk=32).size == 32  # asked for: kept
+
+
+@pytest.mark.parametrize("tile", [1, 12])
+def test_tiles_equal_the_full_sequence(tiny_clip, monkeypatch, tile):
+    """Rows in tiles (1: one row each) against the full-sequence blocks (`encode_with_attention`):
+    a shared prefix [SOS][v1 v2], per-row tokens at its slots (unsharing it) and shared deep tokens."""
+    monkeypatch.setattr(packing, "TILE", tile)
+    text, width = tiny_clip.text, tiny_clip.width
+    gen = torch.Generator().manual_seed(3)
+    eos = torch.tensor([3, 9, 4, 6, 3, 12, 5])  # absolute [EOS] positions after a 3-token prefix
+    prefix = torch.randn(1, 3, width, generator=gen, requires_grad=True)
+    x = torch.randn(len(eos), 10, width, generator=gen, requires_grad=True)
+    per_row = torch.randn(len(eos), 3, width, generator=gen, requires_grad=True)  # block 1, every row
+    shared = torch.randn(1, 3, width, generator=gen, requires_grad=True)  # block 2
+    slots = torch.tensor([1, 2, 3]).expand(len(eos), -1)  # two in the prefix, one in each row
+    deep = {1: per_row, 2: shared}
+    ours = text.encode_with_shared_prefix(prefix, x, eos, deep, slots)
+    full = torch.cat([prefix.expand(len(eos), -1, -1), x], 1)  # (N, 13, W)
+    ref = text.encode_with_attention(full, eos, deep, slots)[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    weights = torch.randn(ref.shape, generator=gen)
+    grads = [torch.autograd.grad((out * weights).sum(), (prefix, x, per_row, shared)) for out in (ours, ref)]
+    for a, b in zip(*grads, strict=True):
+        assert b.abs().max() > 0
+        assert rel(a, b) < 1e-5

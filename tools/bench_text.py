@@ -71,7 +71,8 @@ def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
         f"max |diff| output: {out_diff:.2e} (scale {float(ref['result'].abs().max()):.2f}); gradients, "
         f"max |diff| / max |reference|: {', '.join(f'{k} {d:.1e}' for k, d in grads.items())}"
     )
-    return {"n_ctx": n_ctx, "position": position, **bound, "speedup": wall, "speedup_cpu": cpu}
+    return {"n_ctx": n_ctx, "position": position, **bound, "speedup": wall, "speedup_cpu": cpu,
+            "reference_ms": 1000 * ref["wall"], "coop_ms": 1000 * ours["wall"]}  # fmt: skip
 
 
 def memory(clip, args, n_ctx: int, position: str) -> dict:
@@ -130,13 +131,17 @@ def main(argv=None) -> int:
     print(f"model {args.model}, {args.classes} ImageNet classes, fp32, forward + backward")
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
     rows = [measure(oc, clip, args, m, p) for m in args.n_ctx for p in args.position]
-    print("\n| setting | prefix | bound | speed-up | share of bound | (CPU time: speed-up, share) |")
-    print("|---|---|---|---|---|---|")
+    best = f"best of {args.repeats} after {args.warmup} warm-up round(s), wall"
+    print(f"\n{args.classes} classes, {torch.get_num_threads()} threads, times: {best}")
+    print(
+        "| setting | prefix | bound | reference | coop | speed-up | share of bound | (CPU time: speed-up, share) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| M={r['n_ctx']}, {r['position']} | {r['prefix']} | 77 / ({r['tokens']:.2f} - {r['prefix']}) = "
-            f"{r['bound']:.2f}x | {r['speedup']:.2f}x | {r['speedup'] / r['bound']:.0%} | "
-            f"{r['speedup_cpu']:.2f}x, {r['speedup_cpu'] / r['bound']:.0%} |"
+            f"{r['bound']:.2f}x | {r['reference_ms']:,.0f} ms | {r['coop_ms']:,.0f} ms | {r['speedup']:.2f}x | "
+            f"{r['speedup'] / r['bound']:.0%} | {r['speedup_cpu']:.2f}x, {r['speedup_cpu'] / r['bound']:.0%} |"
         )
     return 0
 

@@ -151,14 +151,15 @@ def check_text_bound(oc, clip, classes, n_ctxs, device, repeats: int) -> list[di
                 rows.append({"classes": n, "n_ctx": n_ctx, "position": position, "prefix": bound["prefix"],
                              "bound": bound["bound"], "reference_ms": 1000 * t["reference"]["wall"],
                              "coop_ms": 1000 * t["coop"]["wall"], "speedup": speedup,
-                             "share": speedup / bound["bound"]})  # fmt: skip
+                             "share": speedup / bound["bound"], "repeats": repeats})  # fmt: skip
                 del learner, classifier, steps, t
                 free(device)
     return rows
 
 
 def print_text_bound(rows: list[dict]) -> None:
-    print("text forward+backward against the token bound (fp32, shared context)")
+    best = f", best of {rows[0]['repeats']} after a warm-up round" if rows else ""
+    print(f"text forward+backward against the token bound (fp32, shared context{best})")
     print(f"  {'classes':>7} {'M':>3} {'position':>8} {'prefix':>6} {'bound':>7} {'reference':>11} {'coop':>9}"
           f" {'speed-up':>8} {'share':>6}")  # fmt: skip
     for r in rows:
