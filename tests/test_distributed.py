@@ -38,7 +38,10 @@ RUNS = {
     "maple": {"method": "maple", "prompt.depth": 2, "vision.depth": 2},
     # a closed-form fit on gathered train and val features (its data gets a val split)
     "linear_probe": {"method": "linear_probe"},
+    # a fit (the cache of augmented views), SGD with a last, smaller batch, then tuning on val
+    "tip_adapter_f": {"method": "tip_adapter_f", "tip.augment_epochs": 2, "tip.search_step": [4, 3]},
 }
+WITH_VAL = ("linear_probe", "tip_adapter_f")
 SGD = ["coop", "maple"]
 KILL_AT = 3  # rank 1 is killed at its 4th step: mid-way through epoch 2, after epoch 1's checkpoint
 
@@ -124,7 +127,7 @@ def runs(image_folder, tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
     with_val = make_image_folder(root / "with_val", n_test=2)
     shutil.copytree(with_val / "train", with_val / "val")
-    data = {name: with_val if name == "linear_probe" else image_folder for name in RUNS}
+    data = {name: with_val if name in WITH_VAL else image_folder for name in RUNS}
     out = {}
     for name in RUNS:
         run_job(overrides(data[name], root / f"{name}1", name), root / "cache1", root / f"{name}1.pt")
@@ -196,6 +199,17 @@ def test_two_ranks_fit_the_linear_probe_as_one_process(runs):
     assert metrics(runs["linear_probe", 1]) == metrics(runs["linear_probe", 2])
 
 
+def test_two_ranks_fit_train_and_tune_tip_adapter_f_as_one_process(runs):
+    """Tip-Adapter-F's cache (fit), its AdamW steps over shares of 3+2, 3+2 and 1+1 images, and its
+    alpha/beta search on val end where one process ends."""
+    one, two = ckpt(runs["tip_adapter_f", 1]), ckpt(runs["tip_adapter_f", 2])
+    for key, tensor in one["prompt"].items():
+        torch.testing.assert_close(two["prompt"][key], tensor, rtol=0, atol=1e-6)
+    m1, m2 = metrics(runs["tip_adapter_f", 1]), metrics(runs["tip_adapter_f", 2])
+    assert m2.pop("final_train_loss") == pytest.approx(m1.pop("final_train_loss"), abs=1e-6)
+    assert m1 == m2 and "tip_alpha" in m1
+
+
 def test_only_rank_0_writes_the_run_folder(runs):
     one, two = runs["coop", 1], runs["coop", 2]
     assert sorted(p.name for p in two.iterdir()) == sorted(
@@ -212,7 +226,9 @@ def test_sharded_feature_cache_equals_the_one_process_cache(runs):
         n: {p.name: torch.load(p, weights_only=True) for p in (runs["root"] / n / "features").glob("*.pt")}
         for n in ("cache1", "cache2")
     }
-    assert len(files["cache1"]) == 5 and files["cache1"].keys() == files["cache2"].keys()
+    # coop's views and test (maple scores through its prompted tower: nothing cached); the linear
+    # probe's train, val and test (Tip-Adapter-F reads the same val and test); Tip-Adapter-F's views
+    assert len(files["cache1"]) == 6 and files["cache1"].keys() == files["cache2"].keys()
     for key, one in files["cache1"].items():
         two = files["cache2"][key]
         assert all(torch.equal(one[k], two[k]) for k in ("features", "labels", "index"))
