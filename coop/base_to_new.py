@@ -114,7 +114,8 @@ def row_keys(table: pd.DataFrame) -> list[str]:
 
 def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """`table` with the paper's row and a Δ row (ours minus the paper's) under each of our rows
-    that has published base-to-new figures (`coop.published`: ViT-B/16, OpenAI weights, 16 shots).
+    that has published base-to-new figures (`coop.published`, for the runs' backbone and shots; OpenAI
+    weights).
 
     The paper's cells are given where ours has a number; its Average is its own where our columns
     are exactly its 11 datasets, else the mean of its cells (H from those means).
@@ -130,13 +131,13 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFram
         found = protocol_of(runs_of(ours, keys, done))
         if found is None or found[0] != "base_to_new":
             continue
-        method, shots = ours["method"], found[1]
+        method, (_, shots, model) = ours["method"], found  # the runs' own backbone
         paper = {k: ours[k] for k in keys} | {"method": f"{method}: paper"}
         figures = []
         for ds in datasets:
             have = pd.notna(ours[f"{ds}_base_mean"])
             base, new, hm = (
-                lookup(method, "base_to_new", ds, m, shots) if have else None
+                lookup(method, "base_to_new", ds, m, shots, model) if have else None
                 for m in ("accuracy", "new_accuracy", "hm")
             )
             figures += [f for f in (base, new, hm) if f is not None]
@@ -149,7 +150,7 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFram
         _average(paper, datasets)
         if sorted(datasets) == sorted(DATASETS_11):
             for part, metric in (("base", "accuracy"), ("new", "new_accuracy"), ("hm", "hm")):
-                fig = lookup(method, "base_to_new", "average", metric, shots)
+                fig = lookup(method, "base_to_new", "average", metric, shots, model)
                 if fig is not None and pd.notna(ours[f"average_{part}"]):
                     paper[f"average_{part}"] = fig.value
                     figures.append(fig)

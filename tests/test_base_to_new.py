@@ -65,3 +65,12 @@ def test_published_rows_and_deltas(tmp_path):
     assert collect(tmp_path, "--table", "base_to_new", "--published") == 0
     md = (tmp_path / "results_base_to_new.md").read_text()
     assert "Paper rows:" in md and "| cocoop: Δ |" in md
+
+
+def test_published_rows_only_for_the_papers_backbone(tmp_path):
+    """The paper's ViT-B/16 row is never put under runs of another backbone."""
+    for ds in ("dtd", "eurosat"):
+        b2n_run(tmp_path, "cocoop", ds, 1, 70.0, 60.0, "model.name=ViT-L-14")
+    runs = load_runs(tmp_path)
+    table, notes = with_published(base_to_new_table(runs), runs)
+    assert list(table["method"]) == ["cocoop"] and notes == []
