@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import open_clip
@@ -127,6 +128,26 @@ LONG_FILES = ("test_federated.py", "test_train.py", "test_protocols.py", "test_r
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order kept within a file
+
+
+@contextmanager
+def interrupted_at(epoch: int):
+    """Training runs started inside stop (like Ctrl-C) when they reach 0-based `epoch`, after the
+    checkpoint of the epoch before: the state a resume starts from."""
+    import coop.runner
+
+    real = coop.runner.train_one_epoch
+
+    def stop(s, optimizer, e, *args):
+        if e == epoch:
+            raise KeyboardInterrupt
+        return real(s, optimizer, e, *args)
+
+    coop.runner.train_one_epoch = stop
+    try:
+        yield
+    finally:
+        coop.runner.train_one_epoch = real
 
 
 def run_tool_in_process(script: Path, args: list[str]):

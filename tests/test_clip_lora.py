@@ -11,12 +11,11 @@ import open_clip
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY_CONFIG, tiny_args
+from conftest import REPO, TINY_CONFIG, interrupted_at, tiny_args
 from test_image_encoder import build as build_openclip
 from test_image_encoder import randomise, shrunk_config
 from test_vision_language import WIDE_VISION
 
-import coop.runner
 from coop.config import ConfigError, load_config, run_name
 from coop.evaluation import evaluate_checkpoint
 from coop.lora import LoRAAdapters, LoRAError, resolve_layers
@@ -314,18 +313,9 @@ def test_end_to_end_resumed_with_a_worker_is_bit_identical(image_folder, tmp_pat
     assert len(ckpt["prompt"]) == (3 + 2) * 6 and metrics["lora_rank"] == 2
     assert evaluate_checkpoint(out / "checkpoint.pt")["accuracy"] == metrics["accuracy"]
 
-    real = coop.runner.train_one_epoch
-
-    def stop(s, optimizer, e, *args):
-        if e == 1:
-            raise KeyboardInterrupt
-        return real(s, optimizer, e, *args)
-
-    monkeypatch.setattr(coop.runner, "train_one_epoch", stop)
     resumed = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(1), pytest.raises(KeyboardInterrupt):
         train_run(load_config(None, tiny_args(image_folder, resumed, **extra)))
-    monkeypatch.setattr(coop.runner, "train_one_epoch", real)
     again = train_run(load_config(None, tiny_args(image_folder, resumed, **extra, **{"data.num_workers": 1})))
     final = torch.load(resumed / "checkpoint.pt", weights_only=True)["prompt"]
     assert all(torch.equal(final[k], v) for k, v in ckpt["prompt"].items())

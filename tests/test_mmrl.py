@@ -10,11 +10,10 @@ import json
 import open_clip
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG
+from conftest import REPO, TINY_CONFIG, interrupted_at
 from test_image_encoder import build, randomise, shrunk_config
 from test_protocols import data_root  # noqa: F401  (a fixture)
 
-import coop.runner
 from coop.config import ConfigError, load_config, run_name
 from coop.evaluation import evaluate_checkpoint
 from coop.methods import build_method
@@ -217,18 +216,9 @@ def test_end_to_end_base_to_new_transfer_and_resume(data_root, tmp_path, monkeyp
     }
     assert evaluate_checkpoint(out / "checkpoint.pt")["accuracy"] == metrics["accuracy"]
 
-    real = coop.runner.train_one_epoch
-
-    def stop(s, optimizer, e, *args):
-        if e == 1:
-            raise KeyboardInterrupt
-        return real(s, optimizer, e, *args)
-
     resumed = tmp_path / "resumed"
-    monkeypatch.setattr(coop.runner, "train_one_epoch", stop)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(1), pytest.raises(KeyboardInterrupt):
         train_run(load_config(None, [*common, f"output_dir={resumed}"]))
-    monkeypatch.setattr(coop.runner, "train_one_epoch", real)
     again = train_run(load_config(None, [*common, f"output_dir={resumed}", "data.num_workers=1"]))
     for key, t in learned(out).items():
         assert torch.equal(learned(resumed)[key], t), key

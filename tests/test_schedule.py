@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_args
+from conftest import interrupted_at, tiny_args
 
 import coop.engine
 import coop.runner
@@ -83,18 +83,9 @@ def test_iteration_budget_runs_exactly_its_steps_at_per_step_rates(image_folder,
     assert "exp_avg" in next(iter(ckpt["optimizer"]["state"].values()))  # AdamW's state, saved
 
     # killed after epoch 1 and resumed: the same prompts as the uninterrupted run
-    real = coop.runner.train_one_epoch
-
-    def stop(s, optimizer, e, *args):
-        if e == 1:
-            raise KeyboardInterrupt
-        return real(s, optimizer, e, *args)
-
-    monkeypatch.setattr(coop.runner, "train_one_epoch", stop)
     resumed = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(1), pytest.raises(KeyboardInterrupt):
         train_run(load_config(None, tiny_args(image_folder, resumed, **extra)))
-    monkeypatch.setattr(coop.runner, "train_one_epoch", real)
     train_run(load_config(None, tiny_args(image_folder, resumed, **extra)))
     again = torch.load(resumed / "checkpoint.pt", weights_only=True)
     assert torch.equal(again["prompt"]["ctx"], ckpt["prompt"]["ctx"])
