@@ -326,3 +326,25 @@ def test_fedotp_simulation_equals_the_in_process_grid(fl_env, tmp_path, monkeypa
     ours = json.loads((tmp_path / "ray" / "metrics.json").read_text())
     assert ours["local_accuracy"] == metrics["local_accuracy"] and ours["method"] == "fedotp"
     assert [r["sampled"] for r in history(tmp_path / "ray")] == ["2", "1"]
+
+
+def test_a_client_failure_with_stop_is_one_line_from_the_serverapps_process(fl_env, tmp_path):
+    """The ServerApp runs in a process that Flower starts; its FederatedError still reaches the
+    tool's console as one line (exit 1), and the checkpoint of the last complete round stays."""
+    root = make_image_folder(tmp_path / "images", n_train=6, n_test=4)
+    bad = sorted((root / "train").rglob("*.png"))[0]
+    bad.write_bytes(b"not an image")
+    folder = tmp_path / "run"
+    overrides = [
+        *BASE,
+        "data.name=imagefolder",
+        f"data.root={root}",
+        "fl.rounds=2",
+        "fl.on_client_failure=stop",
+    ]
+    proc = run_tool(folder, overrides, fl_env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: round 1: client ") and str(bad) in last
+    assert last.endswith("fl.on_client_failure=stop, the checkpoint keeps round 0")
+    assert not (folder / "checkpoint.pt").exists() and not (folder / "metrics.json").exists()
