@@ -26,7 +26,7 @@ import pandas as pd
 
 from coop.config import ConfigError
 from coop.published import DATASETS_11, lookup
-from coop.reproduce import protocol_of, runs_of
+from coop.reproduce import row_protocols
 from coop.results import (
     DATASET_ORDER,
     _cell,
@@ -123,12 +123,10 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFram
     Returns:
         (the table with the added rows, one note per paper row: its sources and their checks).
     """
-    done = runs[runs["complete"].astype(bool)] if "complete" in runs else runs
     keys, datasets = row_keys(table), table_datasets(table)
     rows, notes = [], []
-    for _, ours in table.iterrows():
+    for ours, found in row_protocols(table, runs, keys):
         rows.append(ours.to_dict())
-        found = protocol_of(runs_of(ours, keys, done))
         if found is None or found[0] != "base_to_new":
             continue
         method, (_, shots, model) = ours["method"], found  # the runs' own backbone

@@ -57,6 +57,13 @@ def runs_of(row: pd.Series, keys: list[str], done: pd.DataFrame) -> pd.DataFrame
     return done[mask]
 
 
+def row_protocols(table: pd.DataFrame, runs: pd.DataFrame, keys: list[str]):
+    """Each row of `table` with `protocol_of` the finished runs of `runs` that it aggregates."""
+    done = runs[runs["complete"].astype(bool)] if "complete" in runs else runs
+    for _, row in table.iterrows():
+        yield row, protocol_of(runs_of(row, keys, done))
+
+
 def protocol_of(runs: pd.DataFrame) -> tuple[str, int, str] | None:
     """("base_to_new" | "transfer" | "few_shot", shots, model) of the runs, or None without a
     counterpart."""
@@ -117,12 +124,10 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame, metric: str = "accur
     Returns:
         (the table with the added rows, one note per paper row: its sources and their checks).
     """
-    done = runs[runs["complete"].astype(bool)] if "complete" in runs else runs
     keys, datasets = row_keys(table), table_datasets(table)
     rows, notes = [], []
-    for _, ours in table.iterrows():
+    for ours, found in row_protocols(table, runs, keys):
         rows.append(ours.to_dict())
-        found = protocol_of(runs_of(ours, keys, done))
         if found is None:
             continue
         protocol, shots, model = found
