@@ -9,10 +9,9 @@ import open_clip
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, randomise_prompts
+from conftest import REPO, interrupted_at, randomise_prompts
 from omegaconf import OmegaConf
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
-from test_recipe import interrupt_at
 
 import coop.methods.kgcoop as kgcoop_module
 from coop.config import ConfigError, load_config, run_name
@@ -144,7 +143,7 @@ def learned(folder):
     return torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
 
 
-def test_all_methods_end_to_end(data_root, tmp_path, monkeypatch):  # noqa: F811
+def test_all_methods_end_to_end(data_root, tmp_path):  # noqa: F811
     """coop, cocoop, kgcoop and zeroshot on the generated ImageNet layout with cached features:
     every run finishes and evaluates on ImageNet-A's classes; CoCoOp resumed after an interruption
     ends with the same tensors; eval.py's function scores the checkpoints again; one table."""
@@ -163,10 +162,8 @@ def test_all_methods_end_to_end(data_root, tmp_path, monkeypatch):  # noqa: F811
     assert learned(root / "cocoop")["meta_net.linear1.weight"].shape == (2, 32)  # E//16 x E
 
     out = tmp_path / "resumed"
-    interrupt_at(monkeypatch, 1)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(1), pytest.raises(KeyboardInterrupt):
         train_run(tiny_cfg(out, *common, "method=cocoop"))
-    monkeypatch.undo()
     assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
     assert train_run(tiny_cfg(out, *common, "method=cocoop"))["accuracy"] == metrics["cocoop"]["accuracy"]
     for key, t in learned(root / "cocoop").items():

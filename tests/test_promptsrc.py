@@ -12,10 +12,9 @@ import math
 import open_clip
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, interrupted_at
 from test_bench import load_tool
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
-from test_recipe import interrupt_at
 
 import coop
 from coop import reference
@@ -315,10 +314,8 @@ def test_promptsrc_and_maple_end_to_end(data_root, tmp_path, monkeypatch, caplog
     assert "GPA aggregate of epochs 1..3 replaces" in caplog.text
 
     out = tmp_path / "resumed"  # stopped before its third epoch: GPA has summed epochs 1 and 2
-    interrupt_at(monkeypatch, 2)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(2), pytest.raises(KeyboardInterrupt):
         train_run(tiny_cfg(out, *common, *src))
-    monkeypatch.undo()
     partial = torch.load(out / "checkpoint.pt", weights_only=True)
     assert partial["epoch"] == 2 and partial["method_state"]["gpa"]["epoch"] == 2
     assert train_run(tiny_cfg(out, *common, *src))["accuracy"] == metrics["accuracy"]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, make_image_folder, tiny_args
+from conftest import REPO, TINY_CONFIG, interrupted_at, make_image_folder, tiny_args
 
 import coop
 from coop.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint
@@ -32,20 +32,6 @@ def tiny_overrides(folder, out, **extra) -> list[str]:
 
 def tiny_cfg(folder, out, **extra):
     return load_config(None, tiny_overrides(folder, out, **extra))
-
-
-def interrupt_at(monkeypatch, epoch: int) -> None:
-    """Make the next training run stop (like Ctrl-C) when it reaches `epoch` (0-based)."""
-    import coop.runner
-
-    real = coop.runner.train_one_epoch
-
-    def stop(s, optimizer, e, *args):
-        if e == epoch:
-            raise KeyboardInterrupt
-        return real(s, optimizer, e, *args)
-
-    monkeypatch.setattr(coop.runner, "train_one_epoch", stop)
 
 
 def dassl_lrs(lr: float, warmup_lr: float, warmup: int, epochs: int) -> list[float]:
@@ -105,12 +91,10 @@ def test_history_lr_is_the_rate_each_epoch_trained_at(image_folder, tmp_path, mo
     assert lrs[1] == 0.05 and lrs == pytest.approx(dassl_lrs(0.05, 1e-5, 1, 4), rel=1e-12, abs=0)
 
 
-def test_resume_keeps_the_schedule_and_refuses_an_older_one(image_folder, tmp_path, monkeypatch):
+def test_resume_keeps_the_schedule_and_refuses_an_older_one(image_folder, tmp_path):
     out = tmp_path / "resumed"
-    interrupt_at(monkeypatch, 2)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(2), pytest.raises(KeyboardInterrupt):
         train_run(tiny_cfg(image_folder, out))
-    monkeypatch.undo()
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["epoch"] == 2
 
@@ -129,16 +113,14 @@ def test_resume_keeps_the_schedule_and_refuses_an_older_one(image_folder, tmp_pa
 # --- 3. worker-count invariance -------------------------------------------------------------
 
 
-def test_augmented_training_ignores_the_number_of_workers(image_folder, tmp_path, monkeypatch):
+def test_augmented_training_ignores_the_number_of_workers(image_folder, tmp_path):
     """aug_views=0: the same prompts with 0 or 2 workers, and killed with 2 then resumed with 0."""
     extra = {"train.aug_views": 0, "train.epochs": 2}
     train_run(tiny_cfg(image_folder, tmp_path / "w0", **extra))
     train_run(tiny_cfg(image_folder, tmp_path / "w2", **extra, **{"data.num_workers": 2}))
     out = tmp_path / "killed"
-    interrupt_at(monkeypatch, 1)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(1), pytest.raises(KeyboardInterrupt):
         train_run(tiny_cfg(image_folder, out, **extra, **{"data.num_workers": 2}))
-    monkeypatch.undo()
     train_run(tiny_cfg(image_folder, out, **extra))
     ref = ctx_of(tmp_path / "w0")
     assert torch.equal(ref, ctx_of(tmp_path / "w2")) and torch.equal(ref, ctx_of(out))

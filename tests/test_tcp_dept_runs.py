@@ -12,9 +12,8 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG
+from conftest import REPO, TINY_CONFIG, interrupted_at
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
-from test_recipe import interrupt_at
 
 from coop.results import load_runs
 from coop.runner import train_run
@@ -26,15 +25,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_base_to_new_run_resumes_bit_identical(data_root, tmp_path, monkeypatch, case):  # noqa: F811
+def test_base_to_new_run_resumes_bit_identical(data_root, tmp_path, case):  # noqa: F811
     args = [*CASES[case], "data.name=imagenet", f"data.root={data_root}", "data.subsample_classes=base"]
     whole = tmp_path / "whole"
     train_run(tiny_cfg(whole, *args))
     resumed = tmp_path / "resumed"
-    interrupt_at(monkeypatch, 2)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(2), pytest.raises(KeyboardInterrupt):
         train_run(tiny_cfg(resumed, *args))
-    monkeypatch.undo()
     assert torch.load(resumed / "checkpoint.pt", weights_only=True)["epoch"] == 2
     train_run(tiny_cfg(resumed, *args))
     a = torch.load(whole / "checkpoint.pt", weights_only=True)
