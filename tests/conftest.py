@@ -130,6 +130,21 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order kept within a file
 
 
+def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) -> None:
+    """Start `cmd` (a tool that trains into `out`) and SIGKILL it once out/checkpoint.pt exists:
+    a crash at an arbitrary point after the first epoch, which a resume must make good."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 @contextmanager
 def interrupted_at(epoch: int):
     """Training runs started inside stop (like Ctrl-C) when they reach 0-based `epoch`, after the

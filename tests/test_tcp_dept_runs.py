@@ -5,14 +5,11 @@ are scored as each method defines (TCP rebuilds its prompts and teacher, DePT dr
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, interrupted_at
+from conftest import REPO, TINY_CONFIG, interrupted_at, kill_at_first_checkpoint
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 
 from coop.results import load_runs
@@ -62,17 +59,7 @@ def test_dept_resume_after_sigkill_is_exact(data_root, tmp_path):  # noqa: F811
     out = tmp_path / "killed"
     tiny = [f"model.name={TINY_CONFIG}", "model.pretrained=none", "data.num_workers=0", "data.shots=4"]
     tiny += ["train.batch_size=4", "train.lr=0.05", "device=cpu", f"output_dir={out}"]  # as tiny_cfg
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tools" / "train.py"), *tiny, *args],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at_first_checkpoint([sys.executable, str(REPO / "tools" / "train.py"), *tiny, *args], out)
     assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] < 10, "the kill came too late"
     train_run(tiny_cfg(out, *args))
     a = torch.load(ref / "checkpoint.pt", weights_only=True)

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import yaml
-from conftest import REPO, TINY_CONFIG, make_image_folder, run_tool_in_process, tiny_args
+from conftest import (
+    REPO,
+    TINY_CONFIG,
+    kill_at_first_checkpoint,
+    make_image_folder,
+    run_tool_in_process,
+    tiny_args,
+)
 
 from coop.config import ConfigError, epochs_for_shots, load_config, run_name
 
@@ -68,17 +73,7 @@ def test_resume_after_sigkill_is_exact(image_folder, tmp_path, aug_views):
     assert run(TRAIN + tiny_args(image_folder, ref, **extra)).returncode == 0
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        TRAIN + tiny_args(image_folder, out, **extra),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at_first_checkpoint(TRAIN + tiny_args(image_folder, out, **extra), out)
     killed_at = load_ckpt(out / "checkpoint.pt")["epoch"] if (out / "checkpoint.pt").exists() else 0
     assert killed_at < 30, "the kill came too late to test resuming"
 

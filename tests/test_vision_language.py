@@ -5,16 +5,14 @@ eval.targets, one table with coop and maple rows)."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import open_clip
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY_CONFIG, randomise_prompts
+from conftest import REPO, TINY_CONFIG, kill_at_first_checkpoint, randomise_prompts
 from test_image_encoder import randomise
 from test_protocols import data_root  # noqa: F401  (a fixture)
 
@@ -365,12 +363,7 @@ def test_vision_language_end_to_end(data_root, tmp_path):  # noqa: F811
     # kill -9 during training, then resume with a DataLoader worker: the same run
     out = tmp_path / "killed"
     overrides = tiny(out, *common, "method=maple", *SETTINGS["maple"])
-    proc = subprocess.Popen(TRAIN + overrides, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at_first_checkpoint(TRAIN + overrides, out)
     killed_at = torch.load(out / "checkpoint.pt", weights_only=True)["epoch"]
     assert killed_at < 3, "the kill came too late to test resuming"
     resumed = train_run(tiny_cfg(out, *common, "method=maple", *SETTINGS["maple"], "data.num_workers=1"))
