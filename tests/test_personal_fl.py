@@ -2,9 +2,11 @@
 draw against a re-derivation of the originals' function, the OT solvers against NumPy float64,
 the patch tokens against open_clip, FedPGP's loss term by term, and both methods end to end on
 Flower's Message API through an in-process grid (the ServerApp's `run_server` and the ClientApp's
-handlers, no simulation engine), with the personalised metrics recomputed from the checkpoint and
-a crash inside a round resumed to the same tensors. One real Flower simulation of FedOTP lives in
-tests/test_federated.py."""
+handlers, TRAIN and EVALUATE, no simulation engine), with the personalised metrics recomputed by
+hand from the checkpoint's global tensors and the clients' state files, no personal tensor in any
+message or in the checkpoint, and crashes (inside a round, after a client saved its state but
+before the server's checkpoint, during the evaluation) resumed to the same tensors. One real Flower
+simulation of FedOTP lives in tests/test_federated.py."""
 
 from __future__ import annotations
 
@@ -703,6 +705,10 @@ def test_personal_tensors_never_travel_and_the_checkpoint_names_their_version(pe
             last[pid] = s["config"]["server-round"]
     ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
     assert ckpt["strategy"]["personal_round"] == last
+    for pid in (0, 1):  # a client deletes only the files older than the version it last loaded
+        loaded = [s["config"]["personal-round"] for s in trains if s["node"] == pid + 1][-1]
+        files = sorted(p.name for p in (folder / "clients" / f"client{pid}").iterdir())
+        assert files == sorted(f"personal_round{r}.pt" for r in {loaded, last[pid]} - {0})
 
     def tensor_paths(obj, path=()):  # every tensor anywhere in the checkpoint
         if isinstance(obj, torch.Tensor):
@@ -720,6 +726,28 @@ def test_personal_tensors_never_travel_and_the_checkpoint_names_their_version(pe
     clients = [client_data(client_config(OmegaConf.to_yaml(cfg), {}), k).initial for k in (0, 1)]
     for key in PERSONAL_KEYS[method]:
         assert torch.equal(clients[0][key], server[key]) and torch.equal(clients[1][key], server[key])
+
+
+def test_personal_store_refuses_another_runs_file_and_prunes_only_older_rounds(tmp_path):
+    from flwr.app import RecordDict
+
+    from coop.federated.client_state import PersonalStateError, PersonalStore
+
+    initial = {"U": torch.zeros(2, 3)}
+    writer = PersonalStore(RecordDict(), tmp_path, 0, "run-a")
+    for rnd in (1, 2, 3):
+        writer.save(rnd, {"U": torch.full((2, 3), float(rnd))})
+    assert torch.equal(writer.load(3, initial)["U"], torch.full((2, 3), 3.0))  # Context.state
+    restarted = PersonalStore(RecordDict(), tmp_path, 0, "run-a")  # a new process: the files
+    assert torch.equal(restarted.load(2, initial)["U"], torch.full((2, 3), 2.0))
+    assert torch.equal(writer.load(1, initial)["U"], torch.ones(2, 3))  # not the newer Context.state
+    assert torch.equal(restarted.load(0, initial)["U"], initial["U"])
+    restarted.prune(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["personal_round2.pt", "personal_round3.pt"]
+    with pytest.raises(PersonalStateError, match="is not client 1's round 2 of this run"):
+        PersonalStore(RecordDict(), tmp_path, 1, "run-a").load(2, initial)
+    with pytest.raises(PersonalStateError, match="is not client 0's round 3 of this run"):
+        PersonalStore(RecordDict(), tmp_path, 0, "run-b").load(3, initial)
 
 
 def test_a_missing_state_file_is_one_line_naming_client_round_and_path(personal_runs, tmp_path):

@@ -285,18 +285,15 @@ def train_message(msg, context, pid: int) -> dict:
     """A TRAIN message's work: load the personal version named, train, save this round's."""
     config = msg.content["config"]
     cfg = client_config(str(config["coop-config"]), context.node_config)
+    rnd, digest = int(config["server-round"]), str(config["partition-digest"])
+    store = store_of(cfg, config, context, pid) if is_personal(cfg) else None
+    loaded = int(config.get("personal-round", 0))
+    own = store.load(loaded, checked_data(cfg, pid, digest).initial) if store else None
     tensors = msg.content["arrays"].to_torch_state_dict()
-    rnd, store, own = int(config["server-round"]), None, None
-    if is_personal(cfg):
-        store = store_of(cfg, config, context, pid)
-        loaded = int(config["personal-round"])
-        own = store.load(loaded, checked_data(cfg, pid, str(config["partition-digest"])).initial)
-    sent, mine, metrics = train_round(
-        cfg, pid, tensors, rnd, float(config["lr"]), float(config["proximal-mu"]),
-        str(config["partition-digest"]), own,
-    )  # fmt: skip
+    lr, mu = float(config["lr"]), float(config["proximal-mu"])
+    sent, mine, metrics = train_round(cfg, pid, tensors, rnd, lr, mu, digest, own)
     if store is not None:
-        store.save(rnd, mine)
+        store.save(rnd, mine)  # before the reply: the server may record this round once it has it
         store.prune(loaded)
     return {"arrays": sent, "metrics": metrics}
 
