@@ -27,9 +27,11 @@ sampling and aggregation are the same in every run and on resume:
   to every client (sampled or not) and `aggregate_evaluate` averages their accuracies unweighted
   (`coop.federated.personal.client_means`, not Flower's example-weighted mean);
 - failures: a client whose TRAIN reply is an error (or malformed) is left out of the round,
-  keeps its previous `personal_round`, and is reported in `last_failures` with its partition id and reason; the caller decides whether the
-  run goes on (`fl.on_client_failure`). If every sampled client fails, there is nothing to
-  aggregate and the global tensors stay as they were.
+  keeps its previous `personal_round`, and is reported in `last_failures` with its partition id
+  and reason; the caller decides whether the run goes on (`fl.on_client_failure`). If every
+  sampled client fails, there is nothing to aggregate and the global tensors stay as they were.
+  A failed EVALUATE reply is listed in `last_eval_failures` and the round has no personal
+  metrics (`aggregate_evaluate` returns None).
 
 FedProx's proximal term is the clients' business: the strategy only sends `proximal-mu`.
 `bytes_down`/`bytes_up` in `last_stats` count the raw global tensors of every message of the round
