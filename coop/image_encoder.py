@@ -37,8 +37,8 @@ from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from coop.blocks import Resblocks, load_checked
 from coop.inserted import InsertedTokens
-from coop.text_encoder import Resblocks, load_checked
 
 
 class ModelError(ValueError):

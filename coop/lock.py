@@ -6,9 +6,10 @@
 The lock is `fcntl.flock` on `<folder>/.lock`, taken without waiting. The OS drops it when the
 holding process exits, however it exits (killed included), so a lock left behind never blocks a
 resume: the file stays, only a live holder counts. The file records the holder's pid for the
-refusal's message. Within one process the lock is re-entrant (the federated tool holds it and the
-server it starts in a thread takes it again). Where `fcntl` does not exist (Windows) runs are not
-locked.
+refusal's message. Within one process the lock is re-entrant. A process may also run under a lock
+that another one holds for it: the federated tool holds its folder's lock while the ServerApp, in a
+process that Flower starts, writes the folder (`holder=` the tool's pid, which the ServerApp exits
+with). Where `fcntl` does not exist (Windows) runs are not locked.
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ def _acquire(folder: Path):
 
 
 @contextlib.contextmanager
-def run_lock(folder: str | os.PathLike) -> Iterator[None]:
+def run_lock(folder: str | os.PathLike, holder: int | None = None) -> Iterator[None]:
     """Hold the run folder's lock for the `with` block (the folder is created).
 
     Args:
         folder: the run folder (`output_dir`).
+        holder: the pid of a process that holds the lock on this one's behalf: if the lock is held
+            and its file names `holder`, the block runs under that lock; if it is free, it is taken.
 
     Raises:
         RunLockedError: another live process holds the lock; nothing waits.
@@ -80,7 +83,12 @@ def run_lock(folder: str | os.PathLike) -> Iterator[None]:
         if key in _HELD:
             _HELD[key][1] += 1
         else:
-            _HELD[key] = [_acquire(folder), 1]
+            try:
+                _HELD[key] = [_acquire(folder), 1]
+            except RunLockedError:
+                if holder is None or holder_pid(folder) != str(holder):
+                    raise
+                _HELD[key] = [None, 1]  # `holder` holds it for this process
     try:
         yield
     finally:
@@ -89,4 +97,5 @@ def run_lock(folder: str | os.PathLike) -> Iterator[None]:
             entry[1] -= 1
             if entry[1] == 0:
                 del _HELD[key]
-                entry[0].close()  # closing the file releases the flock
+                if entry[0] is not None:
+                    entry[0].close()  # closing the file releases the flock

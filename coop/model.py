@@ -25,8 +25,9 @@ from open_clip.transformer import QuickGELU as OpenClipQuickGELU
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
+from coop.blocks import load_checked
 from coop.image_encoder import ImageTransformer, ModelError, vision_config_from_openclip
-from coop.text_encoder import TextConfig, TextTransformer, load_checked
+from coop.text_encoder import TextConfig, TextTransformer
 
 log = logging.getLogger(__name__)
 

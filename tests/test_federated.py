@@ -8,7 +8,6 @@ latent-domains run also carries the client-failure test.
 from __future__ import annotations
 
 import csv
-import inspect
 import json
 import os
 import signal
@@ -129,18 +128,16 @@ def test_promptfl_run_folder(reference, fl_env):
     assert "finished; not training again" in again.stderr
 
 
-def test_flowers_deprecation_of_run_simulation_is_logged_once(reference):
-    """We stay on `run_simulation` (docs/federated.md says why): the tool hides none of Flower's
-    warnings, and its deprecation appears once on the console and once in log.txt. If Flower stops
-    warning (it moved the function or dropped it), this fails, and the move to `flwr run` is due."""
-    from flwr.simulation import run_simulation
-
+def test_the_simulation_runs_through_flwr_run(reference):
+    """Flower's current entry point (`flwr run` on a simulation SuperLink of the tool's own), no
+    deprecation anywhere, and the console carries the run's log.txt lines, each once."""
     folder, _ = reference
-    start = "The `run_simulation` function is deprecated"
-    assert start in " ".join(inspect.getsource(run_simulation).split())  # what Flower 1.42 emits
+    flower = (folder / "flower.log").read_text()
+    assert "Successfully started run" in flower and "Starting Flower Simulation" in flower
     console, log = (folder.parent / "stderr.txt").read_text(), (folder / "log.txt").read_text()
-    assert console.count(start) == 1 and log.count(start) == 1
-    assert "WARNING coop.federated.server: Flower: DEPRECATED FEATURE: " + start in log
+    assert "DEPRECATED" not in console + log + flower
+    rounds = [line for line in log.splitlines() if ": accuracy " in line]
+    assert len(rounds) == ROUNDS and all(console.count(line) == 1 for line in rounds)
 
 
 def test_promptfl_tensorboard_one_point_per_round(reference):
@@ -236,6 +233,9 @@ def test_resume_after_sigkill_at_round_boundary_and_mid_round(reference, fl_env,
         _start(folder, overrides, fl_env), lambda: log.read_text().count("round 2/3: training") > before
     )
     assert ckpt_round(folder) == 1, "the kill was meant to land inside round 2"
+    size = log.stat().st_size
+    time.sleep(1.5)  # the ServerApp runs in a process that Flower starts: it must have stopped too
+    assert log.stat().st_size == size and ckpt_round(folder) == 1
     # 3. resumed to the end: the same prompts, history and accuracy as the uninterrupted run
     proc = run_tool(folder, overrides, fl_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -327,3 +327,25 @@ def test_fedotp_simulation_equals_the_in_process_grid(fl_env, tmp_path, monkeypa
     assert ours["local_accuracy"] == metrics["local_accuracy"] and ours["method"] == "fedotp"
     assert ours["local_per_client"] == metrics["local_per_client"]
     assert [r["sampled"] for r in history(tmp_path / "ray")] == ["2", "1"]
+
+
+def test_a_client_failure_with_stop_is_one_line_from_the_serverapps_process(fl_env, tmp_path):
+    """The ServerApp runs in a process that Flower starts; its FederatedError still reaches the
+    tool's console as one line (exit 1), and the checkpoint of the last complete round stays."""
+    root = make_image_folder(tmp_path / "images", n_train=6, n_test=4)
+    bad = sorted((root / "train").rglob("*.png"))[0]
+    bad.write_bytes(b"not an image")
+    folder = tmp_path / "run"
+    overrides = [
+        *BASE,
+        "data.name=imagefolder",
+        f"data.root={root}",
+        "fl.rounds=2",
+        "fl.on_client_failure=stop",
+    ]
+    proc = run_tool(folder, overrides, fl_env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: round 1: client ") and str(bad) in last
+    assert last.endswith("fl.on_client_failure=stop, the checkpoint keeps round 0")
+    assert not (folder / "checkpoint.pt").exists() and not (folder / "metrics.json").exists()

@@ -4,11 +4,11 @@ the multi-domain reader and bad input. Also `make_multidomain`, the generated mu
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -262,26 +262,37 @@ def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-def test_held_warnings_drop_nothing():
-    """What simulate() holds back until log.txt exists comes out whole, in order, one line each."""
-    pytest.importorskip("flwr")
-    from coop.federated.app import HeldWarnings
+def test_a_killed_tool_is_not_alive_while_unreaped():
+    """The ServerApp's watch on its tool (`app.alive`): a killed process that its parent has not
+    reaped yet (a zombie; os.kill(pid, 0) still succeeds) counts as gone."""
+    import signal
 
-    logger, seen = logging.getLogger("test_held_warnings"), []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    held = HeldWarnings()
-    logger.addFilter(held)
+    from coop.federated.app import alive
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        logger.info("info passes")
-        logger.warning("first\n   warning")
-        logger.error("an error")
-        assert seen == ["info passes"]
-        assert held.release() == ["first warning", "an error"]  # one line each, in order
-        logger.warning("after the release")
-        assert seen == ["info passes", "after the release"] and held.release() == []
+        assert alive(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while alive(proc.pid):  # dies at once; only the zombie is left
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, 0)  # ... which os.kill alone would call alive
     finally:
-        logger.removeFilter(held)
-        logger.removeHandler(handler)
+        proc.kill()
+        proc.wait()
+    assert not alive(proc.pid)
+
+
+def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():
+    from coop.config import ConfigError
+    from coop.federated.server import FederatedError
+    from coop.federated.simulation import raise_remote
+
+    with pytest.raises(ConfigError, match="^fl.rounds=0 must be >= 1$"):
+        raise_remote({"error": "fl.rounds=0 must be >= 1", "type": "ConfigError", "module": "coop.config"})
+    with pytest.raises(FederatedError, match="^round 2: client 1 failed$"):
+        raise_remote({"error": "round 2: client 1 failed", "type": "FederatedError",
+                      "module": "coop.federated.server"})  # fmt: skip
+    with pytest.raises(FederatedError, match="^KeyError: 'x'$"):  # a class not rebuilt from its text
+        raise_remote({"error": "'x'", "type": "KeyError", "module": "builtins"})

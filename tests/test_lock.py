@@ -56,6 +56,23 @@ def test_live_holder_refuses_and_killed_holder_does_not_block(tmp_path):
             pass
 
 
+def test_a_process_runs_under_the_lock_its_holder_holds_for_it(tmp_path):
+    """The federated ServerApp runs in a process that Flower starts, under its tool's lock: named as
+    the holder, the live holder lets it in; any other holder still refuses."""
+    folder = tmp_path / "run"
+    proc = hold_lock(folder)
+    try:
+        with run_lock(folder, holder=proc.pid):
+            assert (folder / LOCK_FILE).read_text().strip() == str(proc.pid)  # not taken over
+        with pytest.raises(RunLockedError), run_lock(folder, holder=proc.pid + 1):
+            pass
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with run_lock(folder, holder=proc.pid):  # the holder is gone: the lock is free and taken
+        assert (folder / LOCK_FILE).read_text().strip() == str(os.getpid())
+
+
 def test_second_train_run_refuses_before_writing(tmp_path, image_folder):
     """train_run on a folder that another live process writes: RunLockedError (a one-line
     bad-input error of the tools), nothing trained or written."""

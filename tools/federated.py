@@ -34,7 +34,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="experiment YAML (keys as in coop/config.py, including fl.*)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. fl.clients=5")
-    ap.add_argument("--cpus-per-client", type=float, default=1.0, help="CPU cores per simulated client (1)")
+    ap.add_argument("--cpus-per-client", type=int, default=1, help="CPU cores per simulated client (1)")
     ap.add_argument(
         "--clients-per-gpu", type=int, default=1, help="simulated clients sharing one GPU on CUDA runs (1)"
     )
@@ -45,13 +45,13 @@ def main() -> int:
         raise ConfigError(
             "tools/federated.py runs in one process (Flower simulates the clients); launch it without torchrun"
         )
-    if args.cpus_per_client <= 0 or args.clients_per_gpu < 1:
-        raise ConfigError("--cpus-per-client must be > 0 and --clients-per-gpu >= 1")
+    if args.cpus_per_client < 1 or args.clients_per_gpu < 1:
+        raise ConfigError("--cpus-per-client and --clients-per-gpu must be >= 1")
     try:
         from coop.federated import task
-        from coop.federated.app import simulate
         from coop.federated.partition import PartitionError
         from coop.federated.server import FederatedError, finished_metrics
+        from coop.federated.simulation import simulate
     except ImportError as e:
         raise ConfigError(f"federated runs need Flower: pip install 'coop[federated]' ({e})") from None
 
@@ -65,7 +65,7 @@ def main() -> int:
         if metrics is None:
             task.client_partition(cfg, task.load_data(cfg))  # bad data or partition: fail before Ray starts
             task.check_model(cfg)
-            with run_lock(cfg.output_dir):  # a second writer of the folder refuses before Ray starts
+            with run_lock(cfg.output_dir):  # held for the whole run; the ServerApp runs under it
                 metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu)
     except PartitionError as e:
         raise ConfigError(str(e)) from None

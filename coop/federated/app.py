@@ -1,12 +1,9 @@
-"""The Flower apps, and the one-machine simulation that runs them.
-
-    from coop.federated.app import simulate
-    metrics = simulate(cfg)                       # fl.clients simulated SuperNodes (Ray backend)
-
-For a real deployment the same apps run on a SuperLink and SuperNodes (`flwr run`):
+"""The Flower apps. `coop.federated.simulation.simulate` runs them on one machine; for a real
+deployment they run on a SuperLink and SuperNodes (`flwr run`):
 
     server_app   ServerApp; reads the run config keys `config` (a YAML file, "" for the defaults)
-                 and `overrides` (space-separated key=value, as on the tools' command line)
+                 and `overrides` (space-separated key=value, as on the tools' command line);
+                 `tool-pid` and `result-file` are set by `simulate` (0 and "" otherwise)
     client_app   ClientApp; each SuperNode needs `--node-config "partition-id=<k> num-partitions=<n>"`
                  and may add `data-root=<folder>` and `device=<cuda:0>` for its own machine
 
@@ -15,8 +12,15 @@ Messages: QUERY (which partition does a node hold) once per server start, then T
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import shlex
+import signal
+import threading
+import time
+from pathlib import Path
 
 from flwr.app import Context
 from flwr.clientapp import ClientApp
@@ -26,7 +30,8 @@ from omegaconf import DictConfig
 from coop.config import load_config
 from coop.federated import task
 from coop.federated.client import handle_evaluate, handle_query, handle_train
-from coop.federated.server import FederatedError, run_server
+from coop.federated.server import run_server
+from coop.io import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -49,78 +54,58 @@ def deployment_config(run_config: dict) -> DictConfig:
 server_app = ServerApp()
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no procfs: os.kill's answer
+        return True
+
+
+def exit_with(pid: int, period: float = 0.1) -> None:
+    """Stop this process when process `pid`, the tool that started the run, is gone: a killed tool
+    stops its run. Nothing is cleaned up (the run folder is only ever written atomically), and the
+    process group goes too: Flower starts this process in a group of its own with the SuperExec and
+    the Ray processes, which would otherwise outlive it."""
+
+    def watch() -> None:
+        while alive(pid):
+            time.sleep(period)
+        group = os.getpgrp()
+        with contextlib.suppress(OSError):
+            if group != os.getpgid(pid):  # never the tool's own group (a shell's job, a test's)
+                os.killpg(group, signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="coop-tool-watch").start()
+
+
+def write_result(path: str, result: dict) -> None:
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(json.dumps(result)))
+
+
 @server_app.main()
 def _deployed_main(grid: Grid, context: Context) -> None:
     logging.getLogger("coop").setLevel(logging.INFO)  # progress lines to log.txt, as tools/federated.py
-    run_server(grid, deployment_config(context.run_config))
-
-
-def backend_config(cfg: DictConfig, cpus_per_client: float = 1.0, clients_per_gpu: int = 1) -> dict:
-    """Ray resources per simulated client: CPUs, and 1/clients_per_gpu of a GPU on CUDA runs."""
-    gpus = 0.0
-    if task.resolve_device(cfg.device).type == "cuda":
-        gpus = 1.0 / max(1, int(clients_per_gpu))
-    return {
-        "client_resources": {"num_cpus": float(cpus_per_client), "num_gpus": gpus},
-        "init_args": {"logging_level": "ERROR"},
-    }
-
-
-class HeldWarnings(logging.Filter):
-    """Holds the warnings that Flower logs before the ServerApp starts, for the run's log.txt.
-
-    `run_simulation` logs its own deprecation before our ServerApp runs, so before the run folder's
-    log.txt exists; left alone it reached the console twice (Flower's handler and the root's) and
-    log.txt never. Held here, `run_server` logs each once to both. Nothing is dropped: `release`
-    hands over every held message and lets later records through.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held: list[str] | None = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.held is None or record.levelno < logging.WARNING:
-            return True
-        self.held.append(" ".join(record.getMessage().split()))  # Flower's multi-line text on one line
-        return False
-
-    def release(self) -> list[str]:
-        held, self.held = self.held or [], None
-        return held
-
-
-def simulate(cfg: DictConfig, cpus_per_client: float = 1.0, clients_per_gpu: int = 1) -> dict:
-    """Run `cfg` as a Flower simulation with fl.clients SuperNodes; returns metrics.json's content.
-
-    This uses `flwr.simulation.run_simulation`, which Flower 1.42 deprecates in favour of `flwr run`
-    against a local SuperLink; docs/federated.md says why we keep it and what a move needs. Its
-    deprecation warning is logged once, in log.txt and on the console (HeldWarnings).
-    """
-    from flwr.simulation import run_simulation
-
-    result: dict = {}
-    app = ServerApp()
-    flower = logging.getLogger("flwr")
-    held = HeldWarnings()
-
-    @app.main()
-    def _main(grid: Grid, context: Context) -> None:
-        result.update(run_server(grid, cfg, notes=held.release()))
-
-    flower.setLevel(logging.WARNING)  # its per-round INFO lines duplicate ours
-    flower.addFilter(held)
+    run_config = context.run_config
+    tool, result_file = int(run_config.get("tool-pid", 0) or 0), str(run_config.get("result-file", "") or "")
+    if tool > 0:  # the one-machine simulation (coop.federated.simulation)
+        exit_with(tool)
+        logging.getLogger("flwr").setLevel(logging.WARNING)  # its per-round INFO lines duplicate ours
     try:
-        run_simulation(
-            server_app=app,
-            client_app=client_app,
-            num_supernodes=int(cfg.fl.clients),
-            backend_config=backend_config(cfg, cpus_per_client, clients_per_gpu),
-        )
-    finally:
-        flower.removeFilter(held)
-        for note in held.release():  # the ServerApp never started: the console still gets them
-            log.warning("Flower: %s", note)
-    if not result:
-        raise FederatedError(f"the simulation ended without results; see {cfg.output_dir}/log.txt")
-    return result
+        metrics = run_server(grid, deployment_config(run_config), lock_holder=tool or None)
+    except Exception as e:
+        if result_file:  # `simulate` raises it again in the tool, with its class and one line
+            message = (str(e).strip().splitlines() or [""])[0]
+            write_result(
+                result_file, {"error": message, "type": type(e).__name__, "module": type(e).__module__}
+            )
+        raise
+    if result_file:
+        write_result(result_file, {"metrics": metrics})

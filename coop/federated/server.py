@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -71,19 +70,17 @@ def run_server(
     cfg: DictConfig,
     node_timeout: float = 600.0,
     round_timeout: float = 24 * 3600.0,
-    notes: Sequence[str] = (),
+    lock_holder: int | None = None,
 ):
     """Run (or resume, or return the metrics of a finished) federated run; returns metrics.json.
 
     Args:
-        notes: warnings logged before the run folder's log.txt existed (Flower's, while it started
-            the simulation); logged first, so that log.txt and the console carry each once.
+        lock_holder: the pid of the process that holds the run folder's lock for this one
+            (`tools/federated.py`, whose ServerApp runs in a process that Flower starts).
     """
     folder = Path(cfg.output_dir)
-    with run_lock(folder):  # one writer per folder (re-entrant: tools/federated.py holds it already)
+    with run_lock(folder, holder=lock_holder):  # one writer per folder
         handler = runner.attach_log_file(folder)
-        for note in notes:
-            log.warning("Flower: %s", note)
         board = open_board(folder, bool(cfg.train.tensorboard))
         try:
             return _run(grid, cfg, folder, node_timeout, round_timeout, board)

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from coop.blocks import QuickGELU
 from coop.methods.base import Method
 from coop.methods.zeroshot import DEFAULT_TEMPLATE, template_features
 from coop.model import CLIP, cosine_logits
 from coop.prompt import N_CTX_DEFAULT, PromptError, PromptLearner
-from coop.text_encoder import QuickGELU
 
 LAYER = 8  # the text block whose input takes the class-aware tokens (`tcp.layer`)
 WEIGHT = 8.0  # the original's hard-coded weight of the knowledge term (`tcp.weight`)

@@ -1,0 +1,217 @@
+"""The one-machine simulation: our Flower apps through `flwr run`, on a SuperLink of our own.
+
+    metrics = simulate(cfg)       # fl.clients simulated SuperNodes; returns metrics.json's content
+
+Flower's current simulation entry point is `flwr run APP CONNECTION` against a SuperLink started
+with `--simulation`: the SuperLink starts a SuperExec, which starts one `flwr-simulation` process
+per run; that process runs the ServerApp and the Ray backend that simulates the SuperNodes.
+`simulate` gives each call a SuperLink of its own, so that the run behaves like one command:
+
+- **its own SuperLink**, a child of this process on a free port, with a private `FLWR_HOME` (a
+  temporary folder holding the connection and the installed app) and an in-memory database, so
+  parallel runs never share one. On Linux the kernel kills it when this process dies
+  (`PR_SET_PDEATHSIG`); its SuperExec and `flwr-simulation` watch their parents and stop after it.
+- **the ServerApp watches this process** (run config `tool-pid`) and exits at once when it is gone,
+  so a killed tool leaves nothing writing its run folder, and a rerun resumes.
+- **the lock stays with the tool**: this process holds the run folder's lock for the whole run; the
+  ServerApp checks that the lock's holder is its tool (`coop.lock.run_lock(..., holder=pid)`).
+- **one config**: the resolved config is written to a file that the ServerApp loads unchanged
+  (run config `config`); the SuperLink and the run start in this process's working directory, so
+  relative paths mean what they mean here.
+- **results and errors come back as a file** (run config `result-file`): metrics.json's content,
+  or the exception's class and one-line message, which `simulate` raises again here.
+- **the console** gets the run's log.txt as it grows; everything Flower prints (the SuperLink, the
+  run's log stream, Ray) goes to the run folder's `flower.log`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from coop.config import to_yaml
+from coop.federated import task
+from coop.federated.server import FederatedError
+
+log = logging.getLogger(__name__)
+
+APP_DIR = Path(__file__).resolve().parents[2] / "configs" / "federated" / "flower-app"
+CONNECTION = "coop-local"
+START_TIMEOUT = 120.0  # seconds for the SuperLink to answer
+
+
+def _bin(name: str) -> str:
+    """A Flower executable of this Python's environment (PATH if it is not next to it)."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.is_file() else name
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """Ask Linux to SIGKILL this child when its parent dies (PR_SET_PDEATHSIG = 1)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+CHILD = {"preexec_fn": _die_with_parent} if sys.platform.startswith("linux") else {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resources(cfg: DictConfig, cpus_per_client: int, clients_per_gpu: int) -> dict:
+    """The simulation's per-client resources: whole CPUs (Flower's simulation config holds an
+    unsigned integer), and 1/clients_per_gpu of a GPU on CUDA runs (a fraction is allowed)."""
+    gpus = 0.0
+    if task.resolve_device(cfg.device).type == "cuda":
+        gpus = 1.0 / max(1, int(clients_per_gpu))
+    return {"num-cpus": int(cpus_per_client), "num-gpus": gpus}
+
+
+@contextlib.contextmanager
+def superlink(home: Path, env: dict, flower_log) -> Iterator[str]:
+    """A simulation SuperLink of our own, on a free port; yields its address, stops it on exit."""
+    port = free_port()
+    cmd = [
+        _bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+        "--database", ":flwr-in-memory:", "--host", "127.0.0.1", "--port", str(port),
+        "--disable-runtime-dependency-installation",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=flower_log, stderr=subprocess.STDOUT, **CHILD)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                raise FederatedError(
+                    f"Flower's SuperLink exited with code {proc.returncode} before it started; "
+                    f"see {flower_log.name}"
+                )
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline:
+                raise FederatedError(f"Flower's SuperLink did not start within {START_TIMEOUT:.0f} s")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # its SuperExec and simulation processes watch it and stop after it
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class LogTail(threading.Thread):
+    """Copies the lines that a file gains to this process's stderr, until `stop`."""
+
+    def __init__(self, path: Path):
+        super().__init__(daemon=True)
+        self.path, self.done = path, threading.Event()
+        self.offset = path.stat().st_size if path.is_file() else 0
+
+    def copy(self) -> None:
+        if not self.path.is_file():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # whole lines only
+        if end:
+            sys.stderr.write(data[:end].decode(errors="replace"))
+            sys.stderr.flush()
+            self.offset += end
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.copy()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+        self.copy()
+
+
+def raise_remote(result: dict) -> None:
+    """Raise here the error that the ServerApp reported ({"error", "type", "module"}): the same class
+    where it can be built from its message (so the tools treat it as they would in-process)."""
+    message = result["error"]
+    cls = getattr(sys.modules.get(result.get("module", "")), result.get("type", ""), None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            error = cls(message)
+        except Exception:  # noqa: BLE001 - a class that needs other arguments
+            error = None
+        if error is not None and str(error) == message:
+            raise error
+    raise FederatedError(f"{result.get('type', 'error')}: {message}")
+
+
+def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1) -> dict:
+    """Run `cfg` as a Flower simulation with fl.clients SuperNodes; returns metrics.json's content.
+
+    The caller holds the run folder's lock (`coop.lock.run_lock`); the ServerApp runs under it.
+    """
+    folder = Path(cfg.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    res = resources(cfg, cpus_per_client, clients_per_gpu)
+    with (
+        tempfile.TemporaryDirectory(prefix="coop-flower-") as tmp,
+        (folder / "flower.log").open("ab") as flower_log,
+    ):
+        home = Path(tmp)
+        env = {**os.environ, "FLWR_HOME": str(home)}
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        (home / "config.yaml").write_text(to_yaml(cfg))
+        result_file = home / "result.json"
+        flower_log.write(
+            f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} simulate, pid {os.getpid()}\n".encode()
+        )
+        flower_log.flush()
+        tail = LogTail(folder / "log.txt")
+        with superlink(home, env, flower_log) as address:
+            (home / "config.toml").write_text(
+                f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+                f'[superlink.{CONNECTION}]\naddress = "{address}"\ninsecure = true\n'
+            )
+            run_config = (
+                f'config="{home / "config.yaml"}" overrides="" tool-pid={os.getpid()} '
+                f'result-file="{result_file}"'
+            )
+            federation = (
+                f"num-supernodes={int(cfg.fl.clients)} client-resources-num-cpus={res['num-cpus']} "
+                f"client-resources-num-gpus={res['num-gpus']}"
+            )
+            cmd = [_bin("flwr"), "run", str(APP_DIR), CONNECTION, "--stream",
+                   "--run-config", run_config, "--federation-config", federation]  # fmt: skip
+            tail.start()
+            try:
+                proc = subprocess.run(cmd, env=env, stdout=flower_log, stderr=subprocess.STDOUT, **CHILD)
+            finally:
+                tail.stop()
+        if not result_file.is_file():
+            raise FederatedError(
+                f"the simulation ended without results (flwr run exited with code {proc.returncode}); "
+                f"see {folder / 'log.txt'} and {folder / 'flower.log'}"
+            )
+        result = json.loads(result_file.read_text())
+    if "error" in result:
+        raise_remote(result)
+    return result["metrics"]
