@@ -2,9 +2,11 @@
 draw against a re-derivation of the originals' function, the OT solvers against NumPy float64,
 the patch tokens against open_clip, FedPGP's loss term by term, and both methods end to end on
 Flower's Message API through an in-process grid (the ServerApp's `run_server` and the ClientApp's
-handlers, no simulation engine), with the personalised metrics recomputed from the checkpoint and
-a crash inside a round resumed to the same tensors. One real Flower simulation of FedOTP lives in
-tests/test_federated.py."""
+handlers, TRAIN and EVALUATE, no simulation engine), with the personalised metrics recomputed by
+hand from the checkpoint's global tensors and the clients' state files, no personal tensor in any
+message or in the checkpoint, and crashes (inside a round, after a client saved its state but
+before the server's checkpoint, during the evaluation) resumed to the same tensors. One real Flower
+simulation of FedOTP lives in tests/test_federated.py."""
 
 from __future__ import annotations
 
@@ -458,18 +460,26 @@ BASE = [
 ROUNDS = 3
 
 
+PERSONAL_KEYS = {"fedpgp": {"U", "V"}, "fedotp": {"local.ctx"}}
+GLOBAL_KEYS = {"fedpgp": {"sigma"}, "fedotp": {"global.ctx"}}
+
+
 class LocalGrid:
     """Flower's `Grid` in one process: each message goes straight to the ClientApp's handler of
-    its node (partition k on node k + 1); `crash_after` raises after that many TRAIN replies."""
+    its node (partition k on node k + 1). Its Contexts persist while it lives, like SuperNodes'
+    (`contexts`: keep another grid's, as when only the server died); a new grid has new ones, like
+    restarted client processes, whose clients then read their state files. `crash=(phase, n)`
+    raises right after the n-th message of that phase ("train" or "evaluate") was handled, before
+    the server sees the reply. `seen` logs every message: phase, node, config, array keys down/up."""
 
-    def __init__(self, n: int, crash_after: int | None = None):
+    def __init__(self, n: int, crash: tuple[str, int] | None = None, contexts: dict | None = None):
         from flwr.app import Context, RecordDict
 
-        self.contexts = {
+        self.contexts = contexts or {
             k + 1: Context(1, k + 1, {"partition-id": k, "num-partitions": n}, RecordDict(), {})
             for k in range(n)
         }
-        self.crash_after, self.trained = crash_after, 0
+        self.crash, self.handled, self.seen = crash, defaultdict(int), []
 
     def get_node_ids(self):
         return list(self.contexts)
@@ -477,18 +487,36 @@ class LocalGrid:
     def send_and_receive(self, messages, timeout=None):
         from flwr.app import MessageType
 
-        from coop.federated.client import handle_query, handle_train
+        from coop.federated.client import handle_evaluate, handle_query, handle_train
 
+        handlers = {
+            MessageType.QUERY: ("query", handle_query),
+            MessageType.TRAIN: ("train", handle_train),
+            MessageType.EVALUATE: ("evaluate", handle_evaluate),
+        }
         replies = []
         for m in messages:
-            if m.metadata.message_type == MessageType.QUERY:
-                replies.append(handle_query(m, self.contexts[m.metadata.dst_node_id]))
-                continue
-            if self.crash_after is not None and self.trained >= self.crash_after:
+            phase, handler = handlers[m.metadata.message_type]
+            reply = handler(m, self.contexts[m.metadata.dst_node_id])
+            up = reply.content if reply.has_content() else {}  # an error reply has none
+            keys = {
+                d: set(r["arrays"].keys()) if "arrays" in r else set()
+                for d, r in (("down", m.content), ("up", up))
+            }
+            config = dict(m.content["config"]) if "config" in m.content else {}
+            self.seen.append({"phase": phase, "node": m.metadata.dst_node_id, "config": config, **keys})
+            self.handled[phase] += 1
+            if self.crash == (phase, self.handled[phase]):
                 raise KeyboardInterrupt("killed")  # the server dies inside the round
-            replies.append(handle_train(m, self.contexts[m.metadata.dst_node_id]))
-            self.trained += 1
+            replies.append(reply)
         return replies
+
+
+def client_personal(folder: Path, k: int) -> dict:
+    """Client k's personal tensors of the version the server's checkpoint names, from its state file."""
+    rnd = torch.load(folder / "checkpoint.pt", weights_only=True)["strategy"]["personal_round"][k]
+    path = folder / "clients" / f"client{k}" / f"personal_round{rnd}.pt"
+    return torch.load(path, weights_only=True)["tensors"]
 
 
 @pytest.fixture(scope="module")
@@ -529,15 +557,16 @@ def personal_runs(task_identity, four_classes, tmp_path_factory):
         for method, extra in (("fedpgp", ["data.subsample_classes=base", "fedpgp.rank=2"]), ("fedotp", [])):
             overrides = [*BASE, f"data.root={four_classes}", f"fl.method={method}", f"fl.rounds={ROUNDS}",
                          "fl.fraction=0.5", "prompt.n_ctx=4", *extra]  # fmt: skip
-            folder = tmp_path_factory.mktemp(method) / "run"
-            runs[method] = (folder, overrides, run_inprocess(folder, overrides, LocalGrid(2)))
+            folder, grid = tmp_path_factory.mktemp(method) / "run", LocalGrid(2)
+            runs[method] = (folder, overrides, run_inprocess(folder, overrides, grid), grid)
     finally:
         logger.setLevel(level)
     return runs
 
 
 def direct_metrics(folder: Path) -> dict:
-    """Local/Base/Novel/global of the final round, from the checkpoint's tensors, by hand."""
+    """Local/Base/Novel/global of the final round, by hand, from the checkpoint's global tensors and
+    the clients' state files."""
     from omegaconf import OmegaConf
 
     from coop.data import build_dataset, subsample_classes
@@ -551,7 +580,7 @@ def direct_metrics(folder: Path) -> dict:
     method = task.build_method(clip, ds.classnames, cfg)
     tokens = method.image_tokens
     feats, labels = task.features(cfg, clip, ds.test, "cpu", train=False, what="t", tokens=tokens)
-    personal = ckpt["strategy"]["personal"]
+    personal = [client_personal(folder, k) for k in range(len(part["client_test"]))]
 
     def acc(m, x, y):
         with torch.no_grad():
@@ -580,15 +609,14 @@ def direct_metrics(folder: Path) -> dict:
 
 @pytest.mark.parametrize("method", ["fedpgp", "fedotp"])
 def test_personalised_metrics_equal_a_direct_computation(personal_runs, method):
-    folder, _, metrics = personal_runs[method]
+    folder, _, metrics, _ = personal_runs[method]
     rows = list(csv.DictReader((folder / "history.csv").open()))
     assert [int(r["sampled"]) for r in rows] == [2, 1, 1]  # round 1: every client, then fl.fraction
     ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
-    personal_keys = {"fedpgp": {"U", "V"}, "fedotp": {"local.ctx"}}[method]
-    assert set(ckpt["prompt"]) == {"fedpgp": {"sigma"}, "fedotp": {"global.ctx"}}[method]
-    assert all(set(p) == personal_keys for p in ckpt["strategy"]["personal"].values())
-    p0, p1 = (ckpt["strategy"]["personal"][k] for k in (0, 1))
-    assert any(not torch.equal(p0[k], p1[k]) for k in personal_keys)  # each client its own part
+    assert set(ckpt["prompt"]) == GLOBAL_KEYS[method]
+    p0, p1 = (client_personal(folder, k) for k in (0, 1))
+    assert set(p0) == set(p1) == PERSONAL_KEYS[method]
+    assert any(not torch.equal(p0[k], p1[k]) for k in PERSONAL_KEYS[method])  # each client its own part
 
     direct = direct_metrics(folder)
     assert metrics["local_accuracy"] == pytest.approx(sum(direct["local"]) / 2, abs=1e-3)
@@ -613,26 +641,131 @@ def test_personalised_metrics_equal_a_direct_computation(personal_runs, method):
         assert "base_accuracy" not in metrics and rows[-1]["novel_accuracy"] == ""
 
 
+def history_rows(folder: Path) -> list[dict]:
+    return [
+        {k: v for k, v in r.items() if k != "time_s"} for r in csv.DictReader((folder / "history.csv").open())
+    ]
+
+
 @pytest.mark.parametrize("method", ["fedpgp", "fedotp"])
 def test_crash_inside_a_round_resumes_to_the_same_tensors(personal_runs, tmp_path, method):
-    ref_folder, overrides, ref = personal_runs[method]
+    ref_folder, overrides, ref, _ = personal_runs[method]
     folder = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):  # killed inside round 1, after client 0 trained
-        run_inprocess(folder, overrides, LocalGrid(2, crash_after=1))
-    assert not (folder / "checkpoint.pt").exists()
-    with pytest.raises(KeyboardInterrupt):  # restarted; killed once round 2 is checkpointed
-        run_inprocess(folder, overrides, LocalGrid(2, crash_after=3))  # round 1: 2 clients, round 2: 1
+        run_inprocess(folder, overrides, LocalGrid(2, crash=("train", 1)))
+    assert (
+        not (folder / "checkpoint.pt").exists() and (folder / "clients/client0/personal_round1.pt").is_file()
+    )
+    grid = LocalGrid(2, crash=("train", 3))  # restarted clients; killed once round 2's client trained
+    with pytest.raises(KeyboardInterrupt):
+        run_inprocess(folder, overrides, grid)
+    ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
+    assert ckpt["round"] == 1 and ckpt["strategy"]["personal_round"] == {0: 1, 1: 1}
+    stale = int(grid.seen[-1]["config"]["personal-round"]), grid.seen[-1]["node"] - 1
+    assert stale[0] == 1 and (folder / f"clients/client{stale[1]}/personal_round2.pt").is_file()  # not used
+    with pytest.raises(KeyboardInterrupt):  # the server alone restarts (the nodes' Context.state
+        # holds round 2 for that client); killed during round 3's evaluation
+        run_inprocess(folder, overrides, LocalGrid(2, crash=("evaluate", 3), contexts=grid.contexts))
     assert torch.load(folder / "checkpoint.pt", weights_only=True)["round"] == 2
     metrics = run_inprocess(folder, overrides, LocalGrid(2))
     ours, theirs = (torch.load(f / "checkpoint.pt", weights_only=True) for f in (folder, ref_folder))
     for key in theirs["prompt"]:
         assert torch.equal(ours["prompt"][key], theirs["prompt"][key]), key
-    for k, tensors in theirs["strategy"]["personal"].items():
-        for key, t in tensors.items():
-            assert torch.equal(ours["strategy"]["personal"][k][key], t), (k, key)
-    assert {k: v for k, v in metrics.items() if "accuracy" in k} == {
-        k: v for k, v in ref.items() if "accuracy" in k
+    assert ours["strategy"]["personal_round"] == theirs["strategy"]["personal_round"]
+    for k in (0, 1):
+        mine, ref_tensors = client_personal(folder, k), client_personal(ref_folder, k)
+        assert set(mine) == PERSONAL_KEYS[method]
+        for key, t in ref_tensors.items():
+            assert torch.equal(mine[key], t), (k, key)
+    assert {k: v for k, v in metrics.items() if "accuracy" in k or k == "local_per_client"} == {
+        k: v for k, v in ref.items() if "accuracy" in k or k == "local_per_client"
     }
+    assert history_rows(folder) == history_rows(ref_folder)
+
+
+@pytest.mark.parametrize("method", ["fedpgp", "fedotp"])
+def test_personal_tensors_never_travel_and_the_checkpoint_names_their_version(personal_runs, method):
+    from omegaconf import OmegaConf
+
+    from coop.federated.client import client_config, client_data
+    from coop.weights import load_clip
+
+    folder, _, _, grid = personal_runs[method]
+    trains = [s for s in grid.seen if s["phase"] == "train"]
+    evals = [s for s in grid.seen if s["phase"] == "evaluate"]
+    assert len(trains) == 4 and len(evals) == 2 * ROUNDS  # round 1: both clients; every round: all evaluate
+    for s in trains + evals:
+        assert s["down"] == GLOBAL_KEYS[method]  # the server sends the global tensors only
+        assert s["up"] <= GLOBAL_KEYS[method]  # and gets the global tensors (or nothing) back
+    last: dict[int, int] = {}  # the version each client holds, from the message log alone
+    for s in grid.seen[2:]:  # after the two QUERY messages
+        pid = s["node"] - 1
+        assert s["config"]["personal-round"] == last.get(pid, 0), s
+        if s["phase"] == "train":
+            last[pid] = s["config"]["server-round"]
+    ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
+    assert ckpt["strategy"]["personal_round"] == last
+    for pid in (0, 1):  # a client deletes only the files older than the version it last loaded
+        loaded = [s["config"]["personal-round"] for s in trains if s["node"] == pid + 1][-1]
+        files = sorted(p.name for p in (folder / "clients" / f"client{pid}").iterdir())
+        assert files == sorted(f"personal_round{r}.pt" for r in {loaded, last[pid]} - {0})
+
+    def tensor_paths(obj, path=()):  # every tensor anywhere in the checkpoint
+        if isinstance(obj, torch.Tensor):
+            return [path]
+        items = (
+            obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list | tuple) else ()
+        )
+        return [p for k, v in items for p in tensor_paths(v, (*path, k))]
+
+    assert sorted(tensor_paths(ckpt)) == sorted(("prompt", k) for k in GLOBAL_KEYS[method])
+    # every client, and the server, start the personal part from the same initial value
+    cfg = OmegaConf.load(folder / "config.yaml")
+    clip = load_clip(cfg.model.name, pretrained="none")
+    server = task.build_method(clip, task.load_data(cfg).classnames, cfg).learnable()
+    clients = [client_data(client_config(OmegaConf.to_yaml(cfg), {}), k).initial for k in (0, 1)]
+    for key in PERSONAL_KEYS[method]:
+        assert torch.equal(clients[0][key], server[key]) and torch.equal(clients[1][key], server[key])
+
+
+def test_personal_store_refuses_another_runs_file_and_prunes_only_older_rounds(tmp_path):
+    from flwr.app import RecordDict
+
+    from coop.federated.client_state import PersonalStateError, PersonalStore
+
+    initial = {"U": torch.zeros(2, 3)}
+    writer = PersonalStore(RecordDict(), tmp_path, 0, "run-a")
+    for rnd in (1, 2, 3):
+        writer.save(rnd, {"U": torch.full((2, 3), float(rnd))})
+    assert torch.equal(writer.load(3, initial)["U"], torch.full((2, 3), 3.0))  # Context.state
+    restarted = PersonalStore(RecordDict(), tmp_path, 0, "run-a")  # a new process: the files
+    assert torch.equal(restarted.load(2, initial)["U"], torch.full((2, 3), 2.0))
+    assert torch.equal(writer.load(1, initial)["U"], torch.ones(2, 3))  # not the newer Context.state
+    assert torch.equal(restarted.load(0, initial)["U"], initial["U"])
+    restarted.prune(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["personal_round2.pt", "personal_round3.pt"]
+    with pytest.raises(PersonalStateError, match="is not client 1's round 2 of this run"):
+        PersonalStore(RecordDict(), tmp_path, 1, "run-a").load(2, initial)
+    with pytest.raises(PersonalStateError, match="is not client 0's round 3 of this run"):
+        PersonalStore(RecordDict(), tmp_path, 0, "run-b").load(3, initial)
+
+
+def test_a_missing_state_file_is_one_line_naming_client_round_and_path(personal_runs, tmp_path):
+    import shutil
+
+    from coop.federated.server import FederatedError
+
+    _, overrides, _, _ = personal_runs["fedpgp"]
+    folder = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):  # round 1 checkpointed, then killed inside round 2
+        run_inprocess(folder, overrides, LocalGrid(2, crash=("train", 3)))
+    shutil.rmtree(folder / "clients")
+    message = (
+        r"round 2: every sampled client failed \(first: client (\d): PersonalStateError: no personal "
+        r"tensors of round 1 at \S+/clients/client\1/personal_round1\.pt"
+    )
+    with pytest.raises(FederatedError, match=message):
+        run_inprocess(folder, overrides, LocalGrid(2))
 
 
 def test_collect_personal_table(personal_runs, tmp_path, capsys):
@@ -640,13 +773,13 @@ def test_collect_personal_table(personal_runs, tmp_path, capsys):
 
     from conftest import REPO, run_tool_in_process
 
-    for method, (folder, _, _) in personal_runs.items():
+    for method, (folder, _, _, _) in personal_runs.items():
         shutil.copytree(folder, tmp_path / "runs" / method)
     proc = run_tool_in_process(REPO / "tools" / "collect.py", [str(tmp_path / "runs"), "--table", "personal"])
     assert proc.returncode == 0, proc.stderr
     with (tmp_path / "runs" / "results_personal.csv").open() as f:
         table = {r["fl.method"]: r for r in csv.DictReader(f)}
-    for method, (_, _, metrics) in personal_runs.items():
+    for method, (_, _, metrics, _) in personal_runs.items():
         row = table[method]
         assert float(row["local_accuracy_mean"]) == pytest.approx(metrics["local_accuracy"])
         assert float(row["local_accuracy_last5_mean_mean"]) == pytest.approx(

@@ -1,5 +1,6 @@
 """Federated prompt learning on Flower: PromptFL, latent-domain prompts, and the personalised FedOTP
-and FedPGP (`fedotp`, `fedpgp`, `personal`, `personal_data`).
+and FedPGP (`fedotp`, `fedpgp`, `personal`, `personal_data`, and `client_state`: where a client keeps
+its personal tensors).
 
 Flower (`pip install 'coop[federated]'`) is imported only by the modules that need it, so
 `import coop` works without it. Entry point: `tools/federated.py`.

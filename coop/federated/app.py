@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from coop.config import load_config
 from coop.federated import task
-from coop.federated.client import handle_query, handle_train
+from coop.federated.client import handle_evaluate, handle_query, handle_train
 from coop.federated.server import run_server
 from coop.io import atomic_write
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 client_app = ClientApp()
 client_app.query()(handle_query)
 client_app.train()(handle_train)
+client_app.evaluate()(handle_evaluate)
 
 
 def deployment_config(run_config: dict) -> DictConfig:

@@ -13,19 +13,20 @@ Each round:
 2. the replies are aggregated (`coop.federated.strategy`); failed clients are logged with their
    partition id and recorded in history.csv (`failed`) and metrics.json (`client_failures`);
 3. `evaluate_fn` (Flower's central evaluation signature: (round, ArrayRecord) -> MetricRecord)
-   scores the new global prompt on the global test split;
+   scores the new global prompt on the global test split; FedOTP and FedPGP then send EVALUATE to
+   every client, which evaluates its own personal model, and average the replies
+   (`coop.federated.personal`: PERSONAL_FIELDS; their `accuracy` is the global part alone);
 4. `checkpoint.pt` is written atomically (global tensors, strategy state, round, history), then
    one history.csv row: round, accuracy, macro_f1, train_loss (clients' mean, weighted by their
    examples), train_acc, clients (that replied), sampled, failed, bytes_down, bytes_up,
-   bytes_sent (raw prompt-tensor bytes; bytes_sent = down + up), lr, time_s; personal methods
-   (FedOTP, FedPGP) add the personalised metrics of `coop.federated.personal` (PERSONAL_FIELDS),
-   and their `accuracy` is the global part alone.
+   bytes_sent (raw global-tensor bytes of the round's messages; = down + up), lr, time_s.
 
-Rerunning resumes after the last checkpointed round; as clients are stateless and every random
-choice derives from (seed, round, client), a resumed run ends with the same tensors as an
-uninterrupted one (on CPU). A finished run is not repeated. With fl.on_client_failure=stop (or
-when every sampled client fails) the run stops with `FederatedError` and keeps the checkpoint of
-the last complete round, so the same command retries that round.
+Rerunning resumes after the last checkpointed round; as every random choice derives from (seed,
+round, client) and the checkpoint names which version of its personal tensors each client uses
+(`coop.federated.client_state`), a resumed run ends with the same tensors as an uninterrupted one
+(on CPU). A finished run is not repeated. With fl.on_client_failure=stop (or when every sampled
+client fails, or a client fails to evaluate) the run stops with `FederatedError` and keeps the
+checkpoint of the last complete round, so the same command retries that round.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from coop import runner
 from coop.config import to_yaml
 from coop.federated import task
-from coop.federated.personal import PERSONAL_FIELDS, PersonalEvaluator, round_summary
+from coop.federated.personal import PERSONAL_FIELDS, round_summary
 from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
 from coop.lock import run_lock
@@ -179,12 +180,7 @@ class ServerRun:
         tensors = {k: v.detach().cpu().clone() for k, v in self.method.learnable().items()}
         keys = getattr(self.method, "personal_keys", ())
         self.personal = bool(keys)  # FedOTP, FedPGP: per-client tensors, personalised metrics
-        self.evaluator = None
-        if self.personal:
-            self.evaluator = PersonalEvaluator(
-                cfg, clip, self.ds, self.part, self.method, self.test_feats[0], self.test_labels,
-                self.device, self.precision,
-            )  # fmt: skip
+        self.initial_personal = {k: tensors[k] for k in keys}  # the clients build the same
         self.strategy = PromptStrategy(
             clients=int(fl.clients),
             fraction=float(fl.fraction),
@@ -192,7 +188,7 @@ class ServerRun:
             aggregation=fl.aggregation,
             mu=float(fl.mu),
             beta=float(fl.beta),
-            initial_personal={k: tensors[k] for k in keys},
+            personal_keys=keys,
         )
         self.arrays = {k: v for k, v in tensors.items() if k not in keys}  # the global tensors
         self.round, self.history, self.failures = 0, [], []
@@ -201,6 +197,10 @@ class ServerRun:
     def restore(self, ckpt: dict) -> None:
         self.arrays, self.round = dict(ckpt["prompt"]), int(ckpt["round"])
         self.history, self.failures = list(ckpt["history"]), list(ckpt["failures"])
+        if self.personal and "personal_round" not in ckpt["strategy"]:  # written before they moved
+            raise FederatedError(
+                f"{self.folder}/checkpoint.pt keeps personal tensors on the server: use another output_dir"
+            )
         self.strategy.load_state_dict(ckpt["strategy"])
         log.info("resuming %s after round %d", self.folder, self.round)
 
@@ -222,7 +222,7 @@ class ServerRun:
     def evaluate_global(self, tensors: dict, domains=None) -> dict:
         """`task.evaluate` of the global tensors; a personal method's global part alone."""
         if self.personal:  # the personal tensors are unused by the global-only forward
-            tensors = {**self.strategy.initial_personal, **tensors}
+            tensors = {**self.initial_personal, **tensors}
             self.method.global_only = True
         self.method.load_learnable(tensors, self.ds.classnames)
         try:
@@ -233,11 +233,19 @@ class ServerRun:
             if self.personal:
                 self.method.global_only = False
 
-    def personal_fields(self, accuracy: float) -> dict:
-        """The personalised metrics of this round's global tensors (`coop.federated.personal`)."""
-        out = self.evaluator.evaluate(self.arrays, self.strategy.personal_of)
-        row = {k: None if out[k] is None else round(out[k], 4) for k in PERSONAL_FIELDS if k in out}
-        row["global_accuracy"] = accuracy
+    def personal_fields(self, grid: Grid, rnd: int, arrays: ArrayRecord, timeout: float, acc: float) -> dict:
+        """Each client's personal model, evaluated by the client, averaged; `acc`: the global part's."""
+        config = ConfigRecord({"coop-config": self.client_yaml, "partition-digest": self.part.digest()})
+        messages = self.strategy.configure_evaluate(rnd, arrays, config, grid)
+        out = self.strategy.aggregate_evaluate(rnd, grid.send_and_receive(messages, timeout=timeout))
+        if out is None:
+            f = self.strategy.last_eval_failures[0]
+            raise FederatedError(
+                f"round {rnd}: client {f['client']} could not evaluate ({f['error']}); Local averages over "
+                f"every client, so the run stops and the checkpoint keeps round {rnd - 1}"
+            )
+        row = {k: round(float(out[k]), 4) if k in out else None for k in PERSONAL_FIELDS}
+        row["global_accuracy"] = round(acc, 4)
         row["local_per_client"] = [round(a, 4) for a in out["local_per_client"]]
         return row
 
@@ -286,6 +294,9 @@ class ServerRun:
         self.failures += strategy.last_failures
         self.arrays, self.round = new.to_torch_state_dict(), rnd
         result, stats = self.evaluate_fn(rnd, new), strategy.last_stats
+        personal = (
+            self.personal_fields(grid, rnd, new, round_timeout, result["accuracy"]) if self.personal else {}
+        )
         row = {
             "round": rnd,
             "accuracy": round(result["accuracy"], 4),
@@ -300,9 +311,8 @@ class ServerRun:
             "bytes_sent": stats["bytes_down"] + stats["bytes_up"],
             "lr": lr,
             "time_s": round(time.perf_counter() - t0, 3),
+            **personal,
         }
-        if self.personal:
-            row.update(self.personal_fields(row["accuracy"]), time_s=round(time.perf_counter() - t0, 3))
         self.history.append(row)
         self.checkpoint()
         write_history(self.folder, self.history, self.personal)

@@ -19,23 +19,30 @@ sampling and aggregation are the same in every run and on resume:
         weighted by the samples each client routed to D_k (uniform: plain mean);
         D_k is unchanged in a round where no client used it;
 - personal methods (FedOTP, FedPGP: `personal_keys`): round 1 trains every client, later rounds
-  sample as above (the originals' rule); the message to client k carries the global tensors and
-  k's own personal tensors (its last trained ones, or the common initial value), and k's reply's
-  personal tensors replace them (`personal`, kept in the checkpoint). Only the global tensors
-  are aggregated;
-- failures: a client whose reply is an error (or malformed) is left out of the round and
-  reported in `last_failures` with its partition id and reason; the caller decides whether the
-  run goes on (`fl.on_client_failure`). If every sampled client fails, there is nothing to
-  aggregate and the global tensors stay as they were.
+  sample as above (the originals' rule). Messages carry only the global tensors: each client keeps
+  its personal tensors itself (`coop.federated.client_state`), and the strategy records which
+  version each client holds, `personal_round[k]` (the last round whose TRAIN reply from k was
+  accepted; 0 = the initial value; kept in the checkpoint). Every TRAIN and EVALUATE message's
+  config carries it as `personal-round`. After aggregation `configure_evaluate` sends EVALUATE
+  to every client (sampled or not) and `aggregate_evaluate` averages their accuracies unweighted
+  (`coop.federated.personal.client_means`, not Flower's example-weighted mean);
+- failures: a client whose TRAIN reply is an error (or malformed) is left out of the round,
+  keeps its previous `personal_round`, and is reported in `last_failures` with its partition id
+  and reason; the caller decides whether the run goes on (`fl.on_client_failure`). If every
+  sampled client fails, there is nothing to aggregate and the global tensors stay as they were.
+  A failed EVALUATE reply is listed in `last_eval_failures` and the round has no personal
+  metrics (`aggregate_evaluate` returns None).
 
 FedProx's proximal term is the clients' business: the strategy only sends `proximal-mu`.
+`bytes_down`/`bytes_up` in `last_stats` count the raw global tensors of every message of the round
+(TRAIN, and for personal methods EVALUATE).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -44,6 +51,7 @@ from flwr.serverapp.strategy import Strategy
 
 from coop.data.images import derive_seed
 from coop.federated.latent_domains import domain_of_key
+from coop.federated.personal import client_means
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +120,7 @@ class PromptStrategy(Strategy):
     Args:
         clients, fraction, seed: `fl.clients`, `fl.fraction`, `data.seed`.
         aggregation, mu, beta: `fl.aggregation`, `fl.mu`, `fl.beta`.
+        personal_keys: the method's `personal_keys` (FedOTP, FedPGP): tensors that never travel.
     """
 
     def __init__(
@@ -123,29 +132,32 @@ class PromptStrategy(Strategy):
         aggregation: str,
         mu: float,
         beta: float,
-        initial_personal: dict[str, torch.Tensor] | None = None,
+        personal_keys: Sequence[str] = (),
     ):
         self.clients, self.fraction, self.seed = clients, fraction, seed
-        self.initial_personal = dict(initial_personal or {})  # personal methods: every client's start
-        self.personal: dict[int, dict[str, torch.Tensor]] = {}  # partition id -> its personal tensors
+        self.personal_keys = tuple(personal_keys)
+        self.personal_round: dict[int, int] = {}  # partition id -> the version it holds (absent: 0)
         self.aggregation, self.mu, self.beta = aggregation, mu, beta
         self.nodes: dict[int, int] = {}  # partition id -> Flower node id
         self.current: dict[str, torch.Tensor] = {}
         self.last_failures: list[dict] = []
+        self.last_eval_failures: list[dict] = []
         self.last_stats: dict = {}
         self.domain_usage: list[int] = []  # samples routed to each domain prompt, all rounds so far
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps besides the global tensors (which hold the moving averages)."""
-        return {"domain_usage": list(self.domain_usage), "personal": dict(self.personal)}
+        return {"domain_usage": list(self.domain_usage), "personal_round": dict(self.personal_round)}
 
     def load_state_dict(self, state: dict) -> None:
         self.domain_usage = list(state.get("domain_usage", []))
-        self.personal = {int(k): dict(v) for k, v in state.get("personal", {}).items()}
+        self.personal_round = {int(k): int(v) for k, v in state.get("personal_round", {}).items()}
 
-    def personal_of(self, pid: int) -> dict[str, torch.Tensor]:
-        """Client `pid`'s personal tensors (the initial value until it has trained)."""
-        return self.personal.get(pid, self.initial_personal)
+    def client_config(self, config: ConfigRecord, pid: int) -> ConfigRecord:
+        """`config` for client `pid`'s message: a personal method adds the `personal-round` it holds."""
+        if not self.personal_keys:
+            return config
+        return ConfigRecord({**config, "personal-round": self.personal_round.get(pid, 0)})
 
     def set_nodes(self, nodes: dict[int, int]) -> None:
         self.nodes = dict(nodes)
@@ -163,7 +175,7 @@ class PromptStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        first_all = bool(self.initial_personal) and server_round == 1
+        first_all = bool(self.personal_keys) and server_round == 1
         pids = (
             list(range(self.clients))
             if first_all
@@ -172,15 +184,15 @@ class PromptStrategy(Strategy):
         self.current = arrays.to_torch_state_dict()
         config["server-round"] = server_round
         config["proximal-mu"] = float(self.mu) if self.aggregation == "fedprox" else 0.0
-        messages, down = [], 0
-        for p in pids:
-            sent = {**self.current, **self.personal_of(p)}
-            record = RecordDict(
-                {"arrays": ArrayRecord(sent) if self.initial_personal else arrays, "config": config}
+        messages = [
+            Message(
+                RecordDict({"arrays": arrays, "config": self.client_config(config, p)}),
+                message_type=MessageType.TRAIN,
+                dst_node_id=self.nodes[p],
             )
-            messages.append(Message(record, message_type=MessageType.TRAIN, dst_node_id=self.nodes[p]))
-            down += tensor_bytes(sent)
-        self.last_stats = {"sampled": pids, "bytes_down": down}
+            for p in pids
+        ]
+        self.last_stats = {"sampled": pids, "bytes_down": len(pids) * tensor_bytes(self.current)}
         return messages
 
     def aggregate_train(
@@ -228,9 +240,8 @@ class PromptStrategy(Strategy):
         if not good:
             return None, None
         for g in good:
-            if self.initial_personal:
-                self.personal[g["pid"]] = {k: g["tensors"][k] for k in self.initial_personal}
-        for g in good:
+            if self.personal_keys:  # the client saved this round's personal tensors before replying
+                self.personal_round[g["pid"]] = server_round
             if len(self.domain_usage) < len(g["usage"]):
                 self.domain_usage += [0] * (len(g["usage"]) - len(self.domain_usage))
             for k, u in enumerate(g["usage"]):
@@ -247,17 +258,51 @@ class PromptStrategy(Strategy):
         return ArrayRecord(new), metrics
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> str:
-        expected = {**self.current, **self.initial_personal}
         for key, t in tensors.items():
-            if key not in expected or expected[key].shape != t.shape:
+            if key in self.personal_keys:
+                return f"sent its personal tensor {key}, which stays on the client"
+            if key not in self.current or self.current[key].shape != t.shape:
                 return f"sent an unexpected tensor {key} {tuple(t.shape)}"
             if not torch.isfinite(t).all():
                 return f"sent non-finite values in {key}"
-        missing = set(self.initial_personal) - set(tensors)
-        return f"sent no personal tensor {sorted(missing)[0]}" if missing else ""
+        return ""
 
-    def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
-        return []  # evaluation is central (the server's evaluate_fn on the global test split)
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Personal methods: EVALUATE to every client with the new global tensors. Others: none
+        (their evaluation is central, the server's evaluate_fn on the global test split)."""
+        if not self.personal_keys:
+            return []
+        config["server-round"] = server_round
+        self.last_stats["bytes_down"] += self.clients * tensor_bytes(arrays.to_torch_state_dict())
+        return [
+            Message(
+                RecordDict({"arrays": arrays, "config": self.client_config(config, p)}),
+                message_type=MessageType.EVALUATE,
+                dst_node_id=self.nodes[p],
+            )
+            for p in range(self.clients)
+        ]
 
-    def aggregate_evaluate(self, server_round, replies) -> MetricRecord | None:
-        return None
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The personal fields of the round (`client_means` over ALL clients), or None when a client
+        failed to evaluate (listed in `last_eval_failures`): Local is defined over every client."""
+        by_node = {node: pid for pid, node in self.nodes.items()}
+        got, self.last_eval_failures = {}, []
+        for reply in replies:
+            pid = by_node.get(reply.metadata.src_node_id, -1)
+            if reply.has_error():
+                self.last_eval_failures.append(
+                    {"round": server_round, "client": pid, "error": failure_reason(reply)}
+                )
+            else:
+                got[pid] = dict(reply.content["metrics"])
+        failed = {f["client"] for f in self.last_eval_failures}
+        for pid in sorted(set(range(self.clients)) - set(got) - failed):
+            self.last_eval_failures.append({"round": server_round, "client": pid, "error": "no reply"})
+        self.last_eval_failures.sort(key=lambda f: f["client"])
+        if self.last_eval_failures:
+            return None
+        out = client_means([got[k] for k in range(self.clients)])
+        return MetricRecord({k: v for k, v in out.items() if v is not None})

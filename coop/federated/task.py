@@ -382,11 +382,14 @@ def run_fields(cfg: DictConfig, method: Method) -> dict:
 
 
 def absolute_paths(cfg: DictConfig) -> DictConfig:
-    """A copy whose data.root, data.split_file and model config path are absolute (clients may run elsewhere)."""
+    """A copy whose data.root, data.split_file, model config path and output_dir (the clients' default
+    state dir, `coop.federated.client_state`) are absolute (clients may run elsewhere)."""
     out = cfg.copy()
     for key in ("root", "split_file"):
         if out.data[key] is not None:
             out.data[key] = str(Path(str(out.data[key])).expanduser().resolve())
+    if out.output_dir is not None:
+        out.output_dir = str(Path(str(out.output_dir)).expanduser().resolve())
     name = str(out.model.name)
     if name.endswith(".json") and Path(name).is_file():
         out.model.name = str(Path(name).resolve())
