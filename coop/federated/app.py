@@ -5,9 +5,12 @@ deployment they run on a SuperLink and SuperNodes (`flwr run`):
                  and `overrides` (space-separated key=value, as on the tools' command line);
                  `tool-pid` and `result-file` are set by `simulate` (0 and "" otherwise)
     client_app   ClientApp; each SuperNode needs `--node-config "partition-id=<k> num-partitions=<n>"`
-                 and may add `data-root=<folder>` and `device=<cuda:0>` for its own machine
+                 and may add `data-root="<folder>"` and `device="cuda:0"` for its own machine, and
+                 (FedOTP, FedPGP) `state-dir="<folder>"` for its personal tensors
+                 (`coop.federated.client_state`; default <output_dir>/clients/client<k>)
 
-Messages: QUERY (which partition does a node hold) once per server start, then TRAIN per round.
+Messages: QUERY (which partition does a node hold) once per server start, then TRAIN per round;
+personalised methods add EVALUATE to every client per round (its personal model on its own test set).
 """
 
 from __future__ import annotations
