@@ -272,7 +272,7 @@ def test_last_client_is_what_the_official_loop_computes_and_a_clients_own_result
     lr = task.round_lr(1, int(cfg.fl.rounds), float(cfg.train.lr))
     replies = []
     for pid in (0, 1):  # each client's round, exactly as its ClientApp runs it
-        sent, metrics = client.train_round(cfg, pid, start, 1, lr, 0.0, part.digest())
+        sent, _, metrics = client.train_round(cfg, pid, start, 1, lr, 0.0, part.digest())
         replies.append({"pid": pid, "tensors": sent, "num_examples": metrics["num-examples"], "usage": []})
     new = aggregate(start, replies, "last_client", beta=0.5)
     mean = aggregate(start, replies, "uniform", beta=0.5)
@@ -295,7 +295,7 @@ def test_clients_and_server_run_the_precision_asked(image_folder, tmp_path, monk
         cfg = fl_cfg(image_folder, f"train.precision={prec}", f"output_dir={tmp_path / prec}")
         run = ServerRun(cfg, tmp_path / prec)
         assert run.precision == prec
-        sent, metrics = client.train_round(cfg, 0, run.arrays, 1, 0.05, 0.0, run.part.digest())
+        sent, _, metrics = client.train_round(cfg, 0, run.arrays, 1, 0.05, 0.0, run.part.digest())
         data = client.client_data(cfg, 0)
         results[prec] = (run, sent, metrics, data)
     run, sent, metrics, data = results[precision]

@@ -9,9 +9,8 @@ import json
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, interrupted_at
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
-from test_recipe import interrupt_at
 
 import coop.reference.tip_adapter as ref
 from coop.config import ConfigError, load_config, run_name
@@ -157,7 +156,7 @@ def test_recipes_per_dataset_and_the_cosine_length(tmp_path):
     assert (f_euro.train.epochs, f_euro.train.batch_size, f_euro.tip.init_alpha) == (100, 256, 2.0)
 
 
-def test_runs_tune_on_val_transfer_and_resume(data_root, tmp_path, monkeypatch):  # noqa: F811
+def test_runs_tune_on_val_transfer_and_resume(data_root, tmp_path):  # noqa: F811
     """Both methods end to end on an image folder with a val split: the cache keys are the mean of
     10 views at crop scale 0.5-1; alpha/beta are the val search's; ImageNet-A's class subset keeps
     its cache columns; Tip-Adapter-F killed after epoch 1 and resumed ends bit-identical."""
@@ -197,10 +196,8 @@ def test_runs_tune_on_val_transfer_and_resume(data_root, tmp_path, monkeypatch):
     )  # tiny_cfg: lr 0.05
 
     resumed = tmp_path / "resumed"
-    interrupt_at(monkeypatch, 1)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(1), pytest.raises(KeyboardInterrupt):
         train_run(tiny_cfg(resumed, *common, "method=tip_adapter_f", "train.batch_size=256"))
-    monkeypatch.undo()
     again = train_run(tiny_cfg(resumed, *common, "method=tip_adapter_f", "train.batch_size=256"))
     r_ckpt = torch.load(resumed / "checkpoint.pt", weights_only=True)
     assert torch.equal(r_ckpt["prompt"]["adapter"], f_ckpt["prompt"]["adapter"])
