@@ -120,9 +120,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(scope="module")
+def fl_env(tmp_path_factory):
+    """Federated runs' environment: one feature cache per test module, never ~/.cache (the autouse
+    cache fixture is function-scoped, too late for the module-scoped reference run)."""
+    return {**os.environ, "COOP_CACHE_DIR": str(tmp_path_factory.mktemp("fl-cache"))}
+
+
 # The longest files first: `make test` runs `--dist loadfile` (a file per worker), so a long file
 # collected last would run alone at the end.
-LONG_FILES = ("test_federated.py", "test_train.py", "test_protocols.py", "test_research.py")
+LONG_FILES = (
+    "test_federated.py",
+    "test_federated_runs.py",
+    "test_train.py",
+    "test_protocols.py",
+    "test_research.py",
+)
 
 
 def pytest_collection_modifyitems(items):

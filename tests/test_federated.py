@@ -1,8 +1,9 @@
 """Federated prompt learning: real Flower simulations (tiny model, generated images) and their parts.
 
-Each simulation starts Ray, which costs 20-30 s on 2 CPU cores, so one PromptFL run (3 clients,
-3 rounds) is shared by the direct-computation, run-folder and resume tests, and one
-latent-domains run also carries the client-failure test.
+Each simulation starts a SuperLink, `flwr run` and Ray, which costs 25-35 s on 2 CPU cores, so one
+PromptFL run (3 clients, 3 rounds) is shared by the direct-computation, run-folder and resume
+tests. The other methods' simulations are in test_federated_runs.py (a file of its own, so that
+pytest-xdist runs the two files' simulations side by side).
 """
 
 from __future__ import annotations
@@ -59,13 +60,6 @@ def run_tool(
     return subprocess.run(
         command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
     )
-
-
-@pytest.fixture(scope="module")
-def fl_env(tmp_path_factory):
-    """The runs' environment: one feature cache for this module, never ~/.cache (conftest's autouse
-    cache fixture is function-scoped, too late for the module-scoped reference run)."""
-    return {**os.environ, "COOP_CACHE_DIR": str(tmp_path_factory.mktemp("fl-cache"))}
 
 
 def history(folder: Path) -> list[dict]:
@@ -248,104 +242,3 @@ def test_resume_after_sigkill_at_round_boundary_and_mid_round(reference, fl_env,
     a, b = (json.loads((f / "metrics.json").read_text()) for f in (folder, ref_folder))
     assert a["accuracy"] == b["accuracy"] and a["per_class_accuracy"] == b["per_class_accuracy"]
     assert "resuming" in log.read_text()
-
-
-def test_latent_domains_on_multidomain_data_with_a_failing_client(fl_env, tmp_path):
-    """Leave-one-domain-out on three generated styles, domains mixed across clients by a Dirichlet
-    partition; one client holds an unreadable image, fails every round and is left out of it."""
-    from omegaconf import OmegaConf
-    from test_federated_parts import make_multidomain
-
-    bad_file = os.path.join("photo", "red_thing", "3.png")
-    root = make_multidomain(tmp_path / "styles", corrupt=bad_file)
-    folder = tmp_path / "run"
-    overrides = [
-        *BASE,
-        "data.name=multidomain",
-        f"data.root={root}",
-        "data.target_domain=sketch",
-        "fl.method=latent_domains",
-        "fl.domains=2",  # neither the number of clients nor of source domains
-        "fl.partition=dirichlet",
-        "fl.rounds=2",
-        "prompt.position=middle",
-        "prompt.depth=2",
-    ]
-    proc = run_tool(folder, overrides, fl_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    ds = task.load_data(OmegaConf.load(folder / "config.yaml"))
-    bad = next(i for i, d in enumerate(ds.train) if d.path.endswith(bad_file))
-    part = json.loads((folder / "partition.json").read_text())
-    culprit = next(c for c, idx in enumerate(part["clients"]) if bad in idx)
-    assert all(set(counts) <= {"photo", "stripes"} for counts in part["domain_counts"])
-
-    rows = history(folder)
-    assert [(r["failed"], r["clients"], r["sampled"]) for r in rows] == [(str(culprit), "2", "3")] * 2
-    metrics = json.loads((folder / "metrics.json").read_text())
-    assert [(f["round"], f["client"]) for f in metrics["client_failures"]] == [(1, culprit), (2, culprit)]
-    assert all("3.png" in f["error"] and f["error"].startswith(f"client {culprit}: DataError") for f in
-               metrics["client_failures"])  # fmt: skip
-    assert f"round 1: client {culprit} failed" in (folder / "log.txt").read_text()
-
-    assert metrics["method"] == "latent_domains" and metrics["target_domain"] == "sketch"
-    assert metrics["per_domain_accuracy"] == {"sketch": pytest.approx(metrics["accuracy"], abs=1e-3)}
-    assert metrics["n_test"] == 18 and len(metrics["domain_usage"]) == 2 and sum(metrics["domain_usage"]) > 0
-    prompt = torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
-    assert {"global.deep_ctx", "domain0.deep_ctx", "domain1.deep_ctx", "query"} <= set(prompt)
-
-
-def test_fedotp_simulation_equals_the_in_process_grid(fl_env, tmp_path, monkeypatch):
-    """FedOTP through Ray (tools/federated.py): the same global and personal tensors and
-    personalised metrics as the same run on test_personal_fl's in-process grid."""
-    from flwr.supercore.task_identity import TaskIdentity
-    from test_personal_fl import BASE as PERSONAL
-    from test_personal_fl import LocalGrid, client_personal, run_inprocess
-
-    root = make_image_folder(tmp_path / "four", classes=("r", "g", "b", "y"), n_train=5, n_test=3)
-    overrides = [
-        *PERSONAL,
-        f"data.root={root}",
-        "fl.method=fedotp",
-        "fl.rounds=2",
-        "fl.fraction=0.5",
-        "prompt.n_ctx=4",
-    ]
-    proc = run_tool(tmp_path / "ray", overrides, fl_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    monkeypatch.setenv("COOP_CACHE_DIR", fl_env["COOP_CACHE_DIR"])
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
-        monkeypatch.setattr(TaskIdentity, name, value)
-    metrics = run_inprocess(tmp_path / "local", overrides, LocalGrid(2))
-    ray, local = (torch.load(tmp_path / f / "checkpoint.pt", weights_only=True) for f in ("ray", "local"))
-    assert torch.equal(ray["prompt"]["global.ctx"], local["prompt"]["global.ctx"])
-    assert ray["strategy"]["personal_round"] == local["strategy"]["personal_round"]
-    for k in (0, 1):  # from each run's client state files (the Ray actors wrote theirs)
-        ours, theirs = (client_personal(tmp_path / f, k)["local.ctx"] for f in ("ray", "local"))
-        assert torch.equal(ours, theirs)
-    ours = json.loads((tmp_path / "ray" / "metrics.json").read_text())
-    assert ours["local_accuracy"] == metrics["local_accuracy"] and ours["method"] == "fedotp"
-    assert ours["local_per_client"] == metrics["local_per_client"]
-    assert [r["sampled"] for r in history(tmp_path / "ray")] == ["2", "1"]
-
-
-def test_a_client_failure_with_stop_is_one_line_from_the_serverapps_process(fl_env, tmp_path):
-    """The ServerApp runs in a process that Flower starts; its FederatedError still reaches the
-    tool's console as one line (exit 1), and the checkpoint of the last complete round stays."""
-    root = make_image_folder(tmp_path / "images", n_train=6, n_test=4)
-    bad = sorted((root / "train").rglob("*.png"))[0]
-    bad.write_bytes(b"not an image")
-    folder = tmp_path / "run"
-    overrides = [
-        *BASE,
-        "data.name=imagefolder",
-        f"data.root={root}",
-        "fl.rounds=2",
-        "fl.on_client_failure=stop",
-    ]
-    proc = run_tool(folder, overrides, fl_env)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: round 1: client ") and str(bad) in last
-    assert last.endswith("fl.on_client_failure=stop, the checkpoint keeps round 0")
-    assert not (folder / "checkpoint.pt").exists() and not (folder / "metrics.json").exists()
