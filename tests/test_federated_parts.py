@@ -296,3 +296,23 @@ def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():
                       "module": "coop.federated.server"})  # fmt: skip
     with pytest.raises(FederatedError, match="^KeyError: 'x'$"):  # a class not rebuilt from its text
         raise_remote({"error": "'x'", "type": "KeyError", "module": "builtins"})
+
+
+def test_wait_for_exit_returns_when_the_process_ends_reaped_or_not():
+    import signal
+    import threading
+
+    from coop.federated.app import wait_for_exit
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = threading.Event()
+    watcher = threading.Thread(target=lambda: (wait_for_exit(proc.pid), done.set()), daemon=True)
+    watcher.start()
+    try:
+        assert not done.wait(0.5)  # still running
+        os.kill(proc.pid, signal.SIGKILL)  # a zombie until reaped below
+        assert done.wait(5)
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for_exit(proc.pid)  # gone altogether: returns at once

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import shlex
 import signal
 import threading
@@ -71,18 +72,39 @@ def alive(pid: int) -> bool:
         return True
 
 
+def wait_for_exit(pid: int, period: float = 0.1) -> None:
+    """Return when process `pid` has ended: at once through a pidfd on Linux (readable when the
+    process exits, reaped or not), else by polling `alive` every `period` seconds."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux, or already gone
+        fd = None
+    if fd is not None:
+        try:
+            select.select([fd], [], [])
+        finally:
+            os.close(fd)
+        return
+    while alive(pid):
+        time.sleep(period)
+
+
 def exit_with(pid: int, period: float = 0.1) -> None:
-    """Stop this process when process `pid`, the tool that started the run, is gone: a killed tool
-    stops its run. Nothing is cleaned up (the run folder is only ever written atomically), and the
+    """Stop this process as soon as process `pid`, the tool that started the run, is gone: a killed
+    tool stops its run. Nothing is cleaned up (the run folder is only ever written atomically), and the
     process group goes too: Flower starts this process in a group of its own with the SuperExec and
     the Ray processes, which would otherwise outlive it."""
 
+    try:
+        tool_group = os.getpgid(pid)  # read now: once the tool is reaped it cannot be asked
+    except OSError:
+        tool_group = None
+
     def watch() -> None:
-        while alive(pid):
-            time.sleep(period)
+        wait_for_exit(pid, period)
         group = os.getpgrp()
-        with contextlib.suppress(OSError):
-            if group != os.getpgid(pid):  # never the tool's own group (a shell's job, a test's)
+        if group not in (tool_group, None):  # never the tool's own group (a shell's job, a test's)
+            with contextlib.suppress(OSError):
                 os.killpg(group, signal.SIGKILL)
         os._exit(1)
 

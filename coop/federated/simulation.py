@@ -111,12 +111,8 @@ def superlink(home: Path, env: dict, flower_log) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
-            proc.terminate()  # its SuperExec and simulation processes watch it and stop after it
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.kill()  # its state is in memory, nothing to keep; its SuperExec watches it and stops
+            proc.wait()
 
 
 class LogTail(threading.Thread):
@@ -147,6 +143,28 @@ class LogTail(threading.Thread):
         self.done.set()
         self.join()
         self.copy()
+
+
+def submit(cmd: list[str], env: dict, flower_log, result_file: Path, grace: float = 0.5) -> int | None:
+    """Run `flwr run ... --stream` until it ends, or until the ServerApp has written its result and
+    `grace` seconds have passed: Flower then still shuts its Ray backend down for several seconds,
+    which this process need not wait for (the run folder is complete, and the ServerApp's process
+    group goes when this process ends, `coop.federated.app.exit_with`). Returns flwr's exit code
+    (None if it was stopped)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=flower_log, stderr=subprocess.STDOUT, **CHILD)
+    try:
+        done_at = None
+        while proc.poll() is None:
+            if done_at is None and result_file.is_file():
+                done_at = time.monotonic()
+            if done_at is not None and time.monotonic() - done_at > grace:
+                return None
+            time.sleep(0.1)
+        return proc.returncode
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
 
 
 def raise_remote(result: dict) -> None:
@@ -203,12 +221,12 @@ def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1
                    "--run-config", run_config, "--federation-config", federation]  # fmt: skip
             tail.start()
             try:
-                proc = subprocess.run(cmd, env=env, stdout=flower_log, stderr=subprocess.STDOUT, **CHILD)
+                code = submit(cmd, env, flower_log, result_file)
             finally:
                 tail.stop()
         if not result_file.is_file():
             raise FederatedError(
-                f"the simulation ended without results (flwr run exited with code {proc.returncode}); "
+                f"the simulation ended without results (flwr run exited with code {code}); "
                 f"see {folder / 'log.txt'} and {folder / 'flower.log'}"
             )
         result = json.loads(result_file.read_text())
