@@ -280,9 +280,22 @@ def predict(method: Method, features: torch.Tensor, device, precision="fp32") ->
         )
 
 
-def evaluate(method: Method, features: torch.Tensor, labels: torch.Tensor, device, precision="fp32"):
-    """Top-1 accuracy (%), macro F1 and per-class accuracy from cached image features (N, E)."""
-    return classification_metrics(predict(method, features, device, precision), labels, method.n_cls)
+def evaluate(
+    method: Method, features: torch.Tensor, labels: torch.Tensor, device, precision="fp32", domains=None
+) -> dict:
+    """Top-1 accuracy (%), macro F1, per-class accuracy and n_test from cached image features (N, ...);
+    with `domains` (one name per image), also `per_domain_accuracy` (%, rounded to 4 places)."""
+    preds = predict(method, features, torch.device(device), precision)
+    out = classification_metrics(preds, labels, method.n_cls)
+    if domains is not None:
+        correct = (preds == labels).tolist()
+        out["per_domain_accuracy"] = {
+            d: round(
+                100.0 * sum(c for c, e in zip(correct, domains, strict=True) if e == d) / domains.count(d), 4
+            )
+            for d in sorted(set(domains))
+        }
+    return out
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from conftest import TINY_CONFIG  # noqa: E402
 
 from coop.config import ConfigError, load_config  # noqa: E402
 from coop.data.base import Datum  # noqa: E402
+from coop.engine import evaluate  # noqa: E402
 from coop.federated import client, task  # noqa: E402
 from coop.federated.partition import PartitionError  # noqa: E402
 from coop.federated.promptfl_data import promptfl_partition  # noqa: E402
@@ -311,5 +312,5 @@ def test_clients_and_server_run_the_precision_asked(image_folder, tmp_path, monk
         # (a norm, not element by element: a near-zero entry's rounding depends on the CPU's bf16 kernels)
         drift = (sent[key].float() - sent32[key]).norm() / sent32[key].norm()
         assert 0 < drift < 0.05, (key, float(drift))
-    score = task.evaluate(run.method, run.test_feats[0], run.test_labels, "cpu", precision=run.precision)
+    score = evaluate(run.method, run.test_feats[0], run.test_labels, "cpu", precision=run.precision)
     assert 0 <= score["accuracy"] <= 100

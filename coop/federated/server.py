@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from coop import runner
 from coop.config import to_yaml
+from coop.engine import evaluate
 from coop.federated import task
 from coop.federated.personal import PERSONAL_FIELDS, round_summary
 from coop.federated.strategy import PromptStrategy, failure_reason
@@ -220,14 +221,14 @@ class ServerRun:
         return MetricRecord({"accuracy": result["accuracy"], "macro-f1": result["macro_f1"]})
 
     def evaluate_global(self, tensors: dict, domains=None) -> dict:
-        """`task.evaluate` of the global tensors; a personal method's global part alone."""
+        """`coop.engine.evaluate` of the global tensors; a personal method's global part alone."""
         if self.personal:  # the personal tensors are unused by the global-only forward
             tensors = {**self.initial_personal, **tensors}
             self.method.global_only = True
         self.method.load_learnable(tensors, self.ds.classnames)
         try:
-            return task.evaluate(
-                self.method, self.test_feats[0], self.test_labels, self.device, domains, self.precision
+            return evaluate(
+                self.method, self.test_feats[0], self.test_labels, self.device, self.precision, domains
             )
         finally:
             if self.personal:

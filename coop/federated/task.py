@@ -25,7 +25,7 @@ from coop.config import ConfigError, model_tag, run_name
 from coop.data import CLIP_MEAN, CLIP_STD, build_dataset, build_transforms, subsample_classes
 from coop.data.images import derive_seed
 from coop.data.multidomain import build_multidomain, domain_of
-from coop.engine import classification_metrics, predict, use_fp16
+from coop.engine import use_fp16
 from coop.features import cached_features, resolve_precision
 from coop.federated.fedotp import FedOTP
 from coop.federated.fedpgp import FedPGP
@@ -346,24 +346,6 @@ def round_lr(rnd: int, rounds: int, lr: float, schedule: str = "cosine") -> floa
 def local_seed(seed: int, rnd: int, client: int) -> int:
     """The seed of client `client`'s batches in round `rnd`: the same in every process and run."""
     return derive_seed(seed, rnd, client)
-
-
-def evaluate(
-    method: Method, feats: torch.Tensor, labels: torch.Tensor, device, domains=None, precision: str = "fp32"
-) -> dict:
-    """`coop.engine.evaluate` (accuracy %, macro F1, per-class accuracy, n_test on features (N, ...),
-    under the run's precision as tools/train.py evaluates), plus per-domain accuracy with `domains`."""
-    preds = predict(method, feats, torch.device(device), precision)
-    out = classification_metrics(preds, labels, method.n_cls)
-    if domains is not None:
-        correct = (preds == labels).tolist()
-        out["per_domain_accuracy"] = {
-            d: round(
-                100.0 * sum(c for c, e in zip(correct, domains, strict=True) if e == d) / domains.count(d), 4
-            )
-            for d in sorted(set(domains))
-        }
-    return out
 
 
 def run_fields(cfg: DictConfig, method: Method) -> dict:
