@@ -84,30 +84,42 @@ def resources(cfg: DictConfig, cpus_per_client: int, clients_per_gpu: int) -> di
     return {"num-cpus": int(cpus_per_client), "num-gpus": gpus}
 
 
+def _answers(proc: subprocess.Popen, port: int) -> bool:
+    """Wait until the SuperLink `proc` accepts connections on `port` (False: it exited first)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise FederatedError(f"Flower's SuperLink did not start within {START_TIMEOUT:.0f} s")
+        time.sleep(0.2)
+    return False
+
+
 @contextlib.contextmanager
 def superlink(home: Path, env: dict, flower_log) -> Iterator[str]:
-    """A simulation SuperLink of our own, on a free port; yields its address, stops it on exit."""
-    port = free_port()
-    cmd = [
-        _bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
-        "--database", ":flwr-in-memory:", "--host", "127.0.0.1", "--port", str(port),
-        "--disable-runtime-dependency-installation",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=flower_log, stderr=subprocess.STDOUT, **CHILD)
+    """A simulation SuperLink of our own, on a free port; yields its address, stops it on exit.
+    A SuperLink that exits before it answers (another process took the port in between) is
+    started again on another port, up to 3 times."""
+    for attempt in range(3):
+        port = free_port()
+        cmd = [
+            _bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+            "--database", ":flwr-in-memory:", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-runtime-dependency-installation",
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=flower_log, stderr=subprocess.STDOUT, **CHILD)
+        if _answers(proc, port):
+            break
+        if attempt == 2:
+            raise FederatedError(
+                f"Flower's SuperLink exited with code {proc.returncode} before it started; "
+                f"see {flower_log.name}"
+            )
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                raise FederatedError(
-                    f"Flower's SuperLink exited with code {proc.returncode} before it started; "
-                    f"see {flower_log.name}"
-                )
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise FederatedError(f"Flower's SuperLink did not start within {START_TIMEOUT:.0f} s")
-            time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
@@ -187,11 +199,15 @@ def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1
 
     The caller holds the run folder's lock (`coop.lock.run_lock`); the ServerApp runs under it.
     """
+    if not (APP_DIR / "pyproject.toml").is_file():
+        raise FederatedError(
+            f"the Flower App {APP_DIR} is missing: run from a checkout of the repository (pip install -e)"
+        )
     folder = Path(cfg.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     res = resources(cfg, cpus_per_client, clients_per_gpu)
     with (
-        tempfile.TemporaryDirectory(prefix="coop-flower-") as tmp,
+        tempfile.TemporaryDirectory(prefix="coop-flower-", ignore_cleanup_errors=True) as tmp,
         (folder / "flower.log").open("ab") as flower_log,
     ):
         home = Path(tmp)
