@@ -32,7 +32,6 @@ each rank's share of the batches and gather the results; one process is the case
 from __future__ import annotations
 
 import logging
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +58,7 @@ from coop.data.images import derive_seed
 from coop.features import autocast, cached_features, resolve_precision
 from coop.methods import Method, build_method
 from coop.methods.base import FeatureRequest
+from coop.metrics import classification_metrics
 from coop.model import CLIP
 from coop.schedule import Schedule, steps_per_epoch
 from coop.weights import load_clip
@@ -283,19 +283,10 @@ def predict(method: Method, features: torch.Tensor, device, precision="fp32") ->
 def evaluate(
     method: Method, features: torch.Tensor, labels: torch.Tensor, device, precision="fp32", domains=None
 ) -> dict:
-    """Top-1 accuracy (%), macro F1, per-class accuracy and n_test from cached image features (N, ...);
-    with `domains` (one name per image), also `per_domain_accuracy` (%, rounded to 4 places)."""
+    """`coop.metrics.classification_metrics` of the predictions from cached image features (N, ...);
+    with `domains` (one name per image), also per-domain accuracy."""
     preds = predict(method, features, torch.device(device), precision)
-    out = classification_metrics(preds, labels, method.n_cls)
-    if domains is not None:
-        correct = (preds == labels).tolist()
-        out["per_domain_accuracy"] = {
-            d: round(
-                100.0 * sum(c for c, e in zip(correct, domains, strict=True) if e == d) / domains.count(d), 4
-            )
-            for d in sorted(set(domains))
-        }
-    return out
+    return classification_metrics(preds, labels, method.n_cls, domains)
 
 
 @torch.no_grad()
@@ -341,22 +332,6 @@ def evaluate_run(s: Setup) -> dict:
         return evaluate_images(s, "test")
     feats, labels = eval_features(s)
     return evaluate(s.method, feats[0], labels, s.device, s.precision)
-
-
-def classification_metrics(preds: torch.Tensor, labels: torch.Tensor, n_cls: int) -> dict:
-    """Top-1 accuracy (%), macro F1 (%) over the present classes and per-class accuracy."""
-    conf = torch.bincount(labels * n_cls + preds, minlength=n_cls * n_cls).reshape(n_cls, n_cls).double()
-    tp = conf.diag()
-    support, predicted = conf.sum(1), conf.sum(0)
-    recall = torch.where(support > 0, tp / support.clamp(min=1), torch.nan)
-    f1 = 2 * tp / (support + predicted).clamp(min=1)
-    present = support > 0
-    return {
-        "accuracy": float(100.0 * tp.sum() / conf.sum()),
-        "macro_f1": float(100.0 * f1[present].mean()),
-        "per_class_accuracy": [None if math.isnan(r) else round(100.0 * float(r), 4) for r in recall],
-        "n_test": int(labels.numel()),
-    }
 
 
 def _features(s: Setup, split: str, transform, desc: str, views: int = 1, seed: int | None = None):
