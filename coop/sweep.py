@@ -13,7 +13,7 @@ or a key that would cancel one of its entries (`YIELDS_TO`), the recipe keeps it
 its 2. Swept keys and every `key=value` of the command line apply to every method. Each point becomes
 `OUT/<coop.config.run_name(cfg)>`; swept keys that the name lacks (e.g. train.lr) are appended to
 its settings part. Runs execute as subprocesses of `tools/train.py` (local, one GPU per worker) or
-as submitit jobs (SLURM, or submitit's local executor).
+as submitit jobs (SLURM, or submitit's local executor: `coop.sweep_submitit`).
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def _tail(path: Path, n: int = 1) -> str:
     return " / ".join(ln.strip()[-200:] for ln in lines[-n:])
 
 
-def _finish(run: Run, rc: int | None, error: str = "") -> None:
+def finish_run(run: Run, rc: int | None, error: str = "") -> None:
     run.returncode = rc
     run.error = error
     if rc == 0 and not (run.folder / "metrics.json").is_file():
@@ -327,9 +327,9 @@ def run_processes(
             for fut in as_completed(futures):
                 run = futures[fut]
                 try:
-                    _finish(run, fut.result())
+                    finish_run(run, fut.result())
                 except OSError as e:
-                    _finish(run, -1, f"could not start: {e}")
+                    finish_run(run, -1, f"could not start: {e}")
                 log.info("%s %s", "ok    " if run.returncode == 0 else "FAILED", run.folder)
                 bar.update()
     except KeyboardInterrupt:
@@ -339,80 +339,6 @@ def run_processes(
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown()
-
-
-def submitit_parameters(args, n_runs: int) -> dict:
-    """submitit's job parameters: one task per job, which runs `train.py` itself or, with
-    `--gpus-per-run N`, torchrun with N ranks on the job's N GPUs."""
-    cluster, per_run = args.executor, getattr(args, "gpus_per_run", 1)
-    if args.gpus_per_node is not None:
-        gpus = args.gpus_per_node
-    else:
-        gpus = per_run if per_run > 1 else (1 if cluster == "slurm" else 0)
-    params = {
-        "timeout_min": args.timeout_min,
-        "gpus_per_node": gpus,
-        "tasks_per_node": 1,
-        "name": "coop-sweep",
-    }
-    if args.cpus_per_task:
-        params["cpus_per_task"] = args.cpus_per_task
-    if cluster == "slurm":
-        if args.partition:
-            params["slurm_partition"] = args.partition
-        params["slurm_array_parallelism"] = args.jobs or n_runs
-    return params
-
-
-def run_submitit(runs: list[Run], cmds: list[list[str]], args, root: Path) -> None:
-    """Submit each run as a submitit job (SLURM or submitit's local executor) and wait for them."""
-    try:
-        import submitit
-    except ImportError:
-        raise ConfigError("--executor slurm/local needs submitit: pip install 'coop[slurm]'") from None
-    cluster = args.executor
-    executor = submitit.AutoExecutor(folder=root / ".submitit", cluster=cluster)
-    executor.update_parameters(**submitit_parameters(args, len(runs)))
-    cwd = os.getcwd()
-    pending = list(zip(runs, cmds, strict=True))
-    # SLURM: one array job, throttled by SLURM; local executor: at most --jobs at a time.
-    window = len(pending) if cluster == "slurm" else (args.jobs or 1)
-    active: dict = {}
-    with (
-        logging_redirect_tqdm(),
-        tqdm(total=len(runs), desc=f"{cluster} jobs", unit="run", disable=None) as bar,
-    ):
-        try:
-            while pending or active:
-                batch, pending = pending[: window - len(active)], pending[window - len(active) :]
-                if batch:
-                    with executor.batch():
-                        submitted = [
-                            (executor.submit(run_command, c, str(r.folder / "sweep.log"), cwd), r)
-                            for r, c in batch
-                        ]
-                    for job, run in submitted:
-                        log.info("submitted job %s: %s", job.job_id, run.folder)
-                        active[job] = run
-                    if cluster == "slurm" and args.no_wait:
-                        return
-                for job in [j for j in active if j.done()]:
-                    run = active.pop(job)
-                    try:
-                        _finish(run, job.result())
-                    except Exception as e:  # the job itself failed (timeout, preemption, node failure)
-                        _finish(run, -1, f"job {job.job_id}: {str(e).strip().splitlines()[-1][:300]}")
-                    log.info("%s %s", "ok    " if run.returncode == 0 else "FAILED", run.folder)
-                    bar.update()
-                if active:
-                    time.sleep(0.5 if cluster == "local" else 15)
-        except KeyboardInterrupt:
-            if cluster == "local":
-                for job in active:
-                    job.cancel(check=False)
-            else:
-                log.warning("SLURM jobs keep running: %s", " ".join(j.job_id for j in active))
-            raise
 
 
 def visible_gpus(spec: str | None) -> list[str]:

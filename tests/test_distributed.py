@@ -29,7 +29,8 @@ import coop.runner
 from coop import distributed
 from coop.config import ConfigError, load_config
 from coop.engine import rank_share
-from coop.sweep import Run, slot_gpus, submitit_parameters, train_command
+from coop.sweep import Run, slot_gpus, train_command
+from coop.sweep_submitit import submitit_parameters
 
 EPOCHS, BATCH = 2, 5  # 12 training images: 2 steps of 5 per epoch, shares of 3 and 2 on 2 ranks
 RUNS = {

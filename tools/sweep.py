@@ -36,10 +36,10 @@ from coop.sweep import (  # noqa: E402
     load_grid,
     plan,
     run_processes,
-    run_submitit,
     train_command,
     visible_gpus,
 )
+from coop.sweep_submitit import run_submitit  # noqa: E402
 
 log = logging.getLogger("coop.sweep")
 
