@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
-import logging
 import os
 import signal
 import socket
@@ -46,8 +45,6 @@ from omegaconf import DictConfig
 from coop.config import to_yaml
 from coop.federated import task
 from coop.federated.server import FederatedError
-
-log = logging.getLogger(__name__)
 
 APP_DIR = Path(__file__).resolve().parents[2] / "configs" / "federated" / "flower-app"
 CONNECTION = "coop-local"
