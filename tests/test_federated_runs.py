@@ -1,6 +1,6 @@
 """Federated simulations of the other methods (tools/federated.py, tiny model, generated images):
-latent-domain prompts with a failing client, FedOTP killed and resumed against the in-process
-grid, and a client failure under fl.on_client_failure=stop. Apart from test_federated.py so that
+latent-domain prompts with a failing client, FedOTP and FedPGP killed and resumed against the
+in-process grid, and a client failure under fl.on_client_failure=stop. Apart from test_federated.py so that
 pytest-xdist runs the two files' simulations side by side."""
 
 from __future__ import annotations
@@ -69,24 +69,27 @@ def test_latent_domains_on_multidomain_data_with_a_failing_client(fl_env, tmp_pa
     assert {"global.deep_ctx", "domain0.deep_ctx", "domain1.deep_ctx", "query"} <= set(prompt)
 
 
-def test_fedotp_simulation_killed_and_resumed_equals_the_in_process_grid(fl_env, tmp_path, monkeypatch):
-    """FedOTP through the simulation (tools/federated.py), killed with SIGKILL inside round 2 (its
-    clients may have written their round-2 state files already) and resumed: the same global and
-    personal tensors and personalised metrics as the uninterrupted run on test_personal_fl's
-    in-process grid."""
+PERSONAL_METHODS = {
+    "fedotp": (["fl.method=fedotp"], {"global.ctx"}, {"local.ctx"}),
+    "fedpgp": (["fl.method=fedpgp", "fedpgp.rank=2", "data.subsample_classes=base"], {"sigma"}, {"U", "V"}),
+}
+
+
+@pytest.mark.parametrize("method", list(PERSONAL_METHODS))
+def test_personal_simulation_killed_and_resumed_equals_the_in_process_grid(
+    fl_env, tmp_path, monkeypatch, method
+):
+    """FedOTP and FedPGP (base-to-novel) through the simulation (tools/federated.py), killed with
+    SIGKILL inside round 2 (its clients may have written their round-2 state files already) and
+    resumed: the same global and personal tensors and personalised metrics as the uninterrupted run
+    on test_personal_fl's in-process grid."""
     from flwr.supercore.task_identity import TaskIdentity
     from test_personal_fl import BASE as PERSONAL
     from test_personal_fl import LocalGrid, client_personal, run_inprocess
 
+    extra, global_keys, personal_keys = PERSONAL_METHODS[method]
     root = make_image_folder(tmp_path / "four", classes=("r", "g", "b", "y"), n_train=5, n_test=3)
-    overrides = [
-        *PERSONAL,
-        f"data.root={root}",
-        "fl.method=fedotp",
-        "fl.rounds=3",
-        "fl.fraction=0.5",
-        "prompt.n_ctx=4",
-    ]
+    overrides = [*PERSONAL, f"data.root={root}", *extra, "fl.rounds=3", "fl.fraction=0.5", "prompt.n_ctx=4"]
     folder = tmp_path / "ray"
     log = folder / "log.txt"
     _kill_when(_start(folder, overrides, fl_env), lambda: "round 2/3: training" in read(log))
@@ -99,17 +102,22 @@ def test_fedotp_simulation_killed_and_resumed_equals_the_in_process_grid(fl_env,
         monkeypatch.setattr(TaskIdentity, name, value)
     metrics = run_inprocess(tmp_path / "local", overrides, LocalGrid(2))
     ray, local = (torch.load(tmp_path / f / "checkpoint.pt", weights_only=True) for f in ("ray", "local"))
-    assert torch.equal(ray["prompt"]["global.ctx"], local["prompt"]["global.ctx"])
+    assert set(ray["prompt"]) == global_keys
+    for key in global_keys:
+        assert torch.equal(ray["prompt"][key], local["prompt"][key]), key
     assert ray["strategy"]["personal_round"] == local["strategy"]["personal_round"]
     for k in (0, 1):  # from each run's client state files (the Ray actors wrote theirs)
-        ours, theirs = (client_personal(tmp_path / f, k)["local.ctx"] for f in ("ray", "local"))
-        assert torch.equal(ours, theirs)
+        ours, theirs = (client_personal(tmp_path / f, k) for f in ("ray", "local"))
+        assert set(ours) == personal_keys and all(torch.equal(ours[p], theirs[p]) for p in personal_keys)
     ours = json.loads((folder / "metrics.json").read_text())
-    assert ours["local_accuracy"] == metrics["local_accuracy"] and ours["method"] == "fedotp"
-    assert ours["local_per_client"] == metrics["local_per_client"]
+    assert ours["method"] == method and ours["local_per_client"] == metrics["local_per_client"]
+    assert {k: v for k, v in ours.items() if "accuracy" in k or k.startswith("hm")} == {
+        k: v for k, v in metrics.items() if "accuracy" in k or k.startswith("hm")
+    }
     assert [r["sampled"] for r in history(folder)] == ["2", "1", "1"]
-    assert [r["local_accuracy"] for r in history(folder)] == [
-        r["local_accuracy"] for r in history(tmp_path / "local")
+    fields = ("local_accuracy", "base_accuracy", "novel_accuracy", "global_accuracy")
+    assert [[r[f] for f in fields] for r in history(folder)] == [
+        [r[f] for f in fields] for r in history(tmp_path / "local")
     ]
 
 
