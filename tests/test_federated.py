@@ -41,7 +41,7 @@ PROMPTFL = [
     *BASE,
     "data.name=imagefolder",
     f"fl.rounds={ROUNDS}",
-    "fl.local_epochs=2",
+    "fl.local_epochs=12",  # some compute per round: margin for the resume test's kills
     "train.aug_views=2",
     "prompt.csc=true",
     "prompt.depth=2",
@@ -209,27 +209,29 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
     while not ready():
         assert proc.poll() is None, f"the run ended (code {proc.returncode}) before it could be killed"
         assert time.monotonic() < deadline, "timed out waiting to kill the run"
-        time.sleep(0.05)
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    time.sleep(0.5)  # the ServerApp, in a process of Flower's, exits with the tool: let it be gone
 
 
 def test_resume_after_sigkill_at_round_boundary_and_mid_round(reference, fl_env, tmp_path):
     ref_folder, overrides = reference
     folder = tmp_path / "run"
-    # 1. killed as soon as round 1 is checkpointed (the boundary between rounds 1 and 2)
-    _kill_when(_start(folder, overrides, fl_env), lambda: len(history(folder)) >= 1)
-    assert ckpt_round(folder) == 1
-    # 2. resumed, then killed while the clients of round 2 train
+    # 1. killed as soon as round 1 is checkpointed (the boundary between rounds 1 and 2; on a loaded
+    #    machine the ServerApp, in a process of Flower's, may finish round 2 before the kill reaches it)
+    _kill_when(_start(folder, overrides, fl_env), lambda: (folder / "checkpoint.pt").is_file())
+    done = ckpt_round(folder)
+    assert 1 <= done < ROUNDS
+    # 2. resumed, then killed while the clients of the next round train
     log = folder / "log.txt"
-    before = log.read_text().count("round 2/3: training")
-    _kill_when(
-        _start(folder, overrides, fl_env), lambda: log.read_text().count("round 2/3: training") > before
-    )
-    assert ckpt_round(folder) == 1, "the kill was meant to land inside round 2"
+    started = f"round {done + 1}/{ROUNDS}: training"
+    before = log.read_text().count(started)
+    _kill_when(_start(folder, overrides, fl_env), lambda: log.read_text().count(started) > before)
+    assert ckpt_round(folder) == done, f"the kill was meant to land inside round {done + 1}"
     size = log.stat().st_size
     time.sleep(1.5)  # the ServerApp runs in a process that Flower starts: it must have stopped too
-    assert log.stat().st_size == size and ckpt_round(folder) == 1
+    assert log.stat().st_size == size and ckpt_round(folder) == done
     # 3. resumed to the end: the same prompts, history and accuracy as the uninterrupted run
     proc = run_tool(folder, overrides, fl_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
