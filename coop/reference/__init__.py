@@ -168,6 +168,16 @@ def cocoop_logits(
     return torch.stack(logits), torch.stack(texts)
 
 
+def vit_embeddings(visual: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The input of open_clip's ViT `visual` before ln_pre, written out: patches, the class token
+    prepended, the positional embedding added. (B, 3, H, W) -> (B, 1+P, W)."""
+    x = visual.conv1(images)  # (B, W, gh, gw)
+    b, width = x.shape[:2]
+    x = x.reshape(b, width, -1).permute(0, 2, 1)  # (B, W, P) -> (B, P, W)
+    cls = visual.class_embedding.to(x.dtype) + torch.zeros(b, 1, width, dtype=x.dtype, device=x.device)
+    return torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # (B, 1+P, W)
+
+
 def vision_features(visual: nn.Module, images: torch.Tensor, prompts=None) -> torch.Tensor:
     """Image features (B, E) of open_clip's `VisionTransformer`, vision prompts written out.
 
@@ -181,12 +191,8 @@ def vision_features(visual: nn.Module, images: torch.Tensor, prompts=None) -> to
         images: (B, 3, H, W).
         prompts: None or J tensors (M, W), shared by all images.
     """
-    x = visual.conv1(images)  # (B, W, gh, gw)
-    b, width = x.shape[:2]
-    x = x.reshape(b, width, -1).permute(0, 2, 1)  # (B, W, P) -> (B, P, W)
-    cls = visual.class_embedding.to(x.dtype) + torch.zeros(b, 1, width, dtype=x.dtype, device=x.device)
-    x = torch.cat([cls, x], dim=1)  # (B, 1+P, W)
-    x = x + visual.positional_embedding.to(x.dtype)
+    x = vit_embeddings(visual, images)  # (B, 1+P, W)
+    b = x.shape[0]
     prompts = [] if prompts is None else list(prompts)
     if prompts:
         x = torch.cat([x, prompts[0].to(x.dtype).expand(b, -1, -1)], dim=1)  # (B, 1+P+M, W)

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coop.reference import vit_embeddings
+
 
 def adapted_block(
     block: nn.Module,
@@ -70,12 +72,7 @@ def text_features(oc: nn.Module, ids: torch.Tensor, tensors: dict, scale: float)
 
 def image_features(visual: nn.Module, images: torch.Tensor, tensors: dict, scale: float) -> torch.Tensor:
     """(B, E) unnormalised features of open_clip's ViT `visual` with the adapted blocks."""
-    x = visual.conv1(images)  # (B, W, gh, gw)
-    b, width = x.shape[:2]
-    x = x.reshape(b, width, -1).permute(0, 2, 1)  # (B, P, W)
-    cls = visual.class_embedding.to(x.dtype) + torch.zeros(b, 1, width, dtype=x.dtype, device=x.device)
-    x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # (B, 1+P, W)
-    x = visual.ln_pre(x)
+    x = visual.ln_pre(vit_embeddings(visual, images))  # (B, 1+P, W)
     for i, block in enumerate(visual.transformer.resblocks):
         x = adapted_block(block, x, tensors, f"vision.{i}", scale, None)
     return visual.ln_post(x[:, 0]) @ visual.proj

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coop.reference import vision_features
+from coop.reference import vision_features, vit_embeddings
 
 
 def _put_tokens(x: torch.Tensor, tokens: torch.Tensor, first: bool) -> torch.Tensor:
@@ -57,12 +57,7 @@ def mmrl_image_features(visual: nn.Module, images: torch.Tensor, tokens, layers,
         layers: 0-based image blocks, increasing.
         proj_rep: (W_v, E).
     """
-    x = visual.conv1(images)  # (B, W, gh, gw)
-    b, width = x.shape[:2]
-    x = x.reshape(b, width, -1).permute(0, 2, 1)  # (B, P, W)
-    cls = visual.class_embedding.to(x.dtype) + torch.zeros(b, 1, width, dtype=x.dtype, device=x.device)
-    x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # (B, 1+P, W)
-    x = visual.ln_pre(x)
+    x = visual.ln_pre(vit_embeddings(visual, images))  # (B, 1+P, W)
     for i, block in enumerate(visual.transformer.resblocks):
         if i in layers:
             j = layers.index(i)
