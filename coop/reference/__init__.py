@@ -99,6 +99,15 @@ def coop_text_features(
     return text_tower(oc, x, ids, slots, deep)
 
 
+def eos_features(openclip_model: nn.Module, x: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """The end of open_clip's text tower, written out: ln_final of the last block's output x
+    (n, L, W), each row's hidden state at its [EOS] index eos (n,), times text_projection: (n, E)."""
+    x = openclip_model.ln_final(x)
+    pooled = x[torch.arange(len(x), device=x.device), eos]  # (n, W)
+    proj = openclip_model.text_projection
+    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+
+
 def text_tower(
     openclip_model: nn.Module,
     x: torch.Tensor,
@@ -128,10 +137,7 @@ def text_tower(
             tokens = deep[i - 1] if deep[i - 1].dim() == 3 else deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1)
             x = x.masked_scatter(slots.unsqueeze(-1).expand(-1, -1, width), tokens.reshape(-1, width))
         x = block(x, attn_mask=oc.attn_mask)
-    x = oc.ln_final(x)
-    pooled = x[torch.arange(n_cls, device=x.device), ids.argmax(dim=-1)]  # (n_cls, W)
-    proj = oc.text_projection
-    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+    return eos_features(oc, x, ids.argmax(dim=-1))
 
 
 def cocoop_logits(

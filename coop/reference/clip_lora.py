@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coop.reference import vit_embeddings
+from coop.reference import eos_features, vit_embeddings
 
 
 def adapted_block(
@@ -64,10 +64,7 @@ def text_features(oc: nn.Module, ids: torch.Tensor, tensors: dict, scale: float)
     mask = oc.attn_mask.to(x.dtype)
     for i, block in enumerate(oc.transformer.resblocks):
         x = adapted_block(block, x, tensors, f"text.{i}", scale, mask)
-    x = oc.ln_final(x)
-    pooled = x[torch.arange(len(ids), device=x.device), ids.argmax(dim=-1)]  # (n_cls, W) at [EOS]
-    proj = oc.text_projection
-    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+    return eos_features(oc, x, ids.argmax(dim=-1))
 
 
 def image_features(visual: nn.Module, images: torch.Tensor, tensors: dict, scale: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coop.reference import vision_features, vit_embeddings
+from coop.reference import eos_features, vision_features, vit_embeddings
 
 
 def _put_tokens(x: torch.Tensor, tokens: torch.Tensor, first: bool) -> torch.Tensor:
@@ -40,11 +40,7 @@ def mmrl_text_features(oc: nn.Module, ids: torch.Tensor, tokens, layers) -> torc
         length = x.shape[1]
         mask = torch.full((length, length), float("-inf"), device=x.device).triu(1)  # over 77+K
         x = block(x, attn_mask=mask)
-    x = oc.ln_final(x)
-    eos = ids.argmax(dim=-1) + len(tokens[0])  # [EOS] moved K to the right
-    pooled = x[torch.arange(len(ids), device=x.device), eos]  # (n_cls, W)
-    proj = oc.text_projection
-    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+    return eos_features(oc, x, ids.argmax(dim=-1) + len(tokens[0]))  # [EOS] moved K to the right
 
 
 def mmrl_image_features(visual: nn.Module, images: torch.Tensor, tokens, layers, proj_rep: torch.Tensor):

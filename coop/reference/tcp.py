@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
+from coop.reference import eos_features
+
 
 def tcp_teacher(openclip_model: nn.Module, classnames: list[str], template: str) -> torch.Tensor:
     """t_zs: OpenCLIP's `encode_text` of the teacher template per class, L2-normalised (n_cls, E)."""
@@ -56,10 +58,7 @@ def tcp_text_features(
         if i == layer:
             x = torch.cat([x[:, :1], tokens, x[:, 1 + tokens.shape[1] :]], dim=1)
         x = block(x, attn_mask=oc.attn_mask)
-    x = oc.ln_final(x)
-    pooled = x[torch.arange(n_cls, device=x.device), ids.argmax(dim=-1)]  # (n_cls, W)
-    proj = oc.text_projection
-    return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+    return eos_features(oc, x, ids.argmax(dim=-1))
 
 
 def tcp_loss(
