@@ -57,13 +57,17 @@ def _bin(name: str) -> str:
     return str(path) if path.is_file() else name
 
 
+# libc's prctl, looked up here: between fork and exec (where the tool's threads may hold locks)
+# the child only calls it
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
     """Ask Linux to SIGKILL this child when its parent dies (PR_SET_PDEATHSIG = 1)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    _PRCTL(1, signal.SIGKILL)
 
 
-CHILD = {"preexec_fn": _die_with_parent} if sys.platform.startswith("linux") else {}
+CHILD = {"preexec_fn": _die_with_parent} if _PRCTL is not None else {}
 
 
 def free_port() -> int:
