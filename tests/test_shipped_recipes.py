@@ -1,17 +1,22 @@
 """Shipped config files never beat a per-dataset recipe by accident: every run config and every
 sweep grid in configs/ x every dataset that `coop.recipes.DATASET_RECIPES` has an entry for
 resolves each of that entry's keys to the table's value, unless `ON_PURPOSE` lists the file and
-the key with its reason."""
+the key with its reason. The resolved table (`tools/recipes.py`) shows every recipe value, and
+docs/recipes.md is its current output."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, run_tool_in_process
 from omegaconf import OmegaConf
 
 from coop.config import DEFAULTS, load_config
-from coop.recipes import DATASET_RECIPES
+from coop.recipe_table import RECIPE_METHODS, resolved, show
+from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 from coop.sweep import format_value, load_grid, plan
 
 CONFIGS = REPO / "configs"
@@ -120,3 +125,70 @@ def test_the_check_catches_a_file_that_sets_a_per_dataset_key(tmp_path):
         method = recipe_method(load_config(str(path)))
         got = departures(load_config(str(path), [f"data.name={dataset}"]), method, dataset)
         assert key in got, source
+
+
+# --- the resolved table: tools/recipes.py and docs/recipes.md ----------------------------------
+
+RECIPES_TOOL = REPO / "tools" / "recipes.py"
+
+
+def test_docs_recipes_md_is_the_tools_current_output(tmp_path):
+    out = tmp_path / "recipes.md"
+    res = run_tool_in_process(RECIPES_TOOL, ["--write", out])
+    assert res.returncode == 0, res.stderr
+    text = out.read_text()
+    assert text == (REPO / "docs" / "recipes.md").read_text(), (
+        "docs/recipes.md is stale: python tools/recipes.py --write docs/recipes.md"
+    )
+    for method in RECIPE_METHODS:
+        assert f"\n## {method}\n" in text, method
+
+
+def test_the_table_shows_every_recipe_value():
+    """Each value of METHOD_DEFAULTS and DATASET_RECIPES, as shown for its method and datasets."""
+    datasets = ["imagenet", "sun397", "eurosat", "dtd"]
+    for method in RECIPE_METHODS:
+        _, rows = resolved(method, datasets)
+        for dataset in datasets:
+            recipe = {**METHOD_DEFAULTS.get(method, {}), **DATASET_RECIPES.get(method, {}).get(dataset, {})}
+            for key, value in recipe.items():
+                if key == "train.iterations_per_shot":  # shown with its steps
+                    assert rows[dataset][key].startswith(f"{value} ("), (method, key)
+                else:
+                    assert rows[dataset][key] == show(OmegaConf.create({"v": value}), "v"), (
+                        method,
+                        dataset,
+                        key,
+                    )
+    _, coop = resolved("coop", ["imagenet", "dtd"])
+    assert (coop["imagenet"]["train.epochs"], coop["dtd"]["train.epochs"]) == (
+        "50 (CoOp's rule)",
+        "200 (CoOp's rule)",
+    )
+
+
+def test_the_tool_prints_recipes_and_rejects_bad_input():
+    res = run_tool_in_process(RECIPES_TOOL, ["--method", "tcp", "--dataset", "imagenet,sun397,dtd"])
+    assert res.returncode == 0, res.stderr
+    assert "| imagenet, sun397 | 25 |" in res.stdout and "| dtd | 50 |" in res.stdout
+    res = run_tool_in_process(
+        RECIPES_TOOL, ["--config", CONFIGS / "mmrl" / "vit_b16.yaml", "--dataset", "eurosat"]
+    )
+    assert res.returncode == 0 and "| `mmrl.rep_dim` | 2048 |" in res.stdout, res.stderr
+    for args, message in (
+        (["--method", "foo"], "method 'foo' is not one of"),
+        (["--dataset", "nope"], "dataset 'nope' is not one of"),
+        (["--method", "mmrl", "train.lrr=1"], "'train.lrr'"),
+        (["--method", "tcp", "--write", "x.md"], "--write writes every method"),
+    ):
+        res = run_tool_in_process(RECIPES_TOOL, args)
+        errors = [line for line in res.stderr.splitlines() if "error:" in line]
+        assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_the_tool_runs_as_a_script():
+    cmd = [sys.executable, str(RECIPES_TOOL), "--method", "mmrl", "--dataset", "eurosat"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("## mmrl\n") and "| `mmrl.rep_dim` | 2048 |" in res.stdout
