@@ -16,7 +16,6 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from coop.config import (
-    DEFAULTS,
     METHODS,
     PROMPT_CSC_IGNORED,
     RESULT_FREE_KEYS,
@@ -95,15 +94,12 @@ def shown_keys(method: str, cfg: DictConfig) -> list[str]:
         keys += ["train.precision"]
     own += list(METHOD_DEFAULTS.get(method, {}))
     own += [k for entry in DATASET_RECIPES.get(method, {}).values() for k in entry]
-    if host not in PROMPT_CSC_IGNORED:
-        own += [f"prompt.{k}" for k in DEFAULTS["prompt"]]
-    sections = [SECTIONS.get(host, host)] + (["dept"] if method != host else [])
-    for section in sections:
-        if isinstance(DEFAULTS.get(section), dict):
-            own += [f"{section}.{k}" for k in flatten(DEFAULTS[section])]
+    every = list(flatten(OmegaConf.to_container(cfg)))  # in the config's own order
+    sections = (["prompt"] if host not in PROMPT_CSC_IGNORED else []) + [SECTIONS.get(host, host)]
+    sections += ["dept"] if method != host else []
+    own += [k for k in every if k.split(".")[0] in sections]
     drop = RESULT_FREE_KEYS | {"dept.enabled"} | set(keys)
-    own = sorted({k for k in own if k not in drop}, key=list(flatten(DEFAULTS)).index)  # DEFAULTS' order
-    return keys + own
+    return keys + sorted({k for k in own if k not in drop}, key=every.index)
 
 
 def show(cfg: DictConfig, key: str) -> str:

@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO, run_tool_in_process
 from omegaconf import OmegaConf
 
-from coop.config import DEFAULTS, load_config
+from coop.config import load_config
 from coop.recipe_table import RECIPE_METHODS, resolved, show
 from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 from coop.sweep import format_value, load_grid, plan
@@ -105,7 +105,7 @@ def test_grids_leave_per_dataset_keys_to_the_table(path, tmp_path):
     assert not swept & per_dataset_keys, f"configs/{path.relative_to(CONFIGS)} sweeps a per-dataset key"
     wrong = []
     for method, per_dataset in DATASET_RECIPES.items():
-        for dataset in set(grid.get("data.name", [DEFAULTS["data"]["name"]])) & set(per_dataset):
+        for dataset in set(grid.get("data.name", [load_config(None).data.name])) & set(per_dataset):
             cfg = grid_point(path, method, dataset, tmp_path)
             assert (recipe_method(cfg), cfg.data.name) == (method, dataset)
             wrong += [f"{method} on {dataset}: {k}={g!r} (the table's: {w!r})" for k, (g, w) in departures(cfg, method, dataset).items()]  # fmt: skip
