@@ -95,7 +95,7 @@ METHOD_DEFAULTS = {
     },
     # TCP's configs/trainers/TCP/vit_b16_ep100_ctxv1 (despite its name MAX_EPOCH 50) with its script's
     # N_CTX 4: Adam lr 0.002 with the eps 1e-3 that its README patches into Dassl, wd 5e-4, batch 32,
-    # one constant warm-up epoch at 1e-5, then cosine.
+    # one constant warm-up epoch at 1e-5, then cosine. ImageNet and SUN397: 25 epochs (DATASET_RECIPES).
     "tcp": {
         "prompt.n_ctx": 4,
         "prompt.ctx_init": None,
@@ -156,7 +156,9 @@ _TIP = {
 # Per dataset, over METHOD_DEFAULTS and under every file and override. MMRL's: its
 # trainers/config.py table (merged in the original over the yaml file and under the command
 # line): the regulariser weight lambda per dataset, and d_r = 2048 for EuroSAT; its scripts run
-# ImageNet with vit_b16_imagenet.yaml (batch 32, 5 epochs) for base-to-new and few-shot.
+# ImageNet with vit_b16_imagenet.yaml (batch 32, 5 epochs) for base-to-new and few-shot. TCP's:
+# its train.py `setup_cfg` sets MAX_EPOCH 25 for ImageNet and SUN397 after the config file and
+# the command line (its script tests them at `--load-epoch 25`, the last epoch).
 DATASET_RECIPES = {
     "tip_adapter": _TIP,
     "tip_adapter_f": {**_TIP, "eurosat": {**_TIP["eurosat"], "train.epochs": 100}},
@@ -173,6 +175,7 @@ DATASET_RECIPES = {
         "oxford_pets": {"mmrl.reg_weight": 0.2},
         "eurosat": {"mmrl.reg_weight": 0.01, "mmrl.rep_dim": 2048},
     },
+    "tcp": {"imagenet": {"train.epochs": 25}, "sun397": {"train.epochs": 25}},
 }
 # A method default not applied when the other key is set: a default context phrase fixes M in
 # CoCoOp and KgCoOp, so it yields to an explicit prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M

@@ -193,7 +193,7 @@ def test_config_files_spell_out_the_recipes_and_grids_run_them(tmp_path):
         assert (cfg.train.optimizer, cfg.train.eps, cfg.train.epochs, cfg.prompt.ctx_init) == (
             "adam",
             1e-3,
-            50,
+            25,  # ImageNet's length in TCP's train.py
             None,
         )
 

@@ -158,6 +158,8 @@ def test_recipe_dataset_table_and_errors():
     assert load_config(None, ["method=mmrl", "data.name=stanford_cars"]).mmrl.reg_weight == 7.0
     euro = load_config(None, ["method=mmrl", "data.name=eurosat"])
     assert (euro.mmrl.reg_weight, euro.mmrl.rep_dim) == (0.01, 2048)
+    b2n_euro = load_config(str(REPO / "configs" / "mmrl" / "vit_b16.yaml"), ["data.name=eurosat"])
+    assert b2n_euro.mmrl.rep_dim == 2048  # the documented base-to-new command: the table's d_r
     imagenet = load_config(None, ["method=mmrl", "data.name=imagenet"])
     assert (imagenet.train.batch_size, imagenet.train.epochs, imagenet.mmrl.reg_weight) == (32, 5, 0.5)
     assert load_config(None, ["method=mmrl", "data.name=dtd", "mmrl.reg_weight=2"]).mmrl.reg_weight == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import REPO
 from omegaconf import OmegaConf
 
 from coop.config import ConfigError, load_config
@@ -91,6 +92,14 @@ def test_recipe_and_errors(tiny_clip):
     cfg = load_config(None, ["method=tcp"])
     assert (cfg.train.optimizer, cfg.train.eps, cfg.train.lr, cfg.train.epochs) == ("adam", 1e-3, 0.002, 50)
     assert (cfg.prompt.n_ctx, cfg.tcp.layer, cfg.tcp.weight, cfg.train.batch_size) == (4, 8, 8.0, 32)
+    # its train.py sets MAX_EPOCH 25 for ImageNet and SUN397 after every config file
+    for dataset, epochs in (("imagenet", 25), ("sun397", 25), ("dtd", 50), ("eurosat", 50)):
+        assert load_config(None, ["method=tcp", f"data.name={dataset}"]).train.epochs == epochs, dataset
+        spelled = load_config(
+            str(REPO / "configs" / "tcp" / "vit_b16_ep100_ctxv1.yaml"), [f"data.name={dataset}"]
+        )
+        assert spelled.train.epochs == epochs, dataset
+    assert load_config(None, ["method=tcp", "data.name=imagenet", "train.epochs=50"]).train.epochs == 50
     with pytest.raises(PromptError, match="tcp.layer must be in 1..2"):
         build_method(tiny_clip, CLASSES, load_config(None, ["method=tcp"]))  # 3 blocks: 8 is too deep
     with pytest.raises(PromptError, match="prompt.position=end"):
