@@ -1,5 +1,7 @@
 """Personalised federated prompt learning (FedOTP, FedPGP) without Ray: the pathological_fedotp
-draw against a re-derivation of the originals' function, the OT solvers against NumPy float64,
+draw against a re-derivation of the originals' function (and, for FedPGP's base-to-novel, of its
+per-dataset readers: K-shot subset first on DTD, the full base split on Oxford Pets), the OT
+solvers against NumPy float64,
 the patch tokens against open_clip, FedPGP's loss term by term, and both methods end to end on
 Flower's Message API through an in-process grid (the ServerApp's `run_server` and the ClientApp's
 handlers, TRAIN and EVALUATE, no simulation engine), with the personalised metrics recomputed by
