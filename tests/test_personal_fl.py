@@ -819,6 +819,27 @@ def test_a_missing_state_file_is_one_line_naming_client_round_and_path(personal_
         run_inprocess(folder, overrides, LocalGrid(2))
 
 
+def test_a_checkpoint_of_another_partition_is_not_resumed(personal_runs, tmp_path):
+    """A run resumed after the partition rule or the data changed stops with one line, before
+    partition.json is rewritten."""
+    from coop.federated.server import FederatedError
+
+    _, overrides, _, _ = personal_runs["fedpgp"]
+    folder = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):  # round 1 checkpointed, then killed inside round 2
+        run_inprocess(folder, overrides, LocalGrid(2, crash=("train", 3)))
+    ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
+    torch.save({**ckpt, "partition_digest": "0" * 64}, folder / "checkpoint.pt")
+    before = (folder / "partition.json").read_text()
+    (folder / "partition.json").write_text("old")
+    with pytest.raises(FederatedError, match=r"checkpoint\.pt was trained on another partition"):
+        run_inprocess(folder, overrides, LocalGrid(2))
+    assert (folder / "partition.json").read_text() == "old"
+    torch.save(ckpt, folder / "checkpoint.pt")  # the same partition resumes
+    run_inprocess(folder, overrides, LocalGrid(2))
+    assert (folder / "partition.json").read_text() == before
+
+
 def test_collect_personal_table(personal_runs, tmp_path, capsys):
     import shutil
 
