@@ -9,8 +9,7 @@ This is the rule of `DatasetBase.generate_federated_fewshot_dataset` in the FedO
 repositories (the same function in both; non-IID, repeat rate 0), run on the full train split
 (but see FedPGP's base-to-novel below), with its **fixed internal seed**: the function calls
 `random.seed(2023)` itself, so the partition is the same for every run seed (`data.seed` still
-seeds the prompts and the batches). With C
-classes (largest label + 1) and N = `fl.clients`:
+seeds the prompts and the batches). With C classes (largest label + 1) and N = `fl.clients`:
 
 - the class list 0..C-1 is shuffled (the first draw after `random.seed(2023)`);
 - client i holds the shuffled classes [i c, (i + 1) c), c = round(C / N) (Python's round), and the
