@@ -5,6 +5,7 @@ tiny run end to end (base-to-new, ImageNet-A, interrupted and resumed with a wor
 
 from __future__ import annotations
 
+import copy
 import json
 
 import open_clip
@@ -195,6 +196,28 @@ def test_half_precision_layout_and_bf16_autocast(tiny_clip):
     half.to_half()
     assert half.rep.tokens.dtype == torch.float16 and half.proj_rep.dtype == torch.float32
     assert half.clip.visual.proj.dtype == torch.float16
+
+
+def test_teacher_text_in_the_towers_precision(tiny_openclip):
+    """t_zs as the original's zero-shot CLIP computes it: under fp16 the half tower's features
+    normalised in half (the original leaves that CLIP half under PREC=fp16), not the fp32 features
+    of the same weights; under bf16 autocast (amp) the fp32 tower's, autocast off."""
+    half = mmrl(CLIP.from_openclip(copy.deepcopy(tiny_openclip)))
+    half.to_half()
+    ids = half.clip.tokenize([half.template.format(c.replace("_", " ")) for c in CLASSES])
+    with torch.no_grad():
+        x = half.clip.text(ids)  # (n_cls, E), fp16
+        written = (x / x.norm(dim=-1, keepdim=True)).float()
+        y = copy.deepcopy(half.clip.text).float()(ids)  # the same weights in fp32
+        fp32 = y / y.norm(dim=-1, keepdim=True)
+    t_zs = half.frozen_text()
+    assert x.dtype == torch.float16 and t_zs.dtype == torch.float32
+    assert torch.equal(t_zs, written)
+    assert (t_zs - fp32).abs().max() > 1e-4  # fp16 rounding, not fp32's
+    amp = mmrl(CLIP.from_openclip(copy.deepcopy(tiny_openclip)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        t_amp = amp.frozen_text()
+    assert torch.allclose(t_amp, mmrl_frozen_text(tiny_openclip, ids), atol=1e-6)
 
 
 def learned(folder):

@@ -1,5 +1,7 @@
 """Personalised federated prompt learning (FedOTP, FedPGP) without Ray: the pathological_fedotp
-draw against a re-derivation of the originals' function, the OT solvers against NumPy float64,
+draw against a re-derivation of the originals' function (and, for FedPGP's base-to-novel, of its
+per-dataset readers: K-shot subset first on DTD, the full base split on Oxford Pets), the OT
+solvers against NumPy float64,
 the patch tokens against open_clip, FedPGP's loss term by term, and both methods end to end on
 Flower's Message API through an in-process grid (the ServerApp's `run_server` and the ClientApp's
 handlers, TRAIN and EVALUATE, no simulation engine), with the personalised metrics recomputed by
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 pytest.importorskip("flwr")
 
 from conftest import TINY_CONFIG, make_image_folder  # noqa: E402
+from test_data import make_split_json_dataset  # noqa: E402
 
 from coop.config import ConfigError, load_config  # noqa: E402
 from coop.federated import task  # noqa: E402
@@ -110,6 +113,54 @@ def test_pathological_fedotp_of_a_run_ignores_data_seed(tmp_path):
         parts.append(task.client_partition(cfg, task.load_data(cfg)))
     assert parts[0].clients == parts[1].clients and parts[0].settings == parts[1].settings
     assert parts[0].sizes() == [4, 4]  # 2 classes x 2 shots per client
+
+
+def original_fewshot(labels, shots, seed):
+    """Dassl's generate_fewshot_dataset on a train split right after `random.seed(seed)`, on item
+    ids: per label in order of first appearance, `random.sample(items, K)` (all items if fewer)."""
+    rng, tracker, out = random.Random(seed), defaultdict(list), []
+    for i, y in enumerate(labels):
+        tracker[y].append(i)
+    for items in tracker.values():
+        out.extend(rng.sample(items, shots) if len(items) >= shots else items)
+    return out
+
+
+@pytest.mark.parametrize("name, split", [("dtd", "DescribableTextures"), ("oxford_pets", "OxfordPets")])
+def test_fedpgp_base_to_novel_clients_follow_its_reader_of_the_dataset(tmp_path, monkeypatch, name, split):
+    """FedPGP's DTD reader (like its Caltech101, Food101 and Flowers ones) deals the base classes'
+    clients from Dassl's seeded K-shot subset; its Oxford Pets reader from the full base split."""
+    monkeypatch.setenv("COOP_CACHE_DIR", str(tmp_path / "cache"))
+    classes = [f"c{i}" for i in range(6)]
+    make_split_json_dataset(tmp_path, name, "images", f"split_zhou_{split}.json", classes, counts=(8, 2, 2))
+    split_file = tmp_path / name / f"split_zhou_{split}.json"
+    obj = json.loads(split_file.read_text())
+    random.Random(0).shuffle(obj["train"])  # labels first appear in a non-trivial order
+    split_file.write_text(json.dumps(obj))
+    shots, seed, users = 2, 3, 2
+    labels, test = [y for _, y, _ in obj["train"]], [y for _, y, _ in obj["test"]]
+
+    def clients_of(pool):  # the original's client draw on `pool` restricted to the 3 base classes
+        base = [i for i in pool if labels[i] < 3]
+        drawn, _ = original_federated_fewshot(
+            [labels[i] for i in base], [y for y in test if y < 3], shots, users
+        )
+        return [[obj["train"][base[j]][0] for j in drawn[k]] for k in range(users)]
+
+    fewshot_first, full = clients_of(original_fewshot(labels, shots, seed)), clients_of(range(len(labels)))
+    assert fewshot_first != full  # the fixture tells the two rules apart
+    cfg = load_config(
+        None,
+        [*BASE, f"data.name={name}", f"data.root={tmp_path}", f"data.seed={seed}", f"data.shots={shots}",
+         f"fl.clients={users}", "fl.method=fedpgp", "data.subsample_classes=base"],
+        base=task.FEDERATED_BASE,
+    )  # fmt: skip
+    task.check_config(cfg)
+    ds = task.load_data(cfg)
+    part = task.client_partition(cfg, ds)
+    image_dir = tmp_path / name / "images"
+    ours = [[Path(ds.train[i].path).relative_to(image_dir).as_posix() for i in c] for c in part.clients]
+    assert ours == (fewshot_first if name == "dtd" else full)
 
 
 def original_labeldir(y_train, y_test, n_parties, beta, seed):
@@ -766,6 +817,27 @@ def test_a_missing_state_file_is_one_line_naming_client_round_and_path(personal_
     )
     with pytest.raises(FederatedError, match=message):
         run_inprocess(folder, overrides, LocalGrid(2))
+
+
+def test_a_checkpoint_of_another_partition_is_not_resumed(personal_runs, tmp_path):
+    """A run resumed after the partition rule or the data changed stops with one line, before
+    partition.json is rewritten."""
+    from coop.federated.server import FederatedError
+
+    _, overrides, _, _ = personal_runs["fedpgp"]
+    folder = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):  # round 1 checkpointed, then killed inside round 2
+        run_inprocess(folder, overrides, LocalGrid(2, crash=("train", 3)))
+    ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
+    torch.save({**ckpt, "partition_digest": "0" * 64}, folder / "checkpoint.pt")
+    before = (folder / "partition.json").read_text()
+    (folder / "partition.json").write_text("old")
+    with pytest.raises(FederatedError, match=r"checkpoint\.pt was trained on another partition"):
+        run_inprocess(folder, overrides, LocalGrid(2))
+    assert (folder / "partition.json").read_text() == "old"
+    torch.save(ckpt, folder / "checkpoint.pt")  # the same partition resumes
+    run_inprocess(folder, overrides, LocalGrid(2))
+    assert (folder / "partition.json").read_text() == before
 
 
 def test_collect_personal_table(personal_runs, tmp_path, capsys):

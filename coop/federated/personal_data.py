@@ -6,10 +6,10 @@ the clients' test sets.
     part.settings["client_test"][3]     # indices into the test split: client 3's test images
 
 This is the rule of `DatasetBase.generate_federated_fewshot_dataset` in the FedOTP and FedPGP
-repositories (the same function in both; non-IID, repeat rate 0), run on the full train split,
-with its **fixed internal seed**: the function calls `random.seed(2023)` itself, so the partition
-is the same for every run seed (`data.seed` still seeds the prompts and the batches). With C
-classes (largest label + 1) and N = `fl.clients`:
+repositories (the same function in both; non-IID, repeat rate 0), run on the full train split
+(but see FedPGP's base-to-novel below), with its **fixed internal seed**: the function calls
+`random.seed(2023)` itself, so the partition is the same for every run seed (`data.seed` still
+seeds the prompts and the batches). With C classes (largest label + 1) and N = `fl.clients`:
 
 - the class list 0..C-1 is shuffled (the first draw after `random.seed(2023)`);
 - client i holds the shuffled classes [i c, (i + 1) c), c = round(C / N) (Python's round), and the
@@ -23,6 +23,14 @@ on the test split, which reseeds 2023 and deals the same classes); its classifie
 C classes. PromptFL's copy of the function lacks the fixed seed: `fl.partition=promptfl`
 (`coop.federated.promptfl_data`) is that one, drawn from `data.seed`.
 
+**FedPGP's base-to-novel** (`data.subsample_classes=base`) draws per dataset, as FedPGP's readers
+do: on DTD, Caltech101, Food101 and Oxford Flowers (`fewshot_first`) the rule above runs on CoOp's
+seeded K-shot subset of the train split (`coop.data.fewshot`, `data.seed`: Dassl's
+`generate_fewshot_dataset` after `random.seed(SEED)`), restricted to the base classes, so each
+client holds exactly the subset's images of its classes; on every other dataset (Oxford Pets, the
+one its script runs, among them) on the full base split. On those four the partition depends on
+`data.seed` through the subset.
+
 `fl.partition=dirichlet_labeldir` is the originals' CIFAR split (`labeldir_partition`): Dirichlet
 label skew with the test split cut by the same per-class proportions.
 """
@@ -35,6 +43,23 @@ from coop.federated.partition import Partition, PartitionError, items_digest
 from coop.federated.promptfl_data import _by_label
 
 FEDOTP_SEED = 2023  # generate_federated_fewshot_dataset's own random.seed(2023)
+# FedPGP's readers that deal base-to-novel clients from the seeded K-shot subset (`fewshot_first`)
+FEDPGP_FEWSHOT_FIRST = ("dtd", "caltech101", "food101", "oxford_flowers")
+
+
+def fewshot_first(partition: str, dataset: str, subsample_classes: str) -> bool:
+    """Whether the clients are drawn from CoOp's seeded K-shot subset rather than the full train split:
+    `pathological_fedotp` on a subset of the classes (FedPGP's base-to-novel) of a dataset whose
+    FedPGP reader samples that subset first (module docstring).
+
+    Args:
+        partition: `fl.partition`.
+        dataset: `data.name`.
+        subsample_classes: `data.subsample_classes`.
+    """
+    return (
+        partition == "pathological_fedotp" and subsample_classes != "all" and dataset in FEDPGP_FEWSHOT_FIRST
+    )
 
 
 def fedotp_classes(n_classes: int, clients: int, rng: random.Random) -> list[list[int]]:

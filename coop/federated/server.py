@@ -196,6 +196,11 @@ class ServerRun:
         self.board = OFF  # TensorBoard: one point per round (coop.tensorboard)
 
     def restore(self, ckpt: dict) -> None:
+        if ckpt.get("partition_digest", self.part.digest()) != self.part.digest():
+            raise FederatedError(
+                f"{self.folder}/checkpoint.pt was trained on another partition than this config draws now "
+                "(other data or partition rule): use another output_dir"
+            )
         self.arrays, self.round = dict(ckpt["prompt"]), int(ckpt["round"])
         self.history, self.failures = list(ckpt["history"]), list(ckpt["failures"])
         if self.personal and "personal_round" not in ckpt["strategy"]:  # written before they moved
@@ -379,9 +384,9 @@ def _run(
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
     run = ServerRun(cfg, folder)
     run.board = board
-    write_json(folder / "partition.json", run.part.to_json())
     if ckpt is not None:
         run.restore(ckpt)
+    write_json(folder / "partition.json", run.part.to_json())
     run.describe()
     run.fit(grid, node_timeout, round_timeout)
     return run.finalize()

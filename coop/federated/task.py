@@ -31,7 +31,12 @@ from coop.federated.fedotp import FedOTP
 from coop.federated.fedpgp import FedPGP
 from coop.federated.latent_domains import LatentDomains
 from coop.federated.partition import Partition, partition
-from coop.federated.personal_data import fedotp_partition, labeldir100_partition, labeldir_partition
+from coop.federated.personal_data import (
+    fedotp_partition,
+    fewshot_first,
+    labeldir100_partition,
+    labeldir_partition,
+)
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
 from coop.model import CLIP, ModelError
@@ -233,9 +238,11 @@ def load_data(cfg: DictConfig):
     """The run's few-shot dataset; multi-domain data honour `data.target_domain`.
 
     With fl.partition=promptfl or pathological_fedotp the full splits (of data.subsample_classes):
-    every client draws data.shots per class from them.
+    every client draws data.shots per class from them; but FedPGP's base-to-novel on the datasets
+    of `fewshot_first` draws from the few-shot subset, as its readers do.
     """
-    if cfg.fl.partition in FULL_SPLIT_PARTITIONS:
+    fewshot = fewshot_first(cfg.fl.partition, cfg.data.name, cfg.data.subsample_classes)
+    if cfg.fl.partition in FULL_SPLIT_PARTITIONS and not fewshot:
         ds = build_dataset(cfg.data.name, cfg.data.root, shots=0, seed=int(cfg.data.seed))
         return subsample_classes(ds, cfg.data.subsample_classes)
     if cfg.data.name == "multidomain":

@@ -17,7 +17,9 @@ K = `mmrl.n_tokens`:
          + lambda * (1 - mean_b cos(f_cls, f_cls^zs)) + lambda * (1 - mean_c cos(text, t_zs))
 
 f_cls^zs is the frozen tower on the same augmented batch (its blocks before the insertion are the
-student's, computed once); t_zs the frozen text features of the same template, fp32, once per run.
+student's, computed once); t_zs the frozen text features of the same template, once per run, in
+the tower's precision (fp32 under fp32 and amp, half under `train.precision=fp16`: the original's
+zero-shot CLIP is cast to fp32 for PREC fp32/amp and stays half under fp16).
 s = exp(logit_scale) (the original writes 100, its value on OpenAI's weights). At evaluation the
 method scores with `fusion` on the classes it was trained on (`on_training_classes`: the base
 classes, the training dataset, a subset of its classes) and with `logits` on others (new classes,
@@ -173,9 +175,10 @@ class MMRL(VisionPromptMethod):
         return cls, rep.mean(dim=1) @ self.proj_rep.to(rep.dtype), plain  # (B, K, W) -> (B, W) -> (B, E)
 
     def frozen_text(self) -> torch.Tensor:
-        """t_zs (n_cls, E): the frozen tower's normalised fp32 features of the template."""
+        """t_zs (n_cls, E): the frozen tower's features of the template, encoded and normalised in
+        the tower's precision, as fp32 values."""
         if self._t_zs is None:
-            self._t_zs = frozen_text_features(self.clip, self.classnames, [self.template])
+            self._t_zs = frozen_text_features(self.clip, self.classnames, [self.template], own_precision=True)
         return self._t_zs
 
     def all_logits(self, images: torch.Tensor, prepared=None, frozen: bool = False):

@@ -10,7 +10,8 @@ training step computes, for a batch of augmented images with labels y:
 
     t          (n_cls, E) L2-normalised text features under the learned prompts
     t0         (n_cls, E) the frozen CLIP's text features of every class, averaged over
-               PromptSRC's templates BEFORE normalisation, then normalised; fp32, once per run
+               PromptSRC's templates BEFORE normalisation, then normalised; fp32 (also under
+               `train.precision=fp16`, as the official `.float()` teacher CLIP), once per run
     v, v0      (B, E) L2-normalised image features under the vision prompts / of the frozen tower
                on the same augmented images
     logits     logit_scale * v @ t.T;  zs_logits = logit_scale * v0 @ t0.T
@@ -137,26 +138,32 @@ def resolve_promptsrc_templates(choice: str, dataset: str) -> list[str]:
 
 
 @torch.no_grad()
-def frozen_text_features(clip: CLIP, classnames: list[str], templates: list[str]) -> torch.Tensor:
+def frozen_text_features(
+    clip: CLIP, classnames: list[str], templates: list[str], *, own_precision: bool = False
+) -> torch.Tensor:
     """t0 (n_cls, E): the mean of the frozen, UNnormalised text features over `templates`, then
-    L2-normalised; computed in fp32 with autocast off (on an fp32 copy of a half text tower).
+    L2-normalised, with autocast off; returned in fp32.
 
     Args:
         clip: the frozen CLIP.
         classnames: the classes; "_" reads as a space.
         templates: strings with one "{}" for the class name.
+        own_precision: False (PromptSRC): computed in fp32, on an fp32 copy of a half text tower,
+            as PromptSRC's `.float()` teacher CLIP under every PREC. True (MMRL): encoded, averaged
+            and normalised in the tower's own dtype, as MMRL's zero-shot CLIP, which stays half
+            under PREC=fp16; then cast to fp32 (exactly).
     """
     names = [c.replace("_", " ") for c in classnames]
     device = clip.logit_scale.device
-    text = clip.text if clip.text.token_embedding.weight.dtype == torch.float32 else None
-    if text is None:  # fp16 runs: the official code encodes t0 with an fp32 copy of CLIP
-        text = copy.deepcopy(clip.text).float()
+    text = clip.text
+    if not own_precision and text.token_embedding.weight.dtype != torch.float32:
+        text = copy.deepcopy(text).float()
     total = 0
     with torch.autocast(device.type, enabled=False):
         for template in templates:
             ids = clip.tokenize([template.replace("{}", c) for c in names]).to(device)  # (n_cls, 77)
-            total = total + text(ids).float()  # (n_cls, E)
-    return F.normalize(total / len(templates), dim=-1)
+            total = total + text(ids)  # (n_cls, E), the tower's dtype
+        return F.normalize(total / len(templates), dim=-1).float()
 
 
 def zero_shot_logits(v0: torch.Tensor, t0: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
