@@ -10,9 +10,9 @@ matrix B_t A_t, and never written into W: the frozen weight is not copied and ca
 drop_t is a dropout of its own per target (p = `dropout`, in training mode only) on the input of
 the low-rank branch; the frozen branch sees x itself. Every token of every row gets its own mask,
 so a row computed once for all rows (a shared text prefix) is exact only while no masks are drawn
-(`LoRAAdapters.draws_masks`). A starts kaiming_uniform(a=sqrt(5)) and B at
-zero, so an untrained adapter leaves the model unchanged. s = alpha / sqrt(r) is the
-rank-stabilised scale that CLIP-LoRA's code uses (not LoRA's alpha / r).
+(`LoRAAdapters.draws_masks`). A starts kaiming_uniform(a=sqrt(5)) and B at zero, so an untrained
+adapter leaves the model unchanged. s = alpha / sqrt(r) is the rank-stabilised scale that
+CLIP-LoRA's code uses (not LoRA's alpha / r).
 
     adapters = LoRAAdapters(clip, towers=("text", "vision"), targets="qkv", layers="all")
     adapters.attach()      # each adapted block's attention adds its update (`qkv_delta`)
