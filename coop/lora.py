@@ -8,9 +8,11 @@ For a block of width d whose frozen projection is `qkv = x W^T + b`, W = [W_q; W
 computed as two thin products (2 r d multiply-adds per token and target), never as the (d, d)
 matrix B_t A_t, and never written into W: the frozen weight is not copied and cannot drift.
 drop_t is a dropout of its own per target (p = `dropout`, in training mode only) on the input of
-the low-rank branch; the frozen branch sees x itself. A starts kaiming_uniform(a=sqrt(5)) and B at
-zero, so an untrained adapter leaves the model unchanged. s = alpha / sqrt(r) is the
-rank-stabilised scale that CLIP-LoRA's code uses (not LoRA's alpha / r).
+the low-rank branch; the frozen branch sees x itself. Every token of every row gets its own mask,
+so a row computed once for all rows (a shared text prefix) is exact only while no masks are drawn
+(`LoRAAdapters.draws_masks`). A starts kaiming_uniform(a=sqrt(5)) and B at zero, so an untrained
+adapter leaves the model unchanged. s = alpha / sqrt(r) is the rank-stabilised scale that
+CLIP-LoRA's code uses (not LoRA's alpha / r).
 
     adapters = LoRAAdapters(clip, towers=("text", "vision"), targets="qkv", layers="all")
     adapters.attach()      # each adapted block's attention adds its update (`qkv_delta`)
@@ -175,6 +177,13 @@ class LoRAAdapters(nn.Module):
             for tower, i, module in self.named_adapters()
             for name, p in module.named_parameters()
         }
+
+    def draws_masks(self, tower: str) -> bool:
+        """Whether a forward of `tower` draws dropout masks now (dropout > 0, in training mode).
+        Then no computation may be shared between rows: a row computed once for all would share
+        its masks, where the original draws a mask for every token of every row."""
+        adapted = self.modules_of[tower].values() if tower in self.modules_of else ()
+        return any(m.training and m.dropout > 0 for m in adapted)
 
     def attach(self) -> None:
         """Make every adapted block's attention add its update, and every other block of both

@@ -138,7 +138,8 @@ class TextTransformer(nn.Module):
         Under the causal mask the prefix's hidden states never depend on what follows, so they
         (and their keys/values) are computed once instead of once per row. With shared context,
         `[SOS][v1..vM]` (class at the end) or `[SOS][v1..vM/2]` (class in the middle) is such a
-        prefix.
+        prefix. Exact for a forward that draws nothing at random: a draw per token (CLIP-LoRA's
+        dropout masks) would be shared by all rows (`coop.lora.LoRAAdapters.draws_masks`).
 
         Args:
             prefix: (1, P, W) token embeddings of positions 0..P-1, shared by all rows.

@@ -181,7 +181,9 @@ def test_dropout_acts_on_the_low_rank_branch_only(models):
         m.eval()
         untrained = m.logits(images)
         m.train()
-        assert torch.equal(m.logits(images), untrained)  # B = 0: only the branch's input is dropped
+        # B = 0: only the branch's input is dropped (training runs the text prefix per class: the
+        # same function, another order of float sums)
+        torch.testing.assert_close(m.logits(images), untrained, rtol=1e-5, atol=1e-5)
         randomise_adapters(m)
         m.eval()
         evaluated = m.logits(images)

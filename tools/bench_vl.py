@@ -26,12 +26,12 @@ sides alternating so that both see the same machine load; wall and process CPU t
 token counts give (tokens weighted by layers x width^2, the cost of a token's linear layers; the
 attention's quadratic term is left out) and the largest differences of loss and gradients.
 
-Memory (`--memory-classes`, default 1000): the peak of one training step of ours with and
-without `train.grad_checkpointing`, and with `--reference-memory` of the official step, each in a
-fresh process. On CUDA it is
-`torch.cuda.max_memory_allocated` minus what was allocated before the step; on a CPU it is the
-peak resident set size during the step (Linux `VmHWM`, reset through `/proc/self/clear_refs`)
-minus the resident size before it, i.e. what the step added to the process.
+Memory (`--memory-classes`, default 1000): the peak of one training step of ours (in training
+mode: CLIP-LoRA's dropout on, its text prefix per class) with and without
+`train.grad_checkpointing`, and with `--reference-memory` of the official step, each in a fresh
+process. On CUDA it is `torch.cuda.max_memory_allocated` minus what was allocated before the
+step; on a CPU it is the peak resident set size during the step (Linux `VmHWM`, reset through
+`/proc/self/clear_refs`) minus the resident size before it, i.e. what the step added to the process.
 
 The reference at 1,000 classes keeps a graph of 77,000 text tokens (about 30 GB in fp32 for
 ViT-B/16); it is skipped, with a message, where the device does not have that much free memory.

@@ -13,9 +13,11 @@ B (W, r) zeros, s = alpha / sqrt(r) (r = 2, alpha = 1), dropout 0.25 on the bran
 Nothing of CLIP trains or changes: the updates are added to the projection's output, never
 written into the weights, so evaluation (dropout off) equals merged weights without any merge.
 
-The text side runs the exact fast paths of our tower: every prompt cut after its [EOS], packed
-into one sequence, and the prefix that every prompt shares ([SOS] a photo of a) computed once per
-step; the adapted weights are the same for every class, so the shared prefix stays exact.
+The text side runs every prompt cut after its [EOS], packed into one sequence. The prefix that
+every prompt shares ([SOS] a photo of a) is computed once where that is exact, i.e. when the text
+adapters draw no dropout masks (evaluation, `lora.dropout=0`): the adapted weights are the same
+for every class. In training with dropout each class runs its own prefix, so that every token of
+every class gets its own masks, as in the original (docs/clip_lora.md).
 
 Recipe (`METHOD_DEFAULTS`): AdamW lr 2e-4, weight decay 1e-2, betas (0.9, 0.999), batch 32,
 torch's cosine stepped every iteration to 1e-6 over 500 x shots iterations, no warm-up, the last
@@ -118,9 +120,12 @@ class CLIPLoRA(Method):
         return self._frozen_text
 
     def encode_classes(self) -> torch.Tensor:
-        """(n_cls, E): the template's prompts through the text tower, the shared prefix once."""
+        """(n_cls, E): the template's prompts through the text tower, the shared prefix once unless
+        the text adapters draw dropout masks (then every class computes its own prefix)."""
         text = self.clip.text
         x = text.token_embedding(self.token_ids)  # (n_cls, L, W)
+        if self.adapters.draws_masks("text"):  # a mask for every token of every class
+            return text.encode_embeddings(x, self.eos)
         p = self.prefix
         return text.encode_with_shared_prefix(x[:1, :p], x[:, p:], self.eos)
 

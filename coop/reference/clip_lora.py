@@ -2,7 +2,8 @@
 
 Every class's full 77-token prompt "a photo of a {class}." runs through the whole text tower at
 every step, and the low-rank updates are added to the weights: each adapted block's q, k and v
-projections use W_t + s * B_t @ A_t (the original's merged `LinearLoRA`), written out block by
+projections use W_t + s * B_t @ A_t (the original's merged `LinearLoRA`; with dropout, its unmerged
+forward x W_t^T + b_t + s * drop(x) (B_t A_t)^T on given masks), written out block by
 block with explicit loops over open_clip's `ResidualAttentionBlock`s (ln_1, the separate q, k, v
 projections, attention with open_clip's additive causal mask, out_proj, ln_2, mlp). Nothing here
 shares code with `coop.lora` or our towers: it is the ground truth of the tests and the
@@ -13,6 +14,8 @@ and `{tower}.{block}.{t}_B` (W, r), tower "text" or "vision", t in q, k, v.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,7 @@ def adapted_block(
     key: str,
     scale: float,
     mask: torch.Tensor | None,
+    dropped: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One open_clip `ResidualAttentionBlock` on (N, L, W), q/k/v weights with LoRA added.
 
@@ -38,6 +42,8 @@ def adapted_block(
         key: "text.{i}" or "vision.{i}".
         scale: s = alpha / sqrt(r).
         mask: (L, L) additive attention mask (open_clip's causal mask), or None.
+        dropped: None (no dropout: LoRA merged into the weight), or a function (target key
+            "{key}.{t}", h) -> the dropped-out (N, L, W) input of that target's low-rank branch.
     """
     attn = block.attn
     n, length, width = x.shape
@@ -47,9 +53,13 @@ def adapted_block(
     biases = attn.in_proj_bias.chunk(3, dim=0)
     projected = []
     for t, w, b in zip("qkv", weights, biases, strict=True):
-        if f"{key}.{t}_A" in tensors:
-            w = w + scale * tensors[f"{key}.{t}_B"] @ tensors[f"{key}.{t}_A"]  # LoRA added to the weight
-        y = F.linear(h, w, b)  # (N, L, W)
+        if f"{key}.{t}_A" not in tensors:
+            y = F.linear(h, w, b)  # (N, L, W)
+        elif dropped is None:  # LoRA added to the weight
+            y = F.linear(h, w + scale * tensors[f"{key}.{t}_B"] @ tensors[f"{key}.{t}_A"], b)
+        else:  # the frozen projection of h plus the update of the dropped-out h
+            delta = scale * tensors[f"{key}.{t}_B"] @ tensors[f"{key}.{t}_A"]  # (W, W)
+            y = F.linear(h, w, b) + F.linear(dropped(f"{key}.{t}", h), delta)
         projected.append(y.view(n, length, heads, width // heads).transpose(1, 2))  # (N, H, L, Dh)
     q, k, v = projected
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (N, H, L, Dh)
@@ -58,12 +68,15 @@ def adapted_block(
     return x + block.ls_2(block.mlp(block.ln_2(x)))
 
 
-def text_features(oc: nn.Module, ids: torch.Tensor, tensors: dict, scale: float) -> torch.Tensor:
-    """(n_cls, E) unnormalised features of full-length ids (n_cls, 77) through the adapted text tower."""
+def text_features(
+    oc: nn.Module, ids: torch.Tensor, tensors: dict, scale: float, dropped=None
+) -> torch.Tensor:
+    """(n_cls, E) unnormalised features of full-length ids (n_cls, 77) through the adapted text
+    tower; `dropped` as in `adapted_block` (None: no dropout)."""
     x = oc.token_embedding(ids) + oc.positional_embedding  # (n_cls, 77, W)
     mask = oc.attn_mask.to(x.dtype)
     for i, block in enumerate(oc.transformer.resblocks):
-        x = adapted_block(block, x, tensors, f"text.{i}", scale, mask)
+        x = adapted_block(block, x, tensors, f"text.{i}", scale, mask, dropped)
     return eos_features(oc, x, ids.argmax(dim=-1))
 
 
