@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import REPO
 
-from coop.config import DEFAULTS, flatten
+from coop.config import DEFAULTS, METHODS, flatten
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FILE_SUFFIXES = {"py", "yaml", "yml", "json", "csv", "md", "txt", "pt", "png", "bin", "toml"}
@@ -58,3 +58,13 @@ def test_the_key_check_catches_a_misspelt_key():
     assert "train.aug_view" in found and "train.aug_view" not in KEYS
     assert "data.shots" in found and "data.shots" in KEYS
     assert "train.py" not in found or "py" in FILE_SUFFIXES
+
+
+def test_method_lists_name_every_method():
+    """docs/training.md's `method` row and the table of docs/methods.md name exactly the methods."""
+    row = next(
+        line for line in _text(REPO / "docs" / "training.md").splitlines() if line.startswith("| `method` |")
+    )
+    assert re.findall(r"`(\w+)`", row.split("|")[2].split("(DePT")[0]) == list(METHODS)
+    table = re.findall(r"^\| `(\w+)`", _text(REPO / "docs" / "methods.md"), flags=re.M)
+    assert [m for m in table if m != "method"] == list(METHODS)
