@@ -265,10 +265,15 @@ def incomplete_runs(df: pd.DataFrame) -> list[str]:
     return df.loc[~df["complete"].astype(bool), "run"].tolist() if len(df) else []
 
 
+SHORT_NAMES = {"data.name": "dataset", "model.name": "model", "model.pretrained": "weights"}
+
+
 def setting_label(keys: list[str], values) -> str:
-    """ "shots=4, position=end" for keys ["data.shots", "prompt.position"] and values (4, "end")."""
+    """ "shots=4, position=end" for keys ["data.shots", "prompt.position"] and values (4, "end");
+    `data.name` and `model.name` show as dataset= and model= (`SHORT_NAMES`)."""
     values = values if isinstance(values, tuple) else (values,)
-    return ", ".join(f"{k.split('.')[-1]}={_show(v)}" for k, v in zip(keys, values, strict=True))
+    names = [SHORT_NAMES.get(k, k.split(".")[-1]) for k in keys]
+    return ", ".join(f"{n}={_show(v)}" for n, v in zip(names, values, strict=True))
 
 
 def row_label(row: pd.Series, keys: list[str]) -> str:
