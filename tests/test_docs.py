@@ -68,3 +68,17 @@ def test_method_lists_name_every_method():
     assert re.findall(r"`(\w+)`", row.split("|")[2].split("(DePT")[0]) == list(METHODS)
     table = re.findall(r"^\| `(\w+)`", _text(REPO / "docs" / "methods.md"), flags=re.M)
     assert [m for m in table if m != "method"] == list(METHODS)
+
+
+def test_readme_demo_timing_describes_the_demo_config():
+    """The README's measured demo names the run configs/demo.yaml makes: its views, shots and epochs."""
+    from coop.config import epochs_for_shots, load_config
+
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"))
+    epochs = cfg.train.epochs or epochs_for_shots(cfg.data.shots, cfg.data.name)
+    text = " ".join(_text(REPO / "README.md").split())
+    timing = text.split("On a 2-core CPU shared with other jobs", 1)[1].split("A second run", 1)[0]
+    n_classes = 3  # textile: nominal, local defect, global defect
+    assert f"{cfg.train.aug_views} augmented views of the {cfg.data.shots * n_classes} training images" in timing
+    assert f"{epochs} training epochs" in timing and "min" in timing
+    assert "seconds" not in _text(REPO / "configs" / "demo.yaml")
