@@ -94,10 +94,12 @@ def _legend(fig, handles: dict, title: str | None = None) -> None:
 
 
 def _dodge(xs: np.ndarray, i: int, n: int, log: bool) -> np.ndarray:
-    """Shift line i of n sideways by a few % of the x spacing, so that error bars do not overlap."""
+    """Shift line i of n sideways by about 1% of the x range (at most 6% of the smallest x gap),
+    so that error bars at one x do not hide one another."""
     t = np.log2(xs) if log else xs
-    gap = np.diff(np.unique(t)).min() if len(np.unique(t)) > 1 else 1.0
-    t = t + (i - (n - 1) / 2) * 0.06 * gap
+    ticks = np.unique(t)
+    step = min(0.012 * np.ptp(ticks), 0.06 * np.diff(ticks).min()) if len(ticks) > 1 else 0.0
+    t = t + (i - (n - 1) / 2) * step
     return np.exp2(t) if log else t
 
 
