@@ -79,6 +79,8 @@ def test_readme_demo_timing_describes_the_demo_config():
     text = " ".join(_text(REPO / "README.md").split())
     timing = text.split("On a 2-core CPU shared with other jobs", 1)[1].split("A second run", 1)[0]
     n_classes = 3  # textile: nominal, local defect, global defect
-    assert f"{cfg.train.aug_views} augmented views of the {cfg.data.shots * n_classes} training images" in timing
+    assert (
+        f"{cfg.train.aug_views} augmented views of the {cfg.data.shots * n_classes} training images" in timing
+    )
     assert f"{epochs} training epochs" in timing and "min" in timing
     assert "seconds" not in _text(REPO / "configs" / "demo.yaml")
