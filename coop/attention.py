@@ -189,7 +189,8 @@ def attention_figures(
         fig, axes = plt.subplots(
             n_layers,
             len(learners),
-            figsize=(4.2 * len(learners) + 1, 1.6 * n_layers + 0.8),
+            figsize=(4.2 * len(learners) + 1, 0.9 * n_layers + 1.6),
+            sharex="col",
             squeeze=False,
             layout="constrained",
         )
@@ -203,6 +204,7 @@ def attention_figures(
                 image = ax.imshow(np.ma.masked_array(m, hidden), cmap=cmap, norm=norm, aspect="auto")
                 ax.set_yticks(range(len(queries)), [r["labels"][q] for q in queries], fontsize=6)
                 ax.set_xticks(range(r["eos"] + 1), r["labels"], fontsize=6, rotation=90)
+                ax.tick_params(axis="x", labelbottom=layer == n_layers - 1)  # keys: under each column
                 if layer == 0:
                     trained = " (trained)" if pos == learner.position else ""
                     ax.set_title(f"{pos}{trained}", fontsize=9)
@@ -217,7 +219,7 @@ def attention_figures(
         plt.close(fig)
         written.append(path)
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), sharey=True, layout="constrained")
     titles = {"eos->ctx": "[EOS] → context", "cls->ctx": "class → context", "ctx->cls": "context → class"}
     for ax, (key, title) in zip(axes, titles.items(), strict=True):
         for pos, d in data["positions"].items():
@@ -226,10 +228,13 @@ def attention_figures(
         ax.set_xlabel("layer")
         ax.set_xticks(range(n_layers))
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("attention mass")
-    axes[-1].legend(title="layout")
-    fig.suptitle(f"mean over {len(classes)} classes; trained layout: {learner.position}", fontsize=10)
-    fig.tight_layout()
+    axes[0].set_ylabel("attention mass (0 to 1)")
+    fig.legend(*axes[0].get_legend_handles_labels(), title="layout", loc="outside right upper", fontsize=8)
+    fig.suptitle(
+        f"attention mass between prompt roles per layer (head mean; mean over {len(classes)} classes; "
+        f"trained layout: {learner.position})",
+        fontsize=10,
+    )
     path = out_dir / "attention_roles.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

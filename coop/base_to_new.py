@@ -26,7 +26,7 @@ import pandas as pd
 
 from coop.config import ConfigError
 from coop.published import DATASETS_11, lookup
-from coop.reproduce import row_protocols
+from coop.reproduce import no_counterpart, row_protocols
 from coop.results import (
     DATASET_ORDER,
     _cell,
@@ -34,7 +34,7 @@ from coop.results import (
     _group_value,
     _sort_key,
     harmonic_mean,
-    setting_label,
+    row_label,
     varying_keys,
 )
 
@@ -121,13 +121,18 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFram
     are exactly its 11 datasets, else the mean of its cells (H from those means).
 
     Returns:
-        (the table with the added rows, one note per paper row: its sources and their checks).
+        (the table with the added rows, one note per row of `table`: the paper row's sources and
+        their checks, or why it has no paper row).
     """
     keys, datasets = row_keys(table), table_datasets(table)
     rows, notes = [], []
     for ours, found in row_protocols(table, runs, keys):
         rows.append(ours.to_dict())
-        if found is None or found[0] != "base_to_new":
+        if isinstance(found, str):
+            notes.append(f"{row_label(ours, keys)}: no paper row: {found}")
+            continue
+        if found[0] != "base_to_new":
+            notes.append(f"{row_label(ours, keys)}: no paper row: its runs are not base-to-new")
             continue
         method, (_, shots, model) = ours["method"], found  # the runs' own backbone
         paper = {k: ours[k] for k in keys} | {"method": f"{method}: paper"}
@@ -153,6 +158,9 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFram
                     paper[f"average_{part}"] = fig.value
                     figures.append(fig)
         if not figures:
+            have = [ds for ds in datasets if pd.notna(ours[f"{ds}_base_mean"])]
+            why = no_counterpart(method, "base_to_new", shots, model, have, "accuracy")
+            notes.append(f"{row_label(ours, keys)}: no paper row: {why}")
             continue
         delta = {k: ours[k] for k in keys} | {"method": f"{method}: Δ"}
         for col in table.columns:
@@ -175,8 +183,7 @@ def format_base_to_new_markdown(table: pd.DataFrame, digits: int = 2) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     nan = math.nan
     for _, row in table.iterrows():
-        settings = setting_label(keys[1:], tuple(row[k] for k in keys[1:]))
-        cells = [f"{row['method']} ({settings})" if settings else str(row["method"])]
+        cells = [row_label(row, keys)]
         for ds in datasets:
             n = row[f"{ds}_n"]
             cells += [_cell(row[f"{ds}_{p}_mean"], row[f"{ds}_{p}_std"], digits, n) for p in PARTS]

@@ -18,7 +18,8 @@ Which published figure a cell gets is read from the runs behind the row, never g
 - trained on ImageNet with `eval.targets`: cross-dataset for the targets and ImageNet itself,
   domain generalisation for ImageNet-V2/-Sketch/-A/-R;
 - otherwise few-shot at the row's `data.shots`.
-`notes` names each paper row's sources and whether its figures were checked.
+`notes` names each paper row's sources and whether its figures were checked, and says for each
+row without a paper row why it has none (`no_counterpart`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import math
 import pandas as pd
 
 from coop.config import model_tag
-from coop.published import DATASETS_11, DG_TARGETS, lookup
-from coop.results import _group_value
+from coop.published import DATASETS_11, DG_TARGETS, FIGURES, lookup
+from coop.results import _group_value, row_label
 
 WEIGHTS = "openai"  # what every published figure ran
 PROTOCOL_NAMES = {
@@ -64,24 +65,57 @@ def row_protocols(table: pd.DataFrame, runs: pd.DataFrame, keys: list[str]):
         yield row, protocol_of(runs_of(row, keys, done))
 
 
-def protocol_of(runs: pd.DataFrame) -> tuple[str, int, str] | None:
-    """("base_to_new" | "transfer" | "few_shot", shots, model) of the runs, or None without a
-    counterpart."""
+def protocol_of(runs: pd.DataFrame) -> tuple[str, int, str] | str:
+    """("base_to_new" | "transfer" | "few_shot", shots, model) of the runs, or, when they have no
+    published counterpart, a string that says why."""
     if not len(runs):
-        return None
-    models = {model_tag(str(m)) for m in runs.get("model.name", [])}
-    weights = {str(w) for w in runs.get("model.pretrained", [])}
-    shots = {int(s) for s in runs.get("data.shots", [])}
-    if len(models) != 1 or weights != {WEIGHTS} or len(shots) != 1:
-        return None
-    model = models.pop()
+        return "no finished runs"
+    models = sorted({model_tag(str(m)) for m in runs.get("model.name", [])})
+    weights = sorted({str(w) for w in runs.get("model.pretrained", [])})
+    shots = sorted({int(s) for s in runs.get("data.shots", [])})
+    if weights != [WEIGHTS]:
+        return (
+            f"its runs use model.pretrained={', '.join(weights)}; "
+            f"the published figures ran OpenAI's weights ({WEIGHTS})"
+        )
+    if len(models) != 1:
+        return f"its runs mix backbones ({', '.join(models)})"
+    if len(shots) != 1:
+        return f"its runs mix shot counts ({', '.join(map(str, shots))})"
+    model = models[0]
     if "base" in set(runs.get("data.subsample_classes", [])):
-        return "base_to_new", shots.pop(), model
+        return "base_to_new", shots[0], model
     targets = runs["eval.targets"] if "eval.targets" in runs else pd.Series([], dtype=object)
     trained = set(runs.get("data.name", []))
     if trained == {"imagenet"} and len(targets) and all(isinstance(t, list) and t for t in targets):
-        return "transfer", shots.pop(), model
-    return "few_shot", shots.pop(), model
+        return "transfer", shots[0], model
+    return "few_shot", shots[0], model
+
+
+def no_counterpart(
+    method: str, protocol: str, shots: int, model: str, datasets: list[str], metric: str
+) -> str:
+    """Why `coop.published` has no figure for these runs' cells: the metric, the method, the
+    backbone and shots, or the datasets (naming what is published instead)."""
+    if metric not in (("accuracy", "new_accuracy") if protocol == "base_to_new" else ("accuracy",)):
+        return f"the papers report accuracy, not {metric}"
+    protocols = ("cross_dataset", "domain_generalization") if protocol == "transfer" else (protocol,)
+    figures = [f for f in FIGURES if f.method == method and f.protocol in protocols]
+    name = PROTOCOL_NAMES[protocol]
+    if not figures:
+        return f"no published {name} figures for method={method}"
+    if (shots, model) not in {(f.shots, f.model) for f in figures}:
+        models = sorted({f.model for f in figures})
+        published = "; ".join(
+            f"{', '.join(map(str, sorted({f.shots for f in figures if f.model == m})))} shots on {m}"
+            for m in models
+        )
+        return f"no published {name} figure for {method} at {shots} shots on {model} (published: {published})"
+    published = sorted({f.dataset for f in figures if (f.shots, f.model) == (shots, model)})
+    if published == ["average"]:
+        return f"the paper quotes only its mean over the 11 datasets for {method} ({name}), no per-dataset figure"
+    listed = ", ".join(d for d in published if d != "average")
+    return f"no published {name} figure for {method} on {', '.join(datasets)} (published: {listed})"
 
 
 def figure_for(method: str, protocol: str, dataset: str, metric: str, shots: int, model: str = "ViT-B-16"):
@@ -122,13 +156,15 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame, metric: str = "accur
         metric: the table's cell metric.
 
     Returns:
-        (the table with the added rows, one note per paper row: its sources and their checks).
+        (the table with the added rows, one note per row of `table`: the paper row's sources and
+        their checks, or why it has no paper row).
     """
     keys, datasets = row_keys(table), table_datasets(table)
     rows, notes = [], []
     for ours, found in row_protocols(table, runs, keys):
         rows.append(ours.to_dict())
-        if found is None:
+        if isinstance(found, str):
+            notes.append(f"{row_label(ours, keys)}: no paper row: {found}")
             continue
         protocol, shots, model = found
         # only where we have a number: the paper's row is that number's counterpart
@@ -136,6 +172,8 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame, metric: str = "accur
         figs = {ds: figure_for(ours["method"], protocol, ds, metric, shots, model) for ds in have}
         figs = {ds: f for ds, f in figs.items() if f is not None}
         if not figs:
+            why = no_counterpart(ours["method"], protocol, shots, model, have, metric)
+            notes.append(f"{row_label(ours, keys)}: no paper row: {why}")
             continue
         average = math.nan
         if pd.notna(ours["average"]):

@@ -265,10 +265,22 @@ def incomplete_runs(df: pd.DataFrame) -> list[str]:
     return df.loc[~df["complete"].astype(bool), "run"].tolist() if len(df) else []
 
 
+SHORT_NAMES = {"data.name": "dataset", "model.name": "model", "model.pretrained": "weights"}
+
+
 def setting_label(keys: list[str], values) -> str:
-    """ "shots=4, position=end" for keys ["data.shots", "prompt.position"] and values (4, "end")."""
+    """ "shots=4, position=end" for keys ["data.shots", "prompt.position"] and values (4, "end");
+    `data.name` and `model.name` show as dataset= and model= (`SHORT_NAMES`)."""
     values = values if isinstance(values, tuple) else (values,)
-    return ", ".join(f"{k.split('.')[-1]}={_show(v)}" for k, v in zip(keys, values, strict=True))
+    names = [SHORT_NAMES.get(k, k.split(".")[-1]) for k in keys]
+    return ", ".join(f"{n}={_show(v)}" for n, v in zip(names, values, strict=True))
+
+
+def row_label(row: pd.Series, keys: list[str]) -> str:
+    """ "coop (shots=4, position=end)": a table row (row keys `keys`, `method` first) as the Markdown
+    tables name it."""
+    settings = setting_label(keys[1:], tuple(row[k] for k in keys[1:]))
+    return f"{row['method']} ({settings})" if settings else str(row["method"])
 
 
 # ---------------------------------------------------------------- one column per dataset
@@ -400,8 +412,7 @@ def format_dataset_markdown(table: pd.DataFrame, digits: int = 2) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     places = _places(pd.concat([table[f"{ds}_mean"] for ds in datasets]), digits)
     for _, row in table.iterrows():
-        settings = setting_label(keys[1:], tuple(row[k] for k in keys[1:]))
-        cells = [f"{row['method']} ({settings})" if settings else str(row["method"])]
+        cells = [row_label(row, keys)]
         cells += [_cell(row[f"{ds}_mean"], row[f"{ds}_std"], places, row[f"{ds}_n"]) for ds in datasets]
         cells.append(_cell(row["average"], float("nan"), places))
         lines.append("| " + " | ".join(cells) + " |")

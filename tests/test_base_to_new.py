@@ -73,4 +73,8 @@ def test_published_rows_only_for_the_papers_backbone(tmp_path):
         b2n_run(tmp_path, "cocoop", ds, 1, 70.0, 60.0, "model.name=ViT-L-14")
     runs = load_runs(tmp_path)
     table, notes = with_published(base_to_new_table(runs), runs)
-    assert list(table["method"]) == ["cocoop"] and notes == []
+    assert list(table["method"]) == ["cocoop"]
+    assert notes == [
+        "cocoop: no paper row: no published base-to-new figure for cocoop at 16 shots on ViT-L-14 "
+        "(published: 16 shots on ViT-B-16)"
+    ]

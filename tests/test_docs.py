@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import REPO
 
-from coop.config import DEFAULTS, flatten
+from coop.config import DEFAULTS, METHODS, flatten
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FILE_SUFFIXES = {"py", "yaml", "yml", "json", "csv", "md", "txt", "pt", "png", "bin", "toml"}
@@ -58,3 +58,29 @@ def test_the_key_check_catches_a_misspelt_key():
     assert "train.aug_view" in found and "train.aug_view" not in KEYS
     assert "data.shots" in found and "data.shots" in KEYS
     assert "train.py" not in found or "py" in FILE_SUFFIXES
+
+
+def test_method_lists_name_every_method():
+    """docs/training.md's `method` row and the table of docs/methods.md name exactly the methods."""
+    row = next(
+        line for line in _text(REPO / "docs" / "training.md").splitlines() if line.startswith("| `method` |")
+    )
+    assert re.findall(r"`(\w+)`", row.split("|")[2].split("(DePT")[0]) == list(METHODS)
+    table = re.findall(r"^\| `(\w+)`", _text(REPO / "docs" / "methods.md"), flags=re.M)
+    assert [m for m in table if m != "method"] == list(METHODS)
+
+
+def test_readme_demo_timing_describes_the_demo_config():
+    """The README's measured demo names the run configs/demo.yaml makes: its views, shots and epochs."""
+    from coop.config import epochs_for_shots, load_config
+
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"))
+    epochs = cfg.train.epochs or epochs_for_shots(cfg.data.shots, cfg.data.name)
+    text = " ".join(_text(REPO / "README.md").split())
+    timing = text.split("On a 2-core CPU shared with other jobs", 1)[1].split("A second run", 1)[0]
+    n_classes = 3  # textile: nominal, local defect, global defect
+    assert (
+        f"{cfg.train.aug_views} augmented views of the {cfg.data.shots * n_classes} training images" in timing
+    )
+    assert f"{epochs} training epochs" in timing and "min" in timing
+    assert "seconds" not in _text(REPO / "configs" / "demo.yaml")

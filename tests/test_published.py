@@ -97,5 +97,41 @@ def test_collect_published_rows(tmp_path):
     assert paper_line.endswith("| – | 77.01 | 87.49 | – | – |")
     assert delta_line.endswith("| – | -0.01 | 2.51 | – | – |")
     assert "Paper rows:" in md and "CoCoOp (Zhou et al., CVPR 2022), Table 1; 0 of 2 cell(s) checked" in md
+    tiny_line = next(
+        line for line in md.splitlines() if "pretrained=none" in line and line.startswith("- coop (")
+    )
+    assert tiny_line.endswith(
+        "no paper row: its runs use model.pretrained=none; the published figures ran OpenAI's weights (openai)"
+    )
     with pytest.raises(SystemExit):
         collect(tmp_path, "--published")  # only with --table datasets
+
+
+def test_collect_published_says_why_no_paper_row_applies(tmp_path, capsys):
+    """A row without a paper row gets one line naming the reason; none is dropped silently."""
+    reasons = {
+        ("coop", 16): "the paper quotes only its mean over the 11 datasets for coop (few-shot)",
+        (
+            "coop",
+            2,
+        ): "no published few-shot figure for coop at 2 shots on ViT-B-16 (published: 16 shots on ViT-B-16)",
+        ("linear_probe", 16): "no published few-shot figures for method=linear_probe",
+        ("tip_adapter", 3): "no published few-shot figure for tip_adapter at 3 shots on RN50 "
+        "(published: 1, 2, 4, 8, 16 shots on RN50)",
+    }
+    for method, shots, model in (("coop", 16, "ViT-B-16"), ("coop", 2, "ViT-B-16"),
+                                 ("linear_probe", 16, "ViT-B-16"), ("tip_adapter", 3, "RN50")):  # fmt: skip
+        over = [f"method={method}", f"data.shots={shots}", f"model.name={model}", "data.name=dtd"]
+        write_run(tmp_path / f"{method}{shots}", over, metrics={"accuracy": 50.0, "macro_f1": 49.0})
+    assert collect(tmp_path, "--table", "datasets", "--published") == 0
+    out = capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "results_datasets.csv")
+    assert not table["method"].str.contains("paper").any()
+    notes = out.split("Paper rows:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert len(notes) == 4
+    for (method, shots), reason in reasons.items():
+        line = next(n for n in notes if n.startswith(f"- {method} (") and f"shots={shots}," in n)
+        assert f": no paper row: {reason}" in line, line
+    assert collect(tmp_path, "--table", "datasets", "--published", "--metric", "macro_f1") == 0
+    out = capsys.readouterr().out
+    assert out.count("no paper row: the papers report accuracy, not macro_f1") == 4

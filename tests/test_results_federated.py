@@ -20,7 +20,7 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from coop.config import ConfigError, load_config
-from coop.plots import load_histories, plot_rounds, round_keys, round_table
+from coop.plots import load_histories, round_keys, round_table, rounds_figure
 from coop.results import domain_table, load_runs
 
 ROUNDS = (1, 2, 3, 4)
@@ -117,8 +117,8 @@ def test_no_round_figure_without_rounds(tmp_path):
     (folder / "history.csv").write_text("epoch,accuracy\n1,50\n2,53\n")
     runs = load_runs(tmp_path / "central")
     assert not len(load_histories(runs, tmp_path / "central"))
-    assert not plot_rounds(runs, tmp_path / "a.png", root=tmp_path / "central")
-    assert not plot_rounds(runs, tmp_path / "a.png") and not list(tmp_path.glob("*.png"))
+    assert rounds_figure(runs, root=tmp_path / "central") is None
+    assert rounds_figure(runs) is None
 
 
 def test_domains_table_averages_complete_rows_only(lodo):

@@ -37,8 +37,11 @@ def test_train_writes_run_folder(image_folder, tmp_path):
     out = tmp_path / "run"
     res = run(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 2, "prompt.csc": "true"}))
     assert res.returncode == 0, res.stderr[-2000:]
-    for name in ("config.yaml", "log.txt", "history.csv", "checkpoint.pt", "metrics.json"):
-        assert (out / name).is_file(), name
+    # exactly the files the README's run-folder list names
+    listing = (REPO / "README.md").read_text().split("containing:\n\n", 1)[1].split("\n\n", 1)[0]
+    named = {line[3:].split("`")[0].rstrip("/") for line in listing.splitlines() if line.startswith("- `")}
+    assert {"config.yaml", ".lock", "tb"} <= named
+    assert sorted(p.name for p in out.iterdir()) == sorted(named)
     metrics = json.loads((out / "metrics.json").read_text())
     assert (
         metrics["n_test"] == 12 and metrics["epochs"] == 4 and metrics["shots"] == 4 and metrics["seed"] == 1

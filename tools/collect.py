@@ -24,7 +24,8 @@ seeds with the number of seeds; writes `results_datasets.csv` and `results_datas
 --published (with --table datasets): under each of our rows that has a published counterpart
 (coop/published.py: ViT-B/16 runs with OpenAI weights; the protocol is read from the runs), the
 paper's row and a Δ row (ours minus the paper's), same columns, and one line per paper row naming
-its sources and how many of its figures were checked against the paper.
+its sources and how many of its figures were checked against the paper; for each row without a
+paper row, one line saying why.
 
 --table base_to_new: base-to-new runs (data.subsample_classes=base): one row per method and
 setting; per dataset Base, New (mean ± std over seeds, n) and H (their harmonic mean), then the

@@ -45,7 +45,8 @@ def main() -> int:
             {"output_dir": cfg.output_dir, **{k: metrics[k] for k in ("accuracy", "macro_f1", "n_test")}}
         )
     )
-    print(f"run folder: {cfg.output_dir} (config.yaml, log.txt, history.csv, checkpoint.pt, metrics.json)")
+    files = sorted(p.name + "/" * p.is_dir() for p in Path(cfg.output_dir).iterdir())
+    print(f"run folder: {cfg.output_dir} ({', '.join(files)})")
     return 0
 
 
