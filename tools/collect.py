@@ -141,6 +141,14 @@ def main(argv=None) -> int:
         intro = f"{n_done} finished run(s); {args.metric} on each held-out target domain, mean ± std over seeds (n = seeds)"
         stem = "results_domains"
     elif args.table == "personal":
+        done = runs[runs["complete"]]
+        if not any(m in done.columns and done[m].notna().any() for m in PERSONAL_METRICS):
+            print(
+                f"error: the {n_done} finished run(s) under {root} have no personal metrics "
+                "(local_accuracy, ...): --table personal is for federated FedOTP and FedPGP runs",
+                file=sys.stderr,
+            )
+            return 2
         by = args.by if args.by is not None else varying_keys(runs)
         table = summarize(runs, by, metrics=PERSONAL_METRICS, ddof=args.ddof)
         markdown = format_markdown(table)
