@@ -14,8 +14,8 @@ with). Where `fcntl` does not exist (Windows) runs are not locked.
 The lock file also marks a folder as a run folder of ours: it stays after the run. Taking the lock
 refuses a folder that is not empty and holds no `.lock` (`NotARunFolderError`), since a run writes
 `config.yaml`, `log.txt` and more over what is there: a folder of the user's own files is never
-overwritten. A sweep's `sweep.log` alone (written before its run starts) does not make a folder
-foreign. Once the lock is held, the temporary files that a killed write left behind are deleted
+overwritten. A sweep's `sweep.log` (written before its run starts) and a torchrun rank's
+`log.rank<k>.txt` (its ranks k > 0 never take the lock) do not make a folder foreign. Once the lock is held, the temporary files that a killed write left behind are deleted
 (`coop.io.remove_stale_temporaries`): no other process writes the folder then.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,8 +37,9 @@ except ImportError:  # pragma: no cover - Windows
 
 LOCK_FILE = ".lock"
 LOCKED = "is being written by another process"  # RunLockedError's words (a sweep looks for them)
-# What may be in a folder before its first run takes the lock: the sweep's log of the run's output.
-BEFORE_THE_LOCK = {"sweep.log"}
+# What may be in a folder before its first run takes the lock: the sweep's log of the run's output,
+# and the log of a torchrun rank k > 0 (which writes the folder without taking the lock).
+BEFORE_THE_LOCK = re.compile(r"sweep\.log|log\.rank\d+\.txt")
 
 _HELD: dict[str, list] = {}  # resolved folder -> [open lock file, depth] held by this process
 _GUARD = threading.Lock()
@@ -57,7 +59,7 @@ def is_run_folder(folder: str | os.PathLike) -> bool:
     if not folder.is_dir():
         return not folder.exists()
     names = {p.name for p in folder.iterdir()}
-    return LOCK_FILE in names or names <= BEFORE_THE_LOCK
+    return LOCK_FILE in names or all(BEFORE_THE_LOCK.fullmatch(n) for n in names)
 
 
 def require_run_folder(folder: str | os.PathLike) -> Path:

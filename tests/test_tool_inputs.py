@@ -150,6 +150,7 @@ def test_run_folders_of_ours_and_what_a_sweep_writes_first_are_accepted(tmp_path
 
     (tmp_path / "swept").mkdir()
     (tmp_path / "swept" / "sweep.log").write_text("=== sweep\n")
+    (tmp_path / "swept" / "log.rank1.txt").write_text("")  # a torchrun rank k > 0, before rank 0's lock
     assert is_run_folder(tmp_path / "new") and is_run_folder(tmp_path / "swept")
     (tmp_path / "swept" / "notes.txt").write_text("")
     assert not is_run_folder(tmp_path / "swept")
