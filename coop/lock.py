@@ -15,7 +15,9 @@ The lock file also marks a folder as a run folder of ours: it stays after the ru
 refuses a folder that is not empty and holds no `.lock` (`NotARunFolderError`), since a run writes
 `config.yaml`, `log.txt` and more over what is there: a folder of the user's own files is never
 overwritten. A sweep's `sweep.log` (written before its run starts) and a torchrun rank's
-`log.rank<k>.txt` (its ranks k > 0 never take the lock) do not make a folder foreign. Once the lock is held, the temporary files that a killed write left behind are deleted
+`log.rank<k>.txt` (its ranks k > 0 never take the lock) do not make a folder foreign; a folder
+that a run wrote before runs took the lock (`config.yaml`, `log.txt` and `checkpoint.pt` together)
+is a run folder too. Once the lock is held, the temporary files that a killed write left behind are deleted
 (`coop.io.remove_stale_temporaries`): no other process writes the folder then.
 """
 
@@ -37,6 +39,8 @@ except ImportError:  # pragma: no cover - Windows
 
 LOCK_FILE = ".lock"
 LOCKED = "is being written by another process"  # RunLockedError's words (a sweep looks for them)
+# A run folder written before runs took the lock (and left .lock behind) holds these three.
+WRITTEN_BEFORE_LOCKS = {"config.yaml", "log.txt", "checkpoint.pt"}
 # What may be in a folder before its first run takes the lock: the sweep's log of the run's output,
 # and the log of a torchrun rank k > 0 (which writes the folder without taking the lock).
 BEFORE_THE_LOCK = re.compile(r"sweep\.log|log\.rank\d+\.txt")
@@ -59,7 +63,9 @@ def is_run_folder(folder: str | os.PathLike) -> bool:
     if not folder.is_dir():
         return not folder.exists()
     names = {p.name for p in folder.iterdir()}
-    return LOCK_FILE in names or all(BEFORE_THE_LOCK.fullmatch(n) for n in names)
+    if LOCK_FILE in names or WRITTEN_BEFORE_LOCKS <= names:
+        return True
+    return all(BEFORE_THE_LOCK.fullmatch(n) for n in names)
 
 
 def require_run_folder(folder: str | os.PathLike) -> Path:

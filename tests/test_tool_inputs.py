@@ -156,6 +156,13 @@ def test_run_folders_of_ours_and_what_a_sweep_writes_first_are_accepted(tmp_path
     assert not is_run_folder(tmp_path / "swept")
     (tmp_path / "swept" / ".lock").write_text("1\n")
     assert is_run_folder(tmp_path / "swept")
+    old = tmp_path / "before_locks"  # a run folder written before runs left .lock behind
+    old.mkdir()
+    for name in ("config.yaml", "log.txt"):
+        (old / name).write_text("")
+    assert not is_run_folder(old)
+    (old / "checkpoint.pt").write_bytes(b"")
+    assert is_run_folder(old)
 
 
 def test_a_killed_writes_temporary_file_is_removed_on_the_next_start(tmp_path):
