@@ -130,6 +130,8 @@ def test_unwritable_output_is_refused_before_any_work(trained, tmp_path, monkeyp
     one_line_error(tool("train", *tiny_args(trained.folder, where / "run")), *words)
     res = tool("import_checkpoint", "--from", "coop", tmp_path / "x.pth", "--out", where / "imp", "--no-eval")
     one_line_error(res, *words)
+    monkeypatch.setattr("coop.results.load_runs", never)
+    one_line_error(tool("collect", trained.run.parent, "--out", where / "tables"), *words)
 
 
 def test_a_folder_of_the_users_own_files_is_never_overwritten(trained, tmp_path, monkeypatch):

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
 from coop import base_to_new  # noqa: E402
+from coop.io import require_writable  # noqa: E402
 from coop.reproduce import with_published  # noqa: E402
 from coop.results import (  # noqa: E402
     PERSONAL_METRICS,
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     setup_logging(args.verbose)
 
     root = Path(args.root)
+    out = require_writable(args.out or root, folder=True)  # before the runs are read
     runs = load_runs(root)
     incomplete = incomplete_runs(runs)
     if incomplete:
@@ -162,7 +164,6 @@ def main(argv=None) -> int:
         stem = "results"
     print(f"{intro}:\n")
     print(markdown)
-    out = Path(args.out) if args.out else root
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / f"{stem}.csv", index=False)
     text = f"# Results: {root}\n\n{intro}.\n\n{markdown}\n"
