@@ -61,8 +61,8 @@ from coop.engine import (
     val_features,
 )
 from coop.evaluation import evaluate_targets, pending_evaluations, run_fields
-from coop.io import atomic_write, require_writable, write_json
-from coop.lock import run_lock
+from coop.io import atomic_write, write_json
+from coop.lock import require_run_folder, run_lock
 from coop.schedule import Schedule, build_optimizer, plan_schedule
 from coop.tensorboard import Board, open_board
 from coop.weights import absolute_model_files
@@ -117,7 +117,7 @@ def train_run(cfg: DictConfig) -> dict:
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
-    folder = require_writable(cfg.output_dir, folder=True)  # before anything is built
+    folder = require_run_folder(cfg.output_dir)  # every rank, before it writes or builds anything
     world = distributed.world()  # under torchrun rank 0 alone writes the folder; rank k logs warnings
     folder.mkdir(parents=True, exist_ok=True)
     with run_lock(folder) if world.is_main else contextlib.nullcontext():  # a second run refuses in one line

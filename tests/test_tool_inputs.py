@@ -143,6 +143,12 @@ def test_a_folder_of_the_users_own_files_is_never_overwritten(trained, tmp_path,
     one_line_error(tool("train", *tiny_args(trained.folder, mine)), str(mine), "not a coop run folder")
     res = tool("import_checkpoint", "--from", "coop", tmp_path / "x.pth", "--out", mine, "--no-eval")
     one_line_error(res, "not a coop run folder")
+    from coop.lock import NotARunFolderError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun rank k > 0 refuses too, before its log.rank<k>.txt
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(NotARunFolderError):
+        train_run(load_config(None, tiny_args(trained.folder, mine)))
     assert sorted(p.name for p in mine.iterdir()) == ["config.yaml"]
     assert (mine / "config.yaml").read_text() == "my: own\n"
 
