@@ -17,8 +17,8 @@ refuses a folder that is not empty and holds no `.lock` (`NotARunFolderError`), 
 overwritten. A sweep's `sweep.log` (written before its run starts) and a torchrun rank's
 `log.rank<k>.txt` (its ranks k > 0 never take the lock) do not make a folder foreign; a folder
 that a run wrote before runs took the lock (`config.yaml`, `log.txt` and `checkpoint.pt` together)
-is a run folder too. Once the lock is held, the temporary files that a killed write left behind are deleted
-(`coop.io.remove_stale_temporaries`): no other process writes the folder then.
+is a run folder too. Once the lock is held, the temporary files that a killed write left behind
+are deleted (`coop.io.remove_stale_temporaries`): no other process writes the folder then.
 """
 
 from __future__ import annotations
