@@ -16,8 +16,9 @@ A `checkpoint.pt` is a plain dict that loads with `torch.load(path, weights_only
     imported     only in a run imported from an original codebase (`coop.interop`):
                  {"from": method, "file": path, "epoch": Dassl epoch}; it has no optimizer or RNG state
 
-`load_checkpoint` turns every unusable file (missing, not a torch.save file, truncated, or a
-torch.save of something else) into a one-line `CheckpointError` that names the file.
+`load_checkpoint` turns every unusable file (missing, not a torch.save file, truncated, a
+torch.save of something else, or one that needs arbitrary unpickling: the global it asks for is
+named) into a one-line `CheckpointError` that names the file.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from coop.io import atomic_write
+from coop.io import atomic_write, refused_unpickling
 from coop.methods import METHODS
 from coop.methods.coop import build_learner, require_transferable
 from coop.model import CLIP
@@ -40,6 +41,9 @@ from coop.weights import load_clip
 REQUIRED_KEYS = ("prompt", "config", "classnames")
 TRAINING_KEYS = ("optimizer", "epoch", "history", "rng")
 CONFIG_SECTIONS = ("model", "prompt", "data", "train")
+# The `format` of a federated run's checkpoint (`coop.federated.server`): the global tensors, the
+# strategy's state and the round; `prompt`, `config` and `classnames` as above.
+FEDERATED_FORMAT = "coop-federated-1"
 
 
 class CheckpointError(ValueError):
@@ -73,7 +77,8 @@ def load_checkpoint(
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {_load_failure(path, e)}") from None
+        refused = refused_unpickling(path, e)  # never torch's advice to turn the safety off
+        raise CheckpointError(refused or f"cannot read checkpoint {path}: {_load_failure(path, e)}") from None
     check_checkpoint(ckpt, path, training_state)
     return ckpt
 

@@ -56,7 +56,7 @@ from coop.data import (
 )
 from coop.data.images import derive_seed
 from coop.features import autocast, cached_features, resolve_precision
-from coop.methods import Method, build_method
+from coop.methods import METHODS, Method, build_method
 from coop.methods.base import FeatureRequest
 from coop.metrics import classification_metrics
 from coop.model import CLIP
@@ -138,6 +138,10 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
     if ckpt is None:
         require_train_split(dataset)  # test-only datasets (ImageNet-V2/-Sketch/-A/-R) do not train
     dataset = subsample_classes(dataset, cfg.data.subsample_classes)
+    if ckpt is None and getattr(METHODS.get(cfg.method), "trainer", "") == "sgd":  # before the model
+        distributed.require_batch_shares(
+            len(dataset.train), int(cfg.train.batch_size), bool(cfg.train.drop_last)
+        )
     if clip is None:
         clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes

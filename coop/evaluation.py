@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from coop.checkpoint import load_checkpoint
+from coop.checkpoint import FEDERATED_FORMAT, CheckpointError, load_checkpoint
 from coop.config import load_config, model_tag
 from coop.engine import evaluate_run, setup
 from coop.io import write_json
@@ -37,7 +37,8 @@ def run_fields(cfg: DictConfig, method, epochs: int, history: list[dict]) -> dic
         "model": model_tag(cfg.model.name),
         "pretrained": cfg.model.pretrained,
         **method.describe(),
-        "final_train_loss": history[-1]["loss"] if history else None,
+        # a training run's rows have `loss`, a federated run's rounds `train_loss`
+        "final_train_loss": history[-1].get("loss", history[-1].get("train_loss")) if history else None,
     }
 
 
@@ -107,6 +108,19 @@ def evaluate_targets(
     return results
 
 
+def load_evaluable(path: str | Path) -> dict:
+    """The checkpoint at `path`, if `evaluate_on` can score it: any training run, and of federated
+    runs PromptFL's (CoOp's tensors); the other federated methods are a one-line CheckpointError."""
+    ckpt = load_checkpoint(path)
+    fl = ckpt["config"].get("fl", {}).get("method") if ckpt.get("format") == FEDERATED_FORMAT else None
+    if fl not in (None, "promptfl"):
+        raise CheckpointError(
+            f"{path} is a federated fl.method={fl} run, which tools/eval.py does not score: its "
+            "metrics.json holds its evaluations, and tools/predict.py scores images with its models"
+        )
+    return ckpt
+
+
 def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Test accuracy of a saved run on its own dataset or, where the method transfers, another one.
 
@@ -118,7 +132,7 @@ def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...]
         CheckpointError: `path` is missing, corrupt, truncated or not a coop checkpoint.
         TransferError: the learned tensors cannot score the requested classes (csc context).
     """
-    ckpt = load_checkpoint(path)
+    ckpt = load_evaluable(path)
     cfg = load_config(None, overrides, base=ckpt["config"])
     metrics, _ = evaluate_on(
         OmegaConf.to_container(cfg, resolve=True), ckpt, cfg.data.name, cfg.data.subsample_classes
@@ -129,7 +143,7 @@ def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...]
 
 def evaluate_checkpoint_targets(path: str | Path, targets: list[str], overrides=()) -> dict[str, dict]:
     """`eval.targets` for a saved run: each target's metrics, written beside the checkpoint."""
-    ckpt = load_checkpoint(path)
+    ckpt = load_evaluable(path)
     cfg = load_config(None, [*overrides, f"eval.targets=[{','.join(targets)}]"], base=ckpt["config"])
     folder = Path(path).parent
     for dataset in targets:  # re-evaluate on request, even where a file exists

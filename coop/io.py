@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader (or a crash) never sees a half-written file.
+"""Atomic file writes: a reader (or a crash) never sees a half-written file; output places checked
+before any work (`require_writable`), and what a killed write leaves behind (`remove_stale_temporaries`).
 
 Files get the mode a plain `open(path, "w")` would give them (0o666 masked by the umask, e.g.
 0644 under umask 022), not the 0600 of the temporary file they are written through. In a run
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Callable
@@ -18,6 +20,70 @@ from pathlib import Path
 from coop import distributed
 
 _UMASK_LOCK = threading.Lock()
+# `atomic_write`'s temporary files: ".<name>.<8 characters of mkstemp>.tmp"
+TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+class OutputError(ValueError):
+    """An output file or folder cannot be written there (the one-line message names the path)."""
+
+
+def require_writable(path: str | os.PathLike, folder: bool = False) -> Path:
+    """OutputError unless `path` (a file, or with `folder` a folder) can be created or overwritten.
+
+    Checked before any work, so that a tool never computes for minutes and then fails to save: the
+    nearest existing ancestor must be a folder this process may write into (`os.access`, which also
+    sees a read-only file system), and `path` itself, if it exists, a file (a folder with `folder`).
+
+    Args:
+        path: the file or folder to write.
+        folder: whether `path` is a folder (created with its parents) rather than a file.
+    Returns:
+        `path` as a Path.
+    """
+    path = Path(path).expanduser()
+    if path.exists():
+        if folder and not path.is_dir():
+            raise OutputError(f"cannot write into {path}: it is a file, not a folder")
+        if not folder and path.is_dir():
+            raise OutputError(f"cannot write {path}: it is a folder")
+        where = path if folder else path.parent
+    else:
+        where = path.parent
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            raise OutputError(f"cannot write {path}: {where} is a file, not a folder")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {path}: {where} is not writable")
+    return path
+
+
+def refused_unpickling(path: str | os.PathLike, error: BaseException) -> str | None:
+    """One line for a file that `torch.load(weights_only=True)` refused to unpickle, naming the
+    global it asked for; None if `error` is another failure. Torch's own message suggests turning
+    the safety off (weights_only=False); this one never does."""
+    text = str(error)
+    wanted = re.search(r"GLOBAL (\S+)", text) or re.search(r"unrecognized function (\S+)", text)
+    if not wanted and "Weights only load failed" not in text:
+        return None
+    what = f"it asks for {wanted.group(1)}" if wanted else "it holds more than tensors and plain data"
+    return (
+        f"{path} needs arbitrary unpickling to load ({what}); refused: only tensors and plain data "
+        "are read (torch.load weights_only=True)"
+    )
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that writes killed mid-way (kill -9) left in `folder` and its
+    subfolders. Call it only while no other process writes there (under the run folder's lock).
+    Returns the files removed."""
+    removed = []
+    for path in Path(folder).rglob(".*.tmp"):
+        if TEMPORARY.match(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def current_umask() -> int:

@@ -10,15 +10,27 @@ refusal's message. Within one process the lock is re-entrant. A process may also
 that another one holds for it: the federated tool holds its folder's lock while the ServerApp, in a
 process that Flower starts, writes the folder (`holder=` the tool's pid, which the ServerApp exits
 with). Where `fcntl` does not exist (Windows) runs are not locked.
+
+The lock file also marks a folder as a run folder of ours: it stays after the run. Taking the lock
+refuses a folder that is not empty and holds no `.lock` (`NotARunFolderError`), since a run writes
+`config.yaml`, `log.txt` and more over what is there: a folder of the user's own files is never
+overwritten. A sweep's `sweep.log` (written before its run starts) and a torchrun rank's
+`log.rank<k>.txt` (its ranks k > 0 never take the lock) do not make a folder foreign; a folder
+that a run wrote before runs took the lock (`config.yaml`, `log.txt` and `checkpoint.pt` together)
+is a run folder too. Once the lock is held, the temporary files that a killed write left behind
+are deleted (`coop.io.remove_stale_temporaries`): no other process writes the folder then.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from coop.io import remove_stale_temporaries, require_writable
 
 try:
     import fcntl
@@ -26,6 +38,12 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
 LOCK_FILE = ".lock"
+LOCKED = "is being written by another process"  # RunLockedError's words (a sweep looks for them)
+# A run folder written before runs took the lock (and left .lock behind) holds these three.
+WRITTEN_BEFORE_LOCKS = {"config.yaml", "log.txt", "checkpoint.pt"}
+# What may be in a folder before its first run takes the lock: the sweep's log of the run's output,
+# and the log of a torchrun rank k > 0 (which writes the folder without taking the lock).
+BEFORE_THE_LOCK = re.compile(r"sweep\.log|log\.rank\d+\.txt")
 
 _HELD: dict[str, list] = {}  # resolved folder -> [open lock file, depth] held by this process
 _GUARD = threading.Lock()
@@ -33,6 +51,33 @@ _GUARD = threading.Lock()
 
 class RunLockedError(RuntimeError):
     """Another live process is writing the run folder (the message names it and the pid)."""
+
+
+class NotARunFolderError(ValueError):
+    """The folder holds files, and is not a run folder of ours (no `.lock`): it is not written."""
+
+
+def is_run_folder(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is missing, empty, or a run folder of ours (module docstring)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return not folder.exists()
+    names = {p.name for p in folder.iterdir()}
+    if LOCK_FILE in names or WRITTEN_BEFORE_LOCKS <= names:
+        return True
+    return all(BEFORE_THE_LOCK.fullmatch(n) for n in names)
+
+
+def require_run_folder(folder: str | os.PathLike) -> Path:
+    """The folder as a Path, if a run may write it: OutputError if it cannot be written (e.g. a path
+    under a regular file), NotARunFolderError if it holds files that are not a run's."""
+    folder = require_writable(folder, folder=True)
+    if not is_run_folder(folder):
+        raise NotARunFolderError(
+            f"{folder} is not empty and is not a coop run folder (it has no {LOCK_FILE}); "
+            "choose a new or empty folder"
+        )
+    return folder
 
 
 def holder_pid(folder: str | os.PathLike) -> str:
@@ -51,14 +96,22 @@ def _acquire(folder: Path):
     except BlockingIOError:
         f.close()
         raise RunLockedError(
-            f"{folder} is being written by another process (pid {holder_pid(folder)}); "
-            "wait for it to finish or use another output_dir"
+            f"{folder} {LOCKED} (pid {holder_pid(folder)}); wait for it to finish or use another output_dir"
         ) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def wait_for_writer(folder: str | os.PathLike) -> None:
+    """Block until no process holds the folder's lock (returns at once if none does)."""
+    path = Path(folder) / LOCK_FILE
+    if fcntl is None or not path.is_file():  # pragma: no cover - Windows
+        return
+    with open(path) as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # granted once the writer's exclusive lock is gone
 
 
 @contextlib.contextmanager
@@ -72,19 +125,24 @@ def run_lock(folder: str | os.PathLike, holder: int | None = None) -> Iterator[N
 
     Raises:
         RunLockedError: another live process holds the lock; nothing waits.
+        OutputError, NotARunFolderError: the folder cannot be written, or is not a run folder
+            (`require_run_folder`).
     """
     folder = Path(folder)
+    key = str(folder.resolve())
+    if key not in _HELD:  # this process does not hold it yet
+        require_run_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if fcntl is None:  # pragma: no cover
         yield
         return
-    key = str(folder.resolve())
     with _GUARD:
         if key in _HELD:
             _HELD[key][1] += 1
         else:
             try:
                 _HELD[key] = [_acquire(folder), 1]
+                remove_stale_temporaries(folder)  # ours alone now
             except RunLockedError:
                 if holder is None or holder_pid(folder) != str(holder):
                     raise

@@ -18,6 +18,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from coop.config import CHOICES, flatten
+from coop.io import refused_unpickling
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,11 @@ def read_config(folder: Path) -> dict:
         try:
             return flatten(torch.load(ckpt, map_location="cpu", weights_only=True).get("config") or {})
         except Exception as e:
-            log.warning("cannot read the config of %s: %s", ckpt, str(e).splitlines()[0])
+            log.warning(
+                "cannot read the config of %s: %s",
+                ckpt,
+                refused_unpickling(ckpt, e) or str(e).splitlines()[0],
+            )
     return {}
 
 

@@ -62,9 +62,10 @@ from coop.engine import (
 )
 from coop.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.io import atomic_write, write_json
-from coop.lock import run_lock
+from coop.lock import require_run_folder, run_lock
 from coop.schedule import Schedule, build_optimizer, plan_schedule
 from coop.tensorboard import Board, open_board
+from coop.weights import absolute_model_files
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ def check_same_config(old: dict, new: dict, folder: Path) -> None:
     """
     defaults = flatten(DEFAULTS)
     a, b = {**defaults, **flatten(old)}, flatten(new)
+    # a run saved before model files were recorded by absolute path: its relative path, from here
+    a["model.name"], a["model.pretrained"] = absolute_model_files(a["model.name"], a["model.pretrained"])
     diff = [k for k in sorted(set(a) | set(b)) if k not in RESULT_FREE_KEYS and a.get(k) != b.get(k)]
     if diff:
         k = diff[0]
@@ -113,7 +116,8 @@ def train_run(cfg: DictConfig) -> dict:
     check_base_to_new(cfg)  # before the folder is touched: refused in one line, not after training
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
-    folder = Path(cfg.output_dir)
+    cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
+    folder = require_run_folder(cfg.output_dir)  # every rank, before it writes or builds anything
     world = distributed.world()  # under torchrun rank 0 alone writes the folder; rank k logs warnings
     folder.mkdir(parents=True, exist_ok=True)
     with run_lock(folder) if world.is_main else contextlib.nullcontext():  # a second run refuses in one line

@@ -37,6 +37,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from coop.config import LENGTH_YIELDS, ConfigError, flatten, load_config, run_name
 from coop.data import DATASETS
+from coop.lock import LOCKED, wait_for_writer
 from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 
 log = logging.getLogger("coop.sweep")
@@ -248,7 +249,9 @@ def _register(proc, alive: bool) -> None:
         (_LIVE.add if alive else _LIVE.discard)(proc)
 
 
-def run_command(cmd: list[str], log_path: str, cwd: str, env=None, echo: bool = False, track=None) -> int:
+def run_command(
+    cmd: list[str], log_path: str, cwd: str, env=None, echo: bool = False, track=None, output=None
+) -> int:
     """Run `cmd`, appending its stdout and stderr to `log_path` as they come; return its exit code.
 
     Also what each submitit job executes on its node (it touches no module state of the sweep).
@@ -260,6 +263,8 @@ def run_command(cmd: list[str], log_path: str, cwd: str, env=None, echo: bool = 
         env: extra environment variables.
         echo: also copy the output to this process's stdout.
         track: optional callback `track(proc, alive)` told when the child starts and ends.
+        output: optional bytearray that receives the last bytes of this command's own output
+            (the log may also hold another sweep's lines for the same run).
     """
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as f:
@@ -274,6 +279,9 @@ def run_command(cmd: list[str], log_path: str, cwd: str, env=None, echo: bool = 
             for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):
                 f.write(chunk)
                 f.flush()
+                if output is not None:
+                    output += chunk
+                    del output[: -(1 << 14)]
                 if echo:
                     sys.stdout.buffer.write(chunk)
                     sys.stdout.flush()
@@ -291,13 +299,39 @@ def _tail(path: Path, n: int = 1) -> str:
     return " / ".join(ln.strip()[-200:] for ln in lines[-n:])
 
 
-def finish_run(run: Run, rc: int | None, error: str = "") -> None:
+def _last_line(output: bytes) -> str:
+    lines = [ln.strip() for ln in output.decode(errors="replace").splitlines() if ln.strip()]
+    return lines[-1][-200:] if lines else ""
+
+
+def finish_run(run: Run, rc: int | None, error: str = "", output: bytes | None = None) -> None:
+    """Record the outcome of a run's command: read from the run folder (`metrics.json`), not from
+    `sweep.log`, which two sweeps on one root both append to.
+
+    A command refused because another process is writing the folder (another sweep running the
+    same point) waits for that writer, then takes the folder's outcome: finished or not.
+
+    Args:
+        run: the run.
+        rc: the command's exit code (None: unknown).
+        error: why it failed, when known (could not start, a job's error).
+        output: the last bytes of the command's own output (`run_command(output=...)`); without
+            it (a submitit job, on another node) the last line of `sweep.log`.
+    """
+    tail = _tail(run.folder / "sweep.log") if output is None else _last_line(output)
+    if rc not in (0, None) and LOCKED in tail:
+        wait_for_writer(run.folder)
+        if (run.folder / "metrics.json").is_file():
+            log.info("%s: finished by another process", run.folder)
+            run.returncode, run.error = 0, ""
+            return
+        error = error or f"another process was writing it and stopped before it finished ({tail})"
     run.returncode = rc
     run.error = error
     if rc == 0 and not (run.folder / "metrics.json").is_file():
         run.returncode, run.error = -1, "train.py exited 0 but wrote no metrics.json"
     if run.returncode != 0 and not run.error:
-        run.error = f"exit code {rc}: {_tail(run.folder / 'sweep.log')}"
+        run.error = f"exit code {rc}: {tail or 'no output'}"
 
 
 def run_processes(
@@ -309,11 +343,14 @@ def run_processes(
         slots.put(i)
     cwd = os.getcwd()
 
+    outputs = {id(r): bytearray() for r in runs}
+
     def work(run: Run, cmd: list[str]) -> int:
         slot = slots.get()
         try:
             env = {"CUDA_VISIBLE_DEVICES": slot_gpus(gpus, slot, gpus_per_run)} if gpus else {}
-            return run_command(cmd, str(run.folder / "sweep.log"), cwd, env, echo, _register)
+            log_path = str(run.folder / "sweep.log")
+            return run_command(cmd, log_path, cwd, env, echo, _register, outputs[id(run)])
         finally:
             slots.put(slot)
 
@@ -327,7 +364,7 @@ def run_processes(
             for fut in as_completed(futures):
                 run = futures[fut]
                 try:
-                    finish_run(run, fut.result())
+                    finish_run(run, fut.result(), output=bytes(outputs[id(run)]))
                 except OSError as e:
                     finish_run(run, -1, f"could not start: {e}")
                 log.info("%s %s", "ok    " if run.returncode == 0 else "FAILED", run.folder)

@@ -21,8 +21,10 @@ from pathlib import Path
 import open_clip
 import torch
 from huggingface_hub import try_to_load_from_cache
+from safetensors import SafetensorError
 from torch import nn
 
+from coop.io import refused_unpickling
 from coop.model import CLIP, ModelError
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,17 @@ def resolve_model_name(name: str) -> str:
             f"unknown open_clip model '{name}' (see open_clip.list_models(), or pass a config .json)"
         )
     return name
+
+
+def absolute_model_files(name: str, pretrained: str | None) -> tuple[str, str | None]:
+    """`model.name` and `model.pretrained` with a file (a model-config JSON, a weights file) given
+    by an absolute path: a run folder or an export records them so, since it is used from other
+    working directories (predict, eval, resume). Tags and names that are not files stay as given."""
+    if name.endswith(".json") and os.path.isfile(os.path.expanduser(name)):
+        name = str(Path(name).expanduser().resolve())
+    if pretrained is not None and os.path.isfile(os.path.expanduser(str(pretrained))):
+        pretrained = str(Path(str(pretrained)).expanduser().resolve())
+    return name, pretrained
 
 
 def load_clip(name: str, pretrained: str | None = None, device: str | torch.device = "cpu") -> CLIP:
@@ -164,8 +177,15 @@ def _load_weights(model: nn.Module, path: str, model_name: str, openai_archive: 
             model.load_state_dict(openai_state_dict(path))  # fp16 values into fp32 parameters
         else:
             open_clip.load_checkpoint(model, path)
-    except (RuntimeError, KeyError, pickle.UnpicklingError) as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    except (RuntimeError, KeyError, pickle.UnpicklingError, SafetensorError, StopIteration) as e:
+        refused = refused_unpickling(path, e)  # never torch's advice to turn the safety off
+        if refused:
+            raise ModelError(f"cannot load the weights for model {model_name}: {refused}") from None
+        if isinstance(e, SafetensorError):  # truncated or not a safetensors file at all
+            raise ModelError(f"cannot read the weights file {path} as safetensors: {e}") from None
+        if isinstance(e, StopIteration):  # open_clip reads the first key of an empty state dict
+            raise ModelError(f"the weights file {path} holds no weights") from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         detail = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[0]
         if len(detail) > 300:
             detail = detail[:300] + " ..."

@@ -17,20 +17,21 @@ import _cli  # noqa: E402
 from coop.lock import LOCK_FILE, RunLockedError, run_lock  # noqa: E402
 
 HOLD = """
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("lock", sys.argv[2])  # coop.lock alone: no torch import
-lock = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lock)
-with lock.run_lock(sys.argv[1]):
-    print("held", flush=True)
-    time.sleep(120)
+import fcntl, os, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])  # coop.lock's protocol, without importing coop (torch): flock on .lock
+folder.mkdir(parents=True, exist_ok=True)
+f = open(folder / ".lock", "a+")
+fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+f.seek(0); f.truncate(); f.write(f"{os.getpid()}\\n"); f.flush()
+print("held", flush=True)
+time.sleep(120)
 """
 
 
 def hold_lock(folder):
     """A child process that takes the folder's lock and sleeps; returns once it holds it."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(folder), str(REPO / "coop" / "lock.py")],
+        [sys.executable, "-c", HOLD, str(folder)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -91,26 +92,50 @@ def test_second_train_run_refuses_before_writing(tmp_path, image_folder):
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
 
 
-def test_sweep_point_on_a_locked_run_fails_in_one_line(tmp_path, image_folder):
-    """A sweep worker that picks a run another process is writing fails that point at once (the
-    sweep's own worker loop and a real tools/train.py)."""
+def test_a_sweep_point_that_another_process_writes_takes_the_folders_outcome(tmp_path, image_folder):
+    """Two sweeps on one root: the worker whose run another process is writing (the sweep's own
+    worker loop and a real tools/train.py, refused in one line) waits for that writer, then reads
+    the outcome from the run folder: finished there means finished, not a failure."""
+    import threading
+    import time
+
     from coop import sweep as sweep_lib
 
     keys = [k for k in tiny_args(image_folder, tmp_path / "unused") if not k.startswith("output_dir=")]
     (run,) = sweep_lib.plan(sweep_lib.load_grid(None, keys), tmp_path / "runs")
     proc = hold_lock(run.folder)
+    log_file = run.folder / "sweep.log"
+
+    def other_sweep_finishes():  # once our train.py was refused, the writer finishes the run
+        while "error:" not in (log_file.read_text() if log_file.is_file() else ""):
+            time.sleep(0.05)
+        (run.folder / "metrics.json").write_text("{}")
+        proc.send_signal(signal.SIGKILL)
+
+    other = threading.Thread(target=other_sweep_finishes, daemon=True)
+    other.start()
     try:
         cmd = sweep_lib.train_command(run, REPO / "tools" / "train.py", None)
         sweep_lib.run_processes([run], [cmd], jobs=1, gpus=[], echo=False)
     finally:
+        other.join(timeout=300)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    assert log_file.read_text().strip().splitlines()[-1].startswith(f"error: {run.folder} is being written")
+    assert (run.returncode, run.error) == (0, "")
+
+
+def test_a_sweep_point_whose_other_writer_stopped_is_a_failure_naming_the_refusal(tmp_path):
+    """The writer released the folder without metrics.json: the point failed; the message is this
+    command's own last line, never another sweep's line in the shared sweep.log."""
+    from coop import sweep as sweep_lib
+
+    run = sweep_lib.Run([], {}, tmp_path / "run")
+    run.folder.mkdir()
+    (run.folder / "sweep.log").write_text("error: a line of the other sweep\n")
+    refusal = f"error: {run.folder} is being written by another process (pid 7); wait for it to finish"
+    sweep_lib.finish_run(run, 2, output=f"starting\n{refusal}\n".encode())
     assert run.returncode == 2
-    # the sweep records the failure with the tail of that one line
-    assert run.error.startswith("exit code 2: ")
-    assert run.error.endswith(f"seed1 is being written by another process (pid {proc.pid}); "
-                              "wait for it to finish or use another output_dir")  # fmt: skip
-    assert (
-        (run.folder / "sweep.log").read_text().strip().splitlines()[-1].startswith(f"error: {run.folder} is")
-    )
-    assert not (run.folder / "metrics.json").exists()
+    assert run.error == f"another process was writing it and stopped before it finished ({refusal})"
+    sweep_lib.finish_run(run, 1, output=b"Traceback ...\nValueError: boom\n")
+    assert (run.returncode, run.error) == (1, "exit code 1: ValueError: boom")

@@ -47,8 +47,8 @@ def one_line(error: BaseException) -> str:
     return text
 
 
-# Errors that mean bad input (config, data, run folder, checkpoint, learned tensors applied to other
-# classes, model or weights, prompt settings): one line and exit 2. Looked up by module and name in
+# Errors that mean bad input (config, data, run folder, output place, checkpoint, learned tensors applied
+# to other classes, model or weights, prompt settings): one line and exit 2. Looked up by module and name in
 # sys.modules, so nothing is imported here (a class never imported cannot have been raised) and a
 # class that does not exist yet is skipped.
 BAD_INPUT = (
@@ -56,6 +56,8 @@ BAD_INPUT = (
     ("coop.data", "DataError"),
     ("coop.runner", "RunError"),
     ("coop.lock", "RunLockedError"),
+    ("coop.lock", "NotARunFolderError"),
+    ("coop.io", "OutputError"),
     ("coop.checkpoint", "CheckpointError"),
     ("coop.methods", "TransferError"),
     ("coop.model", "ModelError"),
@@ -81,7 +83,7 @@ def _classes(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], .
 
 def bad_input_errors() -> tuple[type[BaseException], ...]:
     """The exception classes that `run_cli` prints as one line (among those imported so far)."""
-    return (FileNotFoundError, *_classes(BAD_INPUT))
+    return (FileNotFoundError, PermissionError, *_classes(BAD_INPUT))
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -95,6 +97,12 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
 
 
+def _say(message: str) -> None:
+    """Print an error line on rank 0 only: under torchrun every rank meets the same bad input."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr)
+
+
 def run_cli(main: Callable[[], int | None]) -> None:
     """Run `main` and exit with its code, turning known errors into short messages.
 
@@ -103,6 +111,9 @@ def run_cli(main: Callable[[], int | None]) -> None:
     - a run that failed with an explained reason (non-finite loss): one `error: ...` line, exit 1;
     - out of memory: what to try, then the traceback (exit 1);
     - anything else is a bug and keeps its full traceback (exit 1); Ctrl-C exits 130.
+
+    Under torchrun the one-line messages come from rank 0 alone (the other ranks exit with the same
+    code, silently); a bug's traceback is printed by every rank that meets it.
     """
     try:
         code = main()
@@ -114,10 +125,10 @@ def run_cli(main: Callable[[], int | None]) -> None:
         sys.exit(130)
     except Exception as e:
         if isinstance(e, bad_input_errors()):
-            print(f"error: {one_line(e)}", file=sys.stderr)
+            _say(f"error: {one_line(e)}")
             sys.exit(2)
         if isinstance(e, _classes(RUN_FAILED)):
-            print(f"error: {one_line(e)}", file=sys.stderr)
+            _say(f"error: {one_line(e)}")
             sys.exit(1)
         if is_out_of_memory(e):
             print(OOM_HINT, file=sys.stderr)

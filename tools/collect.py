@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
 from coop import base_to_new  # noqa: E402
+from coop.io import require_writable  # noqa: E402
 from coop.reproduce import with_published  # noqa: E402
 from coop.results import (  # noqa: E402
     PERSONAL_METRICS,
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
     setup_logging(args.verbose)
 
     root = Path(args.root)
+    out = require_writable(args.out or root, folder=True)  # before the runs are read
     runs = load_runs(root)
     incomplete = incomplete_runs(runs)
     if incomplete:
@@ -142,6 +144,14 @@ def main(argv=None) -> int:
         intro = f"{n_done} finished run(s); {args.metric} on each held-out target domain, mean ± std over seeds (n = seeds)"
         stem = "results_domains"
     elif args.table == "personal":
+        done = runs[runs["complete"]]
+        if not any(m in done.columns and done[m].notna().any() for m in PERSONAL_METRICS):
+            print(
+                f"error: the {n_done} finished run(s) under {root} have no personal metrics "
+                "(local_accuracy, ...): --table personal is for federated FedOTP and FedPGP runs",
+                file=sys.stderr,
+            )
+            return 2
         by = args.by if args.by is not None else varying_keys(runs)
         table = summarize(runs, by, metrics=PERSONAL_METRICS, ddof=args.ddof)
         markdown = format_markdown(table)
@@ -155,7 +165,6 @@ def main(argv=None) -> int:
         stem = "results"
     print(f"{intro}:\n")
     print(markdown)
-    out = Path(args.out) if args.out else root
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / f"{stem}.csv", index=False)
     text = f"# Results: {root}\n\n{intro}.\n\n{markdown}\n"

@@ -1,6 +1,6 @@
-"""Evaluate a saved run (any method) on a dataset's test split.
+"""Evaluate a saved run (any method; of federated runs, PromptFL's) on a dataset's test split.
 
-    python tools/eval.py --checkpoint output/.../checkpoint.pt [key=value ...] [--out FILE]
+    python tools/eval.py output/.../seed1 [key=value ...] [--out FILE]
     python tools/eval.py --checkpoint output/.../checkpoint.pt eval.targets=[imagenetv2,imagenet_a]
 
 Overrides change the run's saved config, e.g. `data.name=dtd data.root=$DATA` evaluates a shared
@@ -9,7 +9,9 @@ as JSON and written to --out (default: eval_<dataset>.json beside the checkpoint
 eval_<dataset>_new.json for `data.subsample_classes=new`: the base-to-new protocol).
 
 With `eval.targets=[...]` every listed dataset is evaluated, each into eval_<dataset>.json beside
-the checkpoint, as a training run does after it finishes. `torchrun --nproc-per-node N
+the checkpoint, as a training run does after it finishes. The run is its folder or its
+checkpoint.pt (as the first argument, or --checkpoint). A federated FedOTP, FedPGP or latent-domain
+run is refused: its metrics.json holds its evaluations, and tools/predict.py scores images with it. `torchrun --nproc-per-node N
 tools/eval.py ...` shards the test images across N ranks (docs/distributed.md).
 """
 
@@ -26,18 +28,31 @@ from _cli import run_cli, setup_logging  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="a run's checkpoint.pt")
-    ap.add_argument("overrides", nargs="*", metavar="key=value")
+    ap.add_argument("--checkpoint", help="a run's checkpoint.pt (or give the run as the first argument)")
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="ARG",
+        help="the run (folder or checkpoint.pt), then key=value overrides",
+    )
     ap.add_argument("--out", help="where to write the metrics JSON")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
+    runs = [o for o in args.overrides if "=" not in o]
+    args.overrides = [o for o in args.overrides if "=" in o]
+    if len(runs) + (args.checkpoint is not None) != 1:
+        ap.error("give one run: its folder or checkpoint.pt (first argument or --checkpoint)")
     setup_logging(args.verbose)
 
     from coop import distributed
     from coop.config import load_config
     from coop.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
-    from coop.io import write_json
+    from coop.interop.export import run_checkpoint
+    from coop.io import require_writable, write_json
 
+    args.checkpoint = run_checkpoint(args.checkpoint or runs[0])
+    # before any work: the metrics file (or eval_<dataset>.json beside the checkpoint) can be written
+    require_writable(args.out or args.checkpoint.parent / "eval.json")
     targets = [o for o in args.overrides if o.split("=", 1)[0].strip() == "eval.targets"]
     if targets:
         names = list(load_config(None, targets[-1:]).eval.targets)

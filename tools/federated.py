@@ -28,6 +28,7 @@ from _cli import run_cli, setup_logging  # noqa: E402
 from coop import distributed  # noqa: E402
 from coop.config import ConfigError, load_config  # noqa: E402
 from coop.lock import run_lock  # noqa: E402
+from coop.weights import absolute_model_files  # noqa: E402
 
 
 def main() -> int:
@@ -56,6 +57,7 @@ def main() -> int:
         raise ConfigError(f"federated runs need Flower: pip install 'coop[federated]' ({e})") from None
 
     cfg = load_config(args.config, args.overrides, base=task.FEDERATED_BASE)
+    cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
 
     try:
         task.check_config(cfg)

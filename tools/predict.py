@@ -6,7 +6,8 @@
 Every image under IMAGES_DIR (recursively) gets one row: its path relative to IMAGES_DIR, then the
 top-k classes and their probabilities (class_1, prob_1, ..., class_k, prob_k), best first; an
 unreadable image gets a row with empty classes and a warning. --classnames scores other classes,
-where the method transfers (shared context, vision prompts).
+where the method transfers (shared context, vision prompts). A federated run's folder gives its
+global model, or with --client K (FedOTP, FedPGP) client K's own.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> int:
     ap.add_argument("--topk", type=int, default=5, help="classes per image (default 5)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--classnames", nargs="+", metavar="NAME", help="score these classes instead")
+    ap.add_argument("--client", type=int, help="a federated FedOTP/FedPGP run folder: client K's own model")
     ap.add_argument("--pretrained", default="config", help="weights override (tag or file) for the model")
     ap.add_argument("--device", default="auto")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -41,17 +43,19 @@ def main() -> int:
 
     from coop.interop import load_classifier
     from coop.interop.classifier import list_image_files, predict_files
+    from coop.io import require_writable
 
+    out = require_writable(args.out)  # before any image is scored
     root = Path(args.images)
     files = list_image_files(root)
     if not files:
         print(f"error: no images under {root}", file=sys.stderr)
         return 2
     clf = load_classifier(
-        args.source, device=args.device, classnames=args.classnames, pretrained=args.pretrained
-    )
+        args.source, device=args.device, classnames=args.classnames, pretrained=args.pretrained,
+        client=args.client,
+    )  # fmt: skip
     k = min(args.topk, len(clf.classnames))
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     n_bad = 0
     with open(out, "w", newline="") as f:

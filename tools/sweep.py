@@ -15,7 +15,8 @@ run goes to `OUT/<coop.config.run_name(cfg)>` (swept keys that the name lacks, s
 train.lr, are appended to its settings part). Finished runs (metrics.json) are skipped,
 unfinished ones resume (train.py resumes from its output_dir). Each run's console output is
 appended to `<run>/sweep.log`. Failures are listed at the end (exit 1); one failing run does not
-stop the others. Executors: `process` (default: N local subprocesses, one GPU each when there
+stop the others. A run's outcome is read from its folder (metrics.json), never from sweep.log: a
+run that another sweep on the same root is writing is waited for, then taken as its folder says. Executors: `process` (default: N local subprocesses, one GPU each when there
 are GPUs), `slurm` (submitit, `pip install coop[slurm]`), `local` (submitit's local executor).
 """
 

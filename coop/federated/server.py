@@ -42,6 +42,7 @@ from flwr.serverapp import Grid
 from omegaconf import DictConfig, OmegaConf
 
 from coop import runner
+from coop.checkpoint import FEDERATED_FORMAT
 from coop.config import to_yaml
 from coop.engine import evaluate
 from coop.federated import task
@@ -55,7 +56,7 @@ from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = "coop-federated-1"
+CHECKPOINT_FORMAT = FEDERATED_FORMAT  # coop.checkpoint: tools that read run folders know it
 HISTORY_FIELDS = [
     "round", "accuracy", "macro_f1", "train_loss", "train_acc", "clients", "sampled", "failed",
     "bytes_down", "bytes_up", "bytes_sent", "lr", "time_s",

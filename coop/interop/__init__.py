@@ -8,7 +8,8 @@
 
 `dassl` reads the originals' checkpoint files (tensors only), `names` maps their state-dict names
 to ours, `importer` writes a run folder from them; `export` writes and reads the safetensors
-files, `classifier` turns a run or an exported file into a classifier.
+files, `classifier` turns a run or an exported file into a classifier, and `federated` picks a
+federated run's global model or one client's.
 """
 
 from coop.interop.classifier import Classifier, load_classifier

@@ -9,7 +9,8 @@ The classifier is the run's method (`coop.methods`) rebuilt from its config, wit
 tensors loaded and CLIP's weights from `model.pretrained`: its logits are those of `tools/eval.py`
 (the same method, precision and test transform). Other class names work where the method
 transfers (shared context, vision prompts, CoCoOp's meta-net), as `eval.targets` does; class-specific
-context and the linear probe's rows refuse with a TransferError.
+context and the linear probe's rows refuse with a TransferError. A federated run gives its global
+model, or with `client=k` client k's personalised one (`coop.interop.federated`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from coop.data.folders import IMAGE_EXTENSIONS
 from coop.data.images import load_image
 from coop.engine import clip_transforms, resolve_device, use_fp16
 from coop.features import autocast, resolve_precision
-from coop.interop.export import read_export, run_checkpoint
+from coop.interop.export import ExportError, read_export, run_checkpoint
+from coop.interop.federated import build_federated, federated_method, run_model
 from coop.methods import Method, build_method
 from coop.weights import load_clip
 
@@ -63,8 +65,8 @@ class Classifier:
         with autocast(self.device, self.precision):
             if self._prepared is None:
                 self._prepared = method.prepare()
-            if method.input == "features":
-                x = clip.encode_image(x)  # (B, E): the frozen tower
+            if method.input == "features":  # the frozen tower: (B, E), or every token (B, 1+P, E)
+                x = clip.encode_image(x, tokens=method.image_tokens)
             return method.logits(x, self._prepared).float()
 
     def predict(self, images: torch.Tensor) -> torch.Tensor:
@@ -72,15 +74,23 @@ class Classifier:
         return self.logits(images).softmax(dim=-1)
 
 
-def read_prompts(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
-    """(learned tensors, run config, trained class names) of a run folder, checkpoint.pt or
-    exported `.safetensors` file."""
+def read_prompts(
+    path: str | os.PathLike, client: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict, list[str], str | None, str | None]:
+    """(learned tensors, run config, trained class names, federated method, model) of a run folder,
+    checkpoint.pt or exported `.safetensors` file; the last two are None except for a federated run
+    (`coop.interop.federated`: its global model, or with `client` that client's own)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
+        if client is not None:
+            raise ExportError(f"{path} holds one model ({read_export(path)[1]['model'] or 'not federated'}): "
+                              "a client is chosen when exporting (tools/export.py --client)")  # fmt: skip
         tensors, card = read_export(path)
-        return tensors, card["config"], card["classnames"]
-    ckpt = load_checkpoint(run_checkpoint(path))
-    return ckpt["prompt"], ckpt["config"], list(ckpt["classnames"])
+        return tensors, card["config"], card["classnames"], card["federated"], card["model"]
+    ckpt_path = run_checkpoint(path)
+    ckpt = load_checkpoint(ckpt_path)
+    tensors, model = run_model(ckpt_path.parent, ckpt, client)
+    return tensors, ckpt["config"], list(ckpt["classnames"]), federated_method(ckpt), model
 
 
 def load_classifier(
@@ -88,6 +98,7 @@ def load_classifier(
     device: str | torch.device = "cpu",
     classnames: list[str] | None = None,
     pretrained: str | None = "config",
+    client: int | None = None,
 ) -> Classifier:
     """The classifier of a run folder, its `checkpoint.pt`, or a file from `tools/export.py`.
 
@@ -96,26 +107,31 @@ def load_classifier(
         device: where to run ("cpu", "cuda", "auto").
         classnames: score these classes instead of the trained ones (where the method transfers).
         pretrained: "config" for the run's `model.pretrained`, or another tag / weights file.
+        client: a federated FedOTP or FedPGP run's client whose own model to use (default: the
+            global model); for run folders only (an export holds one model).
 
     Raises:
-        CheckpointError, ExportError: the file cannot be read.
+        CheckpointError, ExportError: the file cannot be read, or has no model for `client`.
         TransferError: the learned tensors cannot score `classnames`.
     """
-    tensors, config, trained = read_prompts(path)
+    tensors, config, trained, fl_method, model = read_prompts(path, client)
     cfg = load_config(None, [], base=config)
     device = resolve_device(str(device))
     weights = cfg.model.pretrained if pretrained == "config" else pretrained
     clip = load_clip(cfg.model.name, pretrained=weights, device=device)
     names = list(trained if classnames is None else classnames)
     torch.manual_seed(int(cfg.data.seed))  # any tensor the method does not load starts as in training
-    method = build_method(clip.float(), names, cfg)
+    if fl_method is None:
+        method = build_method(clip.float(), names, cfg)
+    else:
+        method, tensors = build_federated(clip.float(), names, cfg, fl_method, model, tensors)
     method.load_trained(tensors, trained)  # as evaluation does: it knows the training classes
     precision = resolve_precision(cfg.train.precision, device)
     if precision == "fp16":
         use_fp16(clip, method)
     log.info(
         "%s (%s, %s) on %d classes from %s",
-        cfg.method,
+        cfg.method if fl_method is None else f"fl.method={fl_method} ({model} model)",
         cfg.model.name,
         weights,
         len(names),

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 from pathlib import Path
 
 import torch
+
+from coop.io import refused_unpickling
 
 # The classes Dassl's build_optimizer / build_lr_scheduler pickle into a checkpoint's scheduler.
 DASSL_OBJECTS = (
@@ -80,15 +81,10 @@ def load_original(path: str | os.PathLike) -> dict:
         with torch.serialization.safe_globals(_inert_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load raises many types: each becomes one line naming the file
-        text = str(e)
-        wanted = re.search(r"GLOBAL (\S+)", text) or re.search(r"unrecognized function (\S+)", text)
-        if wanted or "Weights only load failed" in text:
-            what = f"it asks for {wanted.group(1)}" if wanted else text.strip().splitlines()[-1]
-            raise OriginalCheckpointError(
-                f"{path} needs arbitrary unpickling to load ({what}); refused: only tensors and plain "
-                "data are read (torch.load weights_only=True)"
-            ) from None
-        first = (text.strip().splitlines() or [type(e).__name__])[0]
+        refused = refused_unpickling(path, e)
+        if refused:
+            raise OriginalCheckpointError(refused) from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise OriginalCheckpointError(f"cannot read {path}: {first}") from None
 
 

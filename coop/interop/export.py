@@ -12,6 +12,13 @@ strings only) the card:
     model.name      the open_clip model name     model.pretrained   its pretrained tag or file
     classnames      JSON list of the class names, in label order
     config          JSON of the run's resolved config (every key)
+    federated       a federated run's fl.method ("" for other runs)
+    model           which of a federated run's models: "global", or "client <k>" ("" for others)
+
+Files given by a path (a model-config JSON as model.name, a weights file as model.pretrained) are
+recorded by absolute path, so the export works from any directory of the machine.
+A federated run exports its global model, or with `client=k` client k's personalised one
+(FedOTP, FedPGP; `coop.interop.federated`).
 
 Any safetensors reader sees the tensors and the card; `coop.load_classifier` rebuilds the model.
 """
@@ -28,9 +35,12 @@ from safetensors.torch import save_file
 
 from coop.checkpoint import load_checkpoint
 from coop.interop.dassl import InteropError
-from coop.io import atomic_write
+from coop.interop.federated import federated_method, run_model
+from coop.io import atomic_write, require_writable
+from coop.weights import absolute_model_files
 
 FORMAT, FORMAT_VERSION = "coop.prompts", "1"
+CARD_KEYS = ("method", "model.name", "model.pretrained", "classnames", "config")  # what a reader needs
 
 
 class ExportError(InteropError):
@@ -43,34 +53,48 @@ def run_checkpoint(path: str | os.PathLike) -> Path:
     return path / "checkpoint.pt" if path.is_dir() else path
 
 
-def card_of(ckpt: dict) -> dict[str, str]:
-    """The metadata card (all strings) of a coop checkpoint dict."""
-    config = ckpt["config"]
+def card_of(ckpt: dict, model: str | None = None) -> dict[str, str]:
+    """The metadata card (all strings) of a coop checkpoint dict; `model`: a federated run's model."""
+    config = json.loads(json.dumps(ckpt["config"]))  # a copy
+    name, pretrained = absolute_model_files(str(config["model"]["name"]), config["model"]["pretrained"])
+    config["model"].update(name=name, pretrained=pretrained)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "method": str(config.get("method", "coop")),
-        "model.name": str(config["model"]["name"]),
-        "model.pretrained": str(config["model"]["pretrained"]),
+        "model.name": name,
+        "model.pretrained": str(pretrained),
         "classnames": json.dumps(list(ckpt["classnames"])),
         "config": json.dumps(config, sort_keys=True),
+        "federated": federated_method(ckpt) or "",
+        "model": model or "",
     }
 
 
-def export_run(run: str | os.PathLike, out: str | os.PathLike) -> Path:
+def export_run(run: str | os.PathLike, out: str | os.PathLike, client: int | None = None) -> Path:
     """Write the learned tensors of `run` (a run folder or its checkpoint.pt) to safetensors `out`.
 
+    Args:
+        run: the run folder or its checkpoint.
+        out: the file to write.
+        client: a federated FedOTP or FedPGP run's client whose personalised model to export
+            (default: the global model).
+
     Raises:
+        OutputError: `out` cannot be written (checked first).
         CheckpointError: the run's checkpoint is missing or not a coop checkpoint.
-        ExportError: the run has not finished (its tensors are not the final ones).
+        ExportError: the run has not finished (its tensors are not the final ones), or has no
+            model for `client`.
     """
+    out = require_writable(out)
     path = run_checkpoint(run)
     ckpt = load_checkpoint(path)
     if not ckpt.get("finished", False):
-        raise ExportError(f"{path} is not finished (epoch {ckpt.get('epoch')}): export a finished run")
-    tensors = {k: t.detach().cpu().contiguous() for k, t in ckpt["prompt"].items()}
-    out = Path(out)
-    atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata=card_of(ckpt)))
+        done = f"round {ckpt.get('round')}" if "round" in ckpt else f"epoch {ckpt.get('epoch')}"
+        raise ExportError(f"{path} is not finished ({done}): export a finished run")
+    prompt, model = run_model(path.parent, ckpt, client)
+    tensors = {k: t.detach().cpu().contiguous() for k, t in prompt.items()}
+    atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata=card_of(ckpt, model)))
     return out
 
 
@@ -97,5 +121,16 @@ def read_export(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]
         raise ExportError(
             f"{path} has format_version {card.get('format_version')!r}; this coop reads {FORMAT_VERSION}"
         )
-    card["classnames"], card["config"] = json.loads(card["classnames"]), json.loads(card["config"])
+    missing = [k for k in CARD_KEYS if k not in card]
+    if missing:
+        raise ExportError(
+            f"{path}'s metadata card lacks {', '.join(missing)}: not a complete tools/export.py file"
+        )
+    try:
+        card["classnames"], card["config"] = json.loads(card["classnames"]), json.loads(card["config"])
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}'s metadata card is damaged (classnames or config: {e})") from None
+    if not isinstance(card["classnames"], list) or not isinstance(card["config"], dict):
+        raise ExportError(f"{path}'s metadata card is damaged: classnames is not a list or config not a dict")
+    card["federated"], card["model"] = card.get("federated") or None, card.get("model") or None
     return tensors, card

@@ -31,10 +31,10 @@ from coop.evaluation import evaluate_on, evaluate_targets
 from coop.interop.dassl import InteropError, read_state_dict
 from coop.interop.names import implied_overrides, map_names
 from coop.io import atomic_write, write_json
-from coop.lock import run_lock
+from coop.lock import require_run_folder, run_lock
 from coop.methods import build_method
 from coop.model import CLIP
-from coop.weights import load_clip
+from coop.weights import absolute_model_files, load_clip
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +124,15 @@ def import_checkpoint(
     Raises:
         OriginalCheckpointError, MappingError, ImportShapeError, ConfigError, DataError: one line
         (a shape error: one line per mismatch) naming the file, key or tensor.
+        OutputError, NotARunFolderError: `out` cannot be written, or holds files that are not a
+            run's (checked first, `coop.lock.require_run_folder`).
     """
-    path, folder = Path(path), Path(out)
+    path, folder = Path(path), require_run_folder(out)  # writable, and not a folder of other files
     state, epoch = read_state_dict(path)
     tensors, origin = map_names(method, state, str(path))
     cfg = load_config(None, [f"method={method}", *implied_overrides(tensors), *overrides])
     cfg.output_dir = str(folder)
+    cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
     if (folder / "checkpoint.pt").is_file():
         raise InteropError(f"{folder} already holds a run (checkpoint.pt); use another --out")
     data = cfg.data
