@@ -35,6 +35,7 @@ from coop.federated.personal_data import fedotp_partition, labeldir100_partition
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
 from coop.model import CLIP, ModelError
+from coop.preflight import check_model_limits
 from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def check_config(cfg: DictConfig) -> None:
     """One-line ConfigError, naming the keys, for `fl.*` settings that cannot run with the rest of
     the config (each key's own type and range: `coop.config_schema`, checked by `load_config`)."""
     fl = cfg.fl
+    check_model_limits(cfg)
     if int(cfg.train.aug_views) == 0:
         raise ConfigError(
             "train.aug_views=0 re-encodes images every step; federated clients train on cached "
