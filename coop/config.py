@@ -11,6 +11,7 @@ those values replace the defaults for every key that no file, override or saved 
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from coop.config_checks import (  # noqa: F401 (coop.config's API)
 from coop.config_schema import CHOICES, DEFAULTS, METHODS, SPECS, RunConfig, check_layer, check_values, shown  # noqa: F401
 from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 from coop.run_names import method_settings, model_tag, run_name  # noqa: F401 (coop.config's API)
+
+SCHEMA = OmegaConf.structured(RunConfig)  # the typed defaults that every config starts from
 
 # Keys that cannot change a run's results: a run may be resumed with other values, and result
 # tables never split seeds into separate rows by them.
@@ -61,7 +64,7 @@ def load_config(
         overrides: dotted `key=value` strings, e.g. "data.shots=4".
         base: optional config dict applied before the file (e.g. a checkpoint's run config).
     """
-    cfg = OmegaConf.structured(RunConfig)
+    cfg = copy.deepcopy(SCHEMA)  # faster than building it from the dataclasses again
     layers = [] if base is None else [("the saved run config", OmegaConf.create(base))]
     if path:
         p = Path(path)
@@ -120,6 +123,8 @@ def method_defaults(layers: list[tuple[str, DictConfig]]) -> dict:
         dept = keys.get("dept.enabled", dept)
         given |= set(keys)
         trees.append(tree)
+    if not isinstance(method, str):
+        return {}  # not a method's name: the schema reports it
     dataset = next(
         (d for d in reversed([flatten(t).get("data.name") for t in trees]) if isinstance(d, str)),
         DEFAULTS["data"]["name"],

@@ -422,18 +422,20 @@ BOOL_WORDS = ("true", "false", "yes", "no", "on", "off")  # the strings OmegaCon
 
 
 def check_layer(tree: dict, prefix: str = "") -> str | None:
-    """A message for a boolean key that a layer (file, overrides, saved config) sets to a number:
-    OmegaConf would read any non-zero number as true (`fl.iid=2`); None when there is none."""
+    """A message for what OmegaConf would misread or fail on in a layer (file, overrides, saved
+    config): a boolean key set to a number (OmegaConf reads any non-zero number as true:
+    `fl.iid=2`), or a key that takes a value set to a mapping; None when there is none."""
     for name, value in tree.items():
         full = f"{prefix}{name}"
-        if isinstance(value, dict):
+        spec = SPECS.get(full)
+        if isinstance(value, dict) and spec is None:
             problem = check_layer(value, f"{full}.")
             if problem:
                 return problem
             continue
-        spec = SPECS.get(full)
         word = isinstance(value, str) and (value.lower() in BOOL_WORDS or value.startswith("${"))
-        if spec is not None and spec.kind == "bool" and not (isinstance(value, bool) or word):
+        mapping = isinstance(value, dict)
+        if spec is not None and (mapping or spec.kind == "bool" and not (isinstance(value, bool) or word)):
             return f"{full} must be {spec.describe()}, got {value!r}"
     return None
 
