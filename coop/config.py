@@ -25,7 +25,8 @@ from coop.config_checks import (  # noqa: F401 (coop.config's API)
     epochs_for_shots,
     resolved_epochs,
 )
-from coop.config_schema import CHOICES, DEFAULTS, METHODS, SPECS, RunConfig, check_layer, check_values, shown  # noqa: F401
+from coop.config_schema import CHOICES, DEFAULTS, METHODS, SPECS, RunConfig  # noqa: F401 (coop.config's API)
+from coop.config_spec import check_layer, check_values, shown
 from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 from coop.run_names import method_settings, model_tag, run_name  # noqa: F401 (coop.config's API)
 
@@ -86,7 +87,7 @@ def load_config(
         OmegaConf.update(cfg, key, value)
     for where, layer in layers:
         tree = OmegaConf.to_container(layer, resolve=False)
-        problem = check_layer(tree) if isinstance(tree, dict) else None
+        problem = check_layer(tree, SPECS) if isinstance(tree, dict) else None
         if problem:
             raise ConfigError(f"{problem} in {where}")
         try:
@@ -159,7 +160,7 @@ def validate(cfg: DictConfig) -> None:
     """Raise a one-line ConfigError, naming the key and its value, for a config that cannot run:
     each key's type, set and range (`coop.config_schema`), then the rules between keys
     (`coop.config_checks`)."""
-    problem = check_values(cfg)
+    problem = check_values(cfg, SPECS)
     if problem:
         raise ConfigError(problem)
     check_rules(cfg)

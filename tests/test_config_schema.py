@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from coop.config import DEFAULTS, ConfigError, flatten, load_config, to_yaml
-from coop.config_schema import SPECS, RunConfig, check_values
+from coop.config_schema import SPECS, RunConfig
+from coop.config_spec import check_values
 from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 
 
@@ -121,7 +122,7 @@ def test_every_key_refuses_a_value_of_another_type_set_or_range_and_takes_its_de
 def test_the_schema_is_the_defaults_and_its_config_is_typed():
     assert set(SPECS) == set(flatten(DEFAULTS))
     cfg = load_config()
-    assert check_values(cfg) is None
+    assert check_values(cfg, SPECS) is None
     with pytest.raises(ValidationError):
         cfg.prompt.csc = "maybe"  # a typed node refuses it after loading too
     with pytest.raises(ConfigError, match="^unknown or invalid config key 'prompt.colour' in command line$"):
