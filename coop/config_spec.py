@@ -174,13 +174,11 @@ def check_values(cfg: DictConfig, specs: dict[str, Spec]) -> str | None:
     return None
 
 
-BOOL_WORDS = ("true", "false", "yes", "no", "on", "off")  # the strings OmegaConf reads as booleans
-
-
 def check_layer(tree: dict, specs: dict[str, Spec], prefix: str = "") -> str | None:
     """A message for what OmegaConf would misread or fail on in a layer (file, overrides, saved
-    config): a boolean key set to a number (OmegaConf reads any non-zero number as true:
-    `fl.iid=2`), or a key that takes a value set to a mapping; None when there is none."""
+    config): a boolean key set to anything but true or false (OmegaConf reads any non-zero number,
+    "yes" and "on" as true: `fl.iid=2`, while the recipes look for `dept.enabled: true`), or a key
+    that takes a value set to a mapping; None when there is none."""
     for name, value in tree.items():
         full = f"{prefix}{name}"
         spec = specs.get(full)
@@ -189,9 +187,11 @@ def check_layer(tree: dict, specs: dict[str, Spec], prefix: str = "") -> str | N
             if problem:
                 return problem
             continue
-        word = isinstance(value, str) and (value.lower() in BOOL_WORDS or value.startswith("${"))
+        interpolation = isinstance(value, str) and value.startswith("${")
         mapping = isinstance(value, dict)
-        if spec is not None and (mapping or spec.kind == "bool" and not (isinstance(value, bool) or word)):
+        if spec is not None and (
+            mapping or spec.kind == "bool" and not (isinstance(value, bool) or interpolation)
+        ):
             return f"{full} must be {spec.describe()}, got {value!r}"
     return None
 

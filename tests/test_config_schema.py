@@ -34,6 +34,7 @@ def refusal(*overrides: str, path: str | None = None) -> str:
         ("train.grad_checkpointing=None", "train.grad_checkpointing must be true or false, got 'None' in command line"),
         ("fl.iid=maybe", "fl.iid must be true or false, got 'maybe' in command line"),
         ("fl.iid=2", "fl.iid must be true or false, got 2 in command line"),  # OmegaConf alone: true
+        ("dept.enabled=yes", "dept.enabled must be true or false, got 'yes' in command line"),  # ... and these
         ("train.momentum=abc", "train.momentum must be a number >= 0, got 'abc' in command line"),
         ("train.momentum=-5", "train.momentum must be a number >= 0, got -5.0"),
         ("train.weight_decay=-5", "train.weight_decay must be a number >= 0, got -5.0"),
@@ -58,7 +59,7 @@ def test_the_issue_values_are_one_line_errors(override, message):
 def test_the_values_that_the_issue_wants_kept_still_load():
     cfg = load_config(None, ["prompt.csc=true", "train.epochs=null", "prompt.ctx_init=null", "data.seed=0"])
     assert cfg.prompt.csc is True and cfg.train.epochs is None and cfg.prompt.ctx_init is None
-    cfg = load_config(None, ["fl.iid=yes", "train.momentum=0", "lora.layers=[0,11]", "mmrl.layers=[6,12]"])
+    cfg = load_config(None, ["fl.iid=true", "train.momentum=0", "lora.layers=[0,11]", "mmrl.layers=[6,12]"])
     assert cfg.fl.iid is True and cfg.train.momentum == 0.0 and list(cfg.lora.layers) == [0, 11]
     assert load_config(None, ["lora.layers=half-up"]).lora.layers == "half-up"
     assert isinstance(load_config(None, ["train.lr=1"]).train.lr, float)  # typed: 1 -> 1.0
@@ -91,7 +92,7 @@ def test_every_key_refuses_a_value_of_another_type_set_or_range_and_takes_its_de
     spec, default = SPECS[key], flatten(DEFAULTS)[key]
     bad = []
     if spec.kind == "bool":
-        bad += ["maybe", "None", "3"]
+        bad += ["maybe", "None", "3", "1", "yes"]
     if spec.kind in ("int", "float"):
         bad += ["abc", "[1]"]
     if spec.kind == "int":
