@@ -176,9 +176,9 @@ def check_values(cfg: DictConfig, specs: dict[str, Spec]) -> str | None:
 
 def check_layer(tree: dict, specs: dict[str, Spec], prefix: str = "") -> str | None:
     """A message for what OmegaConf would misread or fail on in a layer (file, overrides, saved
-    config): a boolean key set to anything but true or false (OmegaConf reads any non-zero number,
-    "yes" and "on" as true: `fl.iid=2`, while the recipes look for `dept.enabled: true`), or a key
-    that takes a value set to a mapping; None when there is none."""
+    config): a boolean key set to anything but YAML's true or false (OmegaConf would read any
+    non-zero number or a string "yes" as true: `fl.iid=2`, while the recipes look for
+    `dept.enabled: true`), or a key that takes a value set to a mapping; None when there is none."""
     for name, value in tree.items():
         full = f"{prefix}{name}"
         spec = specs.get(full)
