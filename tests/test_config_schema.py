@@ -191,6 +191,11 @@ def test_sweep_dry_run_checks_every_point_against_the_model(tmp_path):
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "error: point prompt.depth=4: prompt.depth must be in 1..3 (the text tower's layers), got 4"
     ]
+    grid.write_text(f"model.name: {TINY_CONFIG}\nmodel.pretrained: none\nprompt.depth: [1, 3]\n")
+    res = run_tool_in_process(
+        REPO / "tools" / "sweep.py", ["--grid", grid, "--out", tmp_path / "runs", "--dry-run"]
+    )
+    assert res.returncode == 0 and "depth3" in res.stdout + res.stderr, res.stderr[-2000:]
     grid.write_text(f"model.name: {TINY_CONFIG}\nprompt.csc: [false, maybe]\n")
     res = run_tool_in_process(
         REPO / "tools" / "sweep.py", ["--grid", grid, "--out", tmp_path / "runs", "--dry-run"]
