@@ -63,6 +63,7 @@ from coop.engine import (
 from coop.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.io import atomic_write, write_json
 from coop.lock import require_run_folder, run_lock
+from coop.preflight import check_model_limits
 from coop.schedule import Schedule, build_optimizer, plan_schedule
 from coop.tensorboard import Board, open_board
 from coop.weights import absolute_model_files
@@ -114,6 +115,7 @@ def write_history(folder: Path, history: list[dict], fields: list[str] = HISTORY
 def train_run(cfg: DictConfig) -> dict:
     """Train (or resume, or skip if finished) the run described by `cfg`; returns its metrics."""
     check_base_to_new(cfg)  # before the folder is touched: refused in one line, not after training
+    check_model_limits(cfg)  # ... as is a key beyond the model's towers (prompt.depth=20)
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)

@@ -38,6 +38,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from coop.config import LENGTH_YIELDS, ConfigError, flatten, load_config, run_name
 from coop.data import DATASETS
 from coop.lock import LOCKED, wait_for_writer
+from coop.model import ModelError
+from coop.preflight import check_model_limits
 from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 
 log = logging.getLogger("coop.sweep")
@@ -194,7 +196,8 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
             if yielding & set(point):  # the method's recipe keeps these keys
                 overrides = [f"{k}={format_value(v)}" for k, v in point.items() if k not in yielding]
                 cfg = load_config(config, overrides)
-        except ConfigError as e:
+            check_model_limits(cfg)  # e.g. prompt.depth above the text tower's layers
+        except (ConfigError, ModelError) as e:
             raise ConfigError(f"point {where}: {e}") from None
         if cfg.data.name not in DATASETS:
             raise ConfigError(f"point {where}: unknown data.name '{cfg.data.name}' ({', '.join(DATASETS)})")

@@ -150,7 +150,7 @@ def test_cuda_out_of_memory_error_gets_the_hint(oom, capsys):
     "override, message",
     [
         ("model.pretrained=/no/such/ViT-B-16.pt", "error: weights file not found: /no/such/ViT-B-16.pt"),
-        ("prompt.depth=9", "error: prompt depth must be in 1..3"),
+        ("prompt.depth=9", "error: prompt.depth must be in 1..3 (the text tower's layers), got 9"),
     ],
 )
 def test_train_tool_bad_model_or_prompt_is_one_line(image_folder, tmp_path, override, message):

@@ -249,9 +249,15 @@ def test_recipe_names_and_errors(tmp_path):
     for override, match in (
         ("lora.rank=0", "lora.rank must be an integer >= 1"),
         ("lora.dropout=1.0", r"lora.dropout must be a number in \[0, 1\)"),
-        ("lora.towers=[text,audio]", "lora.towers must be a list of distinct values of text, vision"),
-        ("lora.targets=[o]", "lora.targets must be a list of distinct values of q, k, v"),
-        ("lora.layers=top", "lora.layers='top' is not one of all, half-up, half-bottom"),
+        (
+            "lora.towers=[text,audio]",
+            "lora.towers must be a non-empty list of distinct values of text, vision",
+        ),
+        ("lora.targets=[o]", "lora.targets must be a non-empty list of distinct values of q, k, v"),
+        (
+            "lora.layers=top",
+            "lora.layers must be one of all, half-up, half-bottom or a non-empty list of distinct integers >= 0, got 'top'",
+        ),
     ):
         with pytest.raises(ConfigError, match=match) as e:
             load_config(None, ["method=clip_lora", override])

@@ -252,7 +252,7 @@ def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path
            "fl.clients=100", "fl.aggregation=median"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ.copy(), timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "error: fl.aggregation='median' is not one of fedavg, uniform, fedprox, last_client"
+        "error: fl.aggregation must be one of fedavg, uniform, fedprox, last_client, got 'median'"
     ]
     from conftest import run_tool_in_process
 

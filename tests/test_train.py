@@ -138,7 +138,7 @@ def test_non_finite_loss_stops_with_last_good_checkpoint(image_folder, tmp_path)
     "args, message",
     [
         (["data.nope=1"], "unknown or invalid config key 'data.nope'"),
-        (["train.precision=fp8"], "train.precision='fp8' is not one of"),
+        (["train.precision=fp8"], "train.precision must be one of amp, fp32, fp16, got 'fp8'"),
         (["train.lr=0"], "train.lr must be a number > 0, got 0"),
         (["train.epochs=1"], "train.warmup_epochs=1 must be less than the 1 training epochs"),
         (["data.root=/no/such/folder"], "/no/such/folder"),

@@ -310,7 +310,7 @@ def test_errors_are_one_line(tiny_clip, tmp_path):
         build(tiny_clip, "maple", "prompt.depth=3")
     with pytest.raises(PromptError, match="prompt.csc=true is not defined for maple"):
         build(tiny_clip, "maple", "prompt.depth=2", "prompt.csc=true")
-    with pytest.raises(ConfigError, match="vision.n_ctx must be an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match="vision.n_ctx must be an integer >= 1 or null, got 0"):
         vl_cfg("vpt", "vision.n_ctx=0")
     with pytest.raises(ConfigError, match="vision.depth=3 conflicts with prompt.depth=9"):
         vl_cfg("maple", "vision.depth=3")

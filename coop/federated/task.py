@@ -40,6 +40,7 @@ from coop.federated.personal_data import (
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
 from coop.model import CLIP, ModelError
+from coop.preflight import check_model_limits
 from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
@@ -64,24 +65,10 @@ FEDERATED_BASE = {"train": {"aug_views": 1}}
 
 
 def check_config(cfg: DictConfig) -> None:
-    """One-line ConfigError, naming the key, for `fl.*` values that cannot run."""
+    """One-line ConfigError, naming the keys, for `fl.*` settings that cannot run with the rest of
+    the config (each key's own type and range: `coop.config_schema`, checked by `load_config`)."""
     fl = cfg.fl
-    for key in ("clients", "rounds", "local_epochs", "domains"):
-        value = fl[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"fl.{key} must be an integer >= 1, got {value!r}")
-    checks = {
-        "fraction": (0 < _num(fl.fraction) <= 1, "a number in (0, 1]"),
-        "alpha": (_num(fl.alpha) > 0, "a number > 0"),
-        "mu": (_num(fl.mu) >= 0, "a number >= 0"),
-        "beta": (0 <= _num(fl.beta) <= 1, "a number in [0, 1]"),
-        "ensemble_weight": (0 <= _num(fl.ensemble_weight) <= 1, "a number in [0, 1]"),
-    }
-    for key, (ok, what) in checks.items():
-        if not ok:
-            raise ConfigError(f"fl.{key} must be {what}, got {fl[key]!r}")
-    if not isinstance(fl.classes_per_client, int) or fl.classes_per_client < 1:
-        raise ConfigError(f"fl.classes_per_client must be an integer >= 1, got {fl.classes_per_client!r}")
+    check_model_limits(cfg)
     if int(cfg.train.aug_views) == 0:
         raise ConfigError(
             "train.aug_views=0 re-encodes images every step; federated clients train on cached "
@@ -100,10 +87,6 @@ def check_config(cfg: DictConfig) -> None:
             "fl.aggregation=last_client is PromptFL's official rule: it needs fl.method=promptfl, "
             f"not {fl.method}"
         )
-    if not isinstance(fl.iid, bool):
-        raise ConfigError(f"fl.iid must be true or false, got {fl.iid!r}")
-    if not 0 <= _num(fl.repeat_rate) < 1:
-        raise ConfigError(f"fl.repeat_rate must be a number in [0, 1), got {fl.repeat_rate!r}")
     _check_personal(cfg)
     if fl.partition == "promptfl":
         if cfg.data.name == "multidomain":
@@ -155,25 +138,6 @@ def _check_personal(cfg: DictConfig) -> None:
         raise ConfigError(
             f"fl.method={fl.method} learns shared context at the input: prompt.csc=false, prompt.depth=1"
         )
-    o, p = cfg.fedotp, cfg.fedpgp
-    checks = {
-        "fedotp.eps": _num(o.eps) > 0,
-        "fedotp.gamma": 0 < _num(o.gamma) <= 1,
-        "fedotp.max_iter": isinstance(o.max_iter, int) and o.max_iter >= 1,
-        "fedotp.thresh": _num(o.thresh) > 0,
-        "fedpgp.rank": isinstance(p.rank, int) and p.rank >= 1,
-        "fedpgp.mu": _num(p.mu) >= 0,
-        "fedpgp.temp": _num(p.temp) > 0,
-    }
-    for key, ok in checks.items():
-        if not ok:
-            raise ConfigError(f"{key} is out of range: {OmegaConf.select(cfg, key)!r}")
-
-
-def _num(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return math.nan  # every comparison fails
-    return float(value)
 
 
 def fl_run_name(cfg: DictConfig) -> str:
