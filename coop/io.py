@@ -65,13 +65,23 @@ def refused_unpickling(path: str | os.PathLike, error: BaseException) -> str | N
     the safety off (weights_only=False); this one never does."""
     text = str(error)
     wanted = re.search(r"GLOBAL (\S+)", text) or re.search(r"unrecognized function (\S+)", text)
-    if not wanted and "Weights only load failed" not in text:
-        return None
+    if not wanted and ("Weights only load failed" not in text or not _looks_pickled(path)):
+        return None  # random bytes fail in the unpickler too: that is not a refusal
     what = f"it asks for {wanted.group(1)}" if wanted else "it holds more than tensors and plain data"
     return (
         f"{path} needs arbitrary unpickling to load ({what}); refused: only tensors and plain data "
         "are read (torch.load weights_only=True)"
     )
+
+
+def _looks_pickled(path: str | os.PathLike) -> bool:
+    """Whether a file starts as torch.save's zip archive or a pickle (protocol 2+) does."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:

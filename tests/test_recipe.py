@@ -100,6 +100,7 @@ def test_resume_keeps_the_schedule_and_refuses_an_older_one(image_folder, tmp_pa
 
     older = tmp_path / "older"
     older.mkdir()
+    (older / ".lock").touch()  # a run folder of ours (coop.lock), written by an older version
     del ckpt["lr_schedule"]  # as written before the cosine restarted after warm-up
     torch.save(ckpt, older / "checkpoint.pt")
     with pytest.raises(RunError, match="older lr schedule"):
@@ -305,6 +306,7 @@ def test_resume_from_unusable_checkpoint_is_one_line(trained, image_folder, tmp_
     for path, reason in bad_checkpoints(trained, tmp_path / "files"):
         out = tmp_path / path.stem
         out.mkdir()
+        (out / ".lock").touch()  # a run folder of ours whose checkpoint is unusable
         path.rename(out / "checkpoint.pt")
         with pytest.raises(CheckpointError) as err:
             train_run(tiny_cfg(image_folder, out))
@@ -315,6 +317,7 @@ def test_resume_from_unusable_checkpoint_is_one_line(trained, image_folder, tmp_
     ckpt = torch.load(trained, weights_only=True)
     out = tmp_path / "eval-only"
     out.mkdir()
+    (out / ".lock").touch()
     torch.save({k: ckpt[k] for k in ("prompt", "config", "classnames", "n_ctx")}, out / "checkpoint.pt")
     with pytest.raises(CheckpointError, match="missing keys 'optimizer', 'epoch', 'history', 'rng'"):
         train_run(tiny_cfg(image_folder, out))
