@@ -17,6 +17,13 @@ PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "tip_adapter", "tip_ada
 DEPT_HOSTS = ("coop", "cocoop", "kgcoop", "maple")  # coop.methods.dept
 
 
+def check_depth(key: str, depth: int, layers: int | None, tower: str) -> None:
+    """ConfigError unless `depth` (the blocks a key prompts, e.g. prompt.depth) is in 1..`layers`,
+    the block count of the `tower` ("text" or "image"); None: a tower whose count is not known."""
+    if layers is not None and not 1 <= depth <= layers:
+        raise ConfigError(f"{key} must be in 1..{layers} (the {tower} tower's layers), got {depth}")
+
+
 def epochs_for_shots(shots: int, dataset: str) -> int:
     """CoOp's schedule: 50 epochs for 1 shot, 100 for 2-4, 200 for 8-16 (and all data); ImageNet 50."""
     if dataset == "imagenet":
