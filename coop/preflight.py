@@ -1,6 +1,7 @@
-"""Checks of a run config against its model's towers, before anything is built or written.
+"""Checks of a run config against its method and model, before anything is built or written.
 
     check_model_limits(cfg)   # ConfigError: prompt.depth above the text tower's layers, ...
+    check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
 
 The towers' block counts come from OpenCLIP's model config (a name, or a model-config .json),
 so no weights are loaded: `coop.runner.train_run` calls this before it creates the run folder,
@@ -17,6 +18,7 @@ import functools
 import open_clip
 from omegaconf import DictConfig
 
+from coop.config import ConfigError
 from coop.methods import METHODS
 from coop.methods.base import TowerLayers
 from coop.weights import resolve_model_name
@@ -41,3 +43,16 @@ def check_model_limits(cfg: DictConfig) -> None:
     if towers is None:
         return  # not a tower we can read: building the model reports it
     METHODS[cfg.method].check_config(cfg, towers)
+
+
+def check_base_to_new(cfg: DictConfig) -> None:
+    """ConfigError, naming both keys, for a base-to-new run whose learned tensors cannot score the
+    new classes that it evaluates after training (`data.subsample_classes=base`): the method says
+    why (`Method.own_classes_only`: the linear probe's rows, class-specific context)."""
+    what = METHODS[cfg.method].own_classes_only(cfg)
+    if cfg.data.subsample_classes != "base" or what is None:
+        return
+    raise ConfigError(
+        f"{what} and cannot score the new classes that data.subsample_classes=base evaluates after "
+        "training; use shared context (prompt.csc=false)"
+    )

@@ -234,6 +234,21 @@ def test_the_model_limits_cover_each_method():
         check_model_limits(load_config(None, [*tiny, *overrides]))  # within the towers, or not read
 
 
+def test_base_to_new_refuses_what_scores_only_its_own_classes():
+    from coop.preflight import check_base_to_new
+
+    base = ["data.subsample_classes=base"]
+    for overrides, what in (
+        (["method=linear_probe"], "method=linear_probe learns one classifier row per base class"),
+        (["method=kgcoop", "prompt.csc=true"], "prompt.csc=true learns context for the base classes only"),
+        (["method=maple", "prompt.csc=true"], "prompt.csc=true learns context for the base classes only"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{what} and cannot score the new classes"):
+            check_base_to_new(load_config(None, [*base, *overrides]))
+    check_base_to_new(load_config(None, [*base, "method=vpt", "prompt.csc=true"]))  # no text context
+    check_base_to_new(load_config(None, ["method=linear_probe", "prompt.csc=true"]))  # every class
+
+
 def test_federated_checks_refuse_a_depth_above_the_tower():
     from coop.federated.task import check_config
 

@@ -138,6 +138,14 @@ class Method(nn.Module):
         if cls.text_prompt:
             check_depth("prompt.depth", int(cfg.prompt.depth), towers.text, "text")
 
+    @classmethod
+    def own_classes_only(cls, cfg: DictConfig) -> str | None:
+        """Why what this method learns with `cfg` scores only the classes it was trained on (so a
+        base-to-new run cannot evaluate its new classes), or None. Here: class-specific context."""
+        if cls.text_prompt and cfg.prompt.csc:
+            return "prompt.csc=true learns context for the base classes only"
+        return None
+
     @property
     def n_cls(self) -> int:
         return len(self.classnames)
