@@ -20,7 +20,6 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from coop.config_checks import (  # noqa: F401 (coop.config's API)
     ConfigError,
-    check_base_to_new,
     check_rules,
     epochs_for_shots,
     resolved_epochs,

@@ -12,9 +12,14 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key or file."""
 
 
-# methods without learned text context
-PROMPT_CSC_IGNORED = ("zeroshot", "linear_probe", "vpt", "tip_adapter", "tip_adapter_f", "clip_lora", "mmrl")
 DEPT_HOSTS = ("coop", "cocoop", "kgcoop", "maple")  # coop.methods.dept
+
+
+def check_depth(key: str, depth: int, layers: int | None, tower: str) -> None:
+    """ConfigError unless `depth` (the blocks a key prompts, e.g. prompt.depth) is in 1..`layers`,
+    the block count of the `tower` ("text" or "image"); None: a tower whose count is not known."""
+    if layers is not None and not 1 <= depth <= layers:
+        raise ConfigError(f"{key} must be in 1..{layers} (the {tower} tower's layers), got {depth}")
 
 
 def epochs_for_shots(shots: int, dataset: str) -> int:
@@ -83,21 +88,3 @@ def check_length(cfg: DictConfig) -> None:
             f"train.warmup_epochs={warmup} must be less than the {epochs} training epochs "
             f"(train.epochs={t.epochs}), or the cosine schedule never starts"
         )
-
-
-def check_base_to_new(cfg: DictConfig) -> None:
-    """ConfigError, naming both keys, for a base-to-new run whose learned tensors cannot score the
-    new classes that it evaluates after training (`data.subsample_classes=base`): the linear
-    probe's classifier rows and class-specific context belong to their own classes."""
-    if cfg.data.subsample_classes != "base":
-        return
-    if cfg.method == "linear_probe":
-        what = "method=linear_probe learns one classifier row per base class"
-    elif cfg.prompt.csc and cfg.method not in PROMPT_CSC_IGNORED:
-        what = "prompt.csc=true learns context for the base classes only"
-    else:
-        return
-    raise ConfigError(
-        f"{what} and cannot score the new classes that data.subsample_classes=base evaluates after "
-        "training; use shared context (prompt.csc=false)"
-    )

@@ -28,6 +28,7 @@ import logging
 import torch
 from torch import nn
 
+from coop.config_checks import check_depth
 from coop.model import CLIP, cosine_logits
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ POSITIONS = {"end": "end", "middle": "middle", "mid": "middle", "front": "front"
 
 
 class PromptError(ValueError):
-    """Prompt settings that cannot work (position, depth, n_ctx, a class name too long, ...)."""
+    """Prompt settings that cannot work (position, n_ctx, a class name too long, ...)."""
 
 
 class _DefaultInt(int):
@@ -131,9 +132,7 @@ class PromptLearner(nn.Module):
             raise PromptError(f"a prompt template other than '{{}}.' needs position end, got '{position}'")
         if position not in POSITIONS:
             raise PromptError(f"unknown class-token position '{position}' (choose end, middle or front)")
-        layers = clip.text.cfg.layers
-        if not 1 <= int(depth) <= layers:
-            raise PromptError(f"prompt depth must be in 1..{layers} (the text encoder's layers), got {depth}")
+        check_depth("prompt.depth", int(depth), clip.text.cfg.layers, "text")
         if not classnames:
             raise PromptError("no class names given")
         self.position = POSITIONS[position]

@@ -17,7 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from coop.config import (
     METHODS,
-    PROMPT_CSC_IGNORED,
     RESULT_FREE_KEYS,
     ConfigError,
     flatten,
@@ -95,7 +94,7 @@ def shown_keys(method: str, cfg: DictConfig) -> list[str]:
     own += list(METHOD_DEFAULTS.get(method, {}))
     own += [k for entry in DATASET_RECIPES.get(method, {}).values() for k in entry]
     every = list(flatten(OmegaConf.to_container(cfg)))  # in the config's own order
-    sections = (["prompt"] if host not in PROMPT_CSC_IGNORED else []) + [SECTIONS.get(host, host)]
+    sections = (["prompt"] if METHOD_CLASSES[host].text_prompt else []) + [SECTIONS.get(host, host)]
     sections += ["dept"] if method != host else []
     own += [k for k in every if k.split(".")[0] in sections]
     drop = RESULT_FREE_KEYS | {"dept.enabled"} | set(keys)

@@ -172,12 +172,14 @@ def test_train_refuses_a_bad_value_before_creating_the_run_folder(image_folder, 
     from conftest import tiny_args
 
     out = tmp_path / "run"
+    templates = "'coop', 'kgcoop', 'coop_ensemble', 'ensemble' or a template containing '{}'"
     for bad, message in (
-        ("prompt.csc=maybe", "error: prompt.csc must be true or false, got 'maybe' in command line"),
-        ("prompt.depth=4", "error: prompt.depth must be in 1..3 (the text tower's layers), got 4"),
-        ("method=tcp", "error: tcp.layer must be in 1..2 (the text tower's blocks), got 8"),
-    ):
-        res = run_tool_in_process(REPO / "tools" / "train.py", [*tiny_args(image_folder, out), bad])
+        (["prompt.csc=maybe"], "error: prompt.csc must be true or false, got 'maybe' in command line"),
+        (["prompt.depth=4"], "error: prompt.depth must be in 1..3 (the text tower's layers), got 4"),
+        (["method=tcp"], "error: tcp.layer must be in 1..2 (the text tower's blocks), got 8"),
+        (["method=zeroshot", "zeroshot.templates=a photo"], f"error: zeroshot.templates='a photo' is not one of {templates}"),
+    ):  # fmt: skip
+        res = run_tool_in_process(REPO / "tools" / "train.py", [*tiny_args(image_folder, out), *bad])
         assert res.returncode == 2 and res.stderr.strip().splitlines() == [message], res.stderr[-2000:]
         assert not out.exists()  # no config.yaml, log.txt or .lock for collect.py to list
 
@@ -216,6 +218,10 @@ def test_the_model_limits_cover_each_method():
         (["method=mmrl", "mmrl.layers=[2,4]"], r"mmrl.layers=\[2, 4\] names block 4, and the tower has 3 blocks"),
         (["method=mmrl", "mmrl.vision_layers=[3]"], "names block 3, and the tower has 2 blocks"),
         (["method=clip_lora", "lora.layers=[2]"], "of the vision tower's 2 blocks"),
+        (["method=tcp", "tcp.layer=3"], r"tcp.layer must be in 1..2 \(the text tower's blocks\), got 3"),
+        (["method=kgcoop", "kgcoop.templates=texture"], "kgcoop.templates='texture' is not one of 'coop'"),
+        (["method=promptsrc", "prompt.depth=2", "vision.depth=2", "promptsrc.templates=nope"], "promptsrc.templates='nope' is not 'promptsrc'"),
+        (["method=tip_adapter", "tip.templates=nope"], "tip.templates='nope' is not one of 'coop'"),
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             check_model_limits(load_config(None, [*tiny, *overrides]))
@@ -223,8 +229,24 @@ def test_the_model_limits_cover_each_method():
         ["prompt.depth=3"],
         ["method=zeroshot", "prompt.depth=9"],
         ["method=tcp", "tcp.layer=2"],
+        ["method=kgcoop", "kgcoop.templates=a {} texture."],
     ):
         check_model_limits(load_config(None, [*tiny, *overrides]))  # within the towers, or not read
+
+
+def test_base_to_new_refuses_what_scores_only_its_own_classes():
+    from coop.preflight import check_base_to_new
+
+    base = ["data.subsample_classes=base"]
+    for overrides, what in (
+        (["method=linear_probe"], "method=linear_probe learns one classifier row per base class"),
+        (["method=kgcoop", "prompt.csc=true"], "prompt.csc=true learns context for the base classes only"),
+        (["method=maple", "prompt.csc=true"], "prompt.csc=true learns context for the base classes only"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{what} and cannot score the new classes"):
+            check_base_to_new(load_config(None, [*base, *overrides]))
+    check_base_to_new(load_config(None, [*base, "method=vpt", "prompt.csc=true"]))  # no text context
+    check_base_to_new(load_config(None, ["method=linear_probe", "prompt.csc=true"]))  # every class
 
 
 def test_federated_checks_refuse_a_depth_above_the_tower():

@@ -100,7 +100,7 @@ def test_recipe_and_errors(tiny_clip):
         )
         assert spelled.train.epochs == epochs, dataset
     assert load_config(None, ["method=tcp", "data.name=imagenet", "train.epochs=50"]).train.epochs == 50
-    with pytest.raises(PromptError, match="tcp.layer must be in 1..2"):
+    with pytest.raises(ConfigError, match="tcp.layer must be in 1..2"):
         build_method(tiny_clip, CLASSES, load_config(None, ["method=tcp"]))  # 3 blocks: 8 is too deep
     with pytest.raises(PromptError, match="prompt.position=end"):
         build_method(

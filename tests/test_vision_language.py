@@ -303,10 +303,10 @@ def test_errors_are_one_line(tiny_clip, tmp_path):
         build_method(rn, CLASSES, load_config(None, ["method=vpt", f"model.name={path}"]))
     assert build_method(rn, CLASSES, load_config(None, [f"model.name={path}"])).name == "coop"  # as today
     with pytest.raises(
-        PromptError, match=r"vision.depth must be in 1..2 \(the image tower's layers\), got 3"
+        ConfigError, match=r"vision.depth must be in 1..2 \(the image tower's layers\), got 3"
     ):
         build(tiny_clip, "ivlp", "prompt.depth=2", "vision.depth=3")
-    with pytest.raises(PromptError, match="prompt.depth=3 is above the image tower's 2 layers"):
+    with pytest.raises(ConfigError, match="prompt.depth=3 is above the image tower's 2 layers"):
         build(tiny_clip, "maple", "prompt.depth=3")
     with pytest.raises(PromptError, match="prompt.csc=true is not defined for maple"):
         build(tiny_clip, "maple", "prompt.depth=2", "prompt.csc=true")

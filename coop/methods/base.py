@@ -31,6 +31,11 @@ row per training class (DePT) or logits fused for the training classes (MMRL) ex
 and `extra_loss(towers)` a method's terms beyond cross-entropy: a plug-in (DePT) wraps a method
 through these two without knowing which one it is.
 
+`check_config(cfg, towers)` refuses, in one line, a key the method reads that cannot work: one
+beyond the model's towers (`TowerLayers`: prompt.depth above the text tower's layers) or an
+unknown template set. `coop.preflight` runs it before a run folder exists, on the block counts
+of the model's config; every method runs it again when it is built, on the built model's.
+
 SGD methods hand their tensors to the optimizer in `param_groups()`, each group with its own
 `lr_scale` (and optionally `weight_decay`); `train.optimizer` and `train.schedule` pick the
 optimizer and the schedule (`coop.schedule`).
@@ -45,6 +50,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from coop.config_checks import check_depth
 from coop.model import CLIP
 
 
@@ -79,6 +85,23 @@ class Towers:
     image: torch.Tensor
 
 
+@dataclass(frozen=True)
+class TowerLayers:
+    """The block counts of a model's towers, which bound the keys that name blocks or depths.
+
+    Attributes:
+        text: the text tower's blocks.
+        image: the image tower's blocks; None for a tower that takes no prompts (RN50's stages).
+    """
+
+    text: int
+    image: int | None
+
+    @classmethod
+    def of(cls, clip: CLIP) -> TowerLayers:
+        return cls(clip.text.cfg.layers, clip.visual.layers if clip.supports_vision_prompts else None)
+
+
 class TransferError(ValueError):
     """Learned tensors cannot be used for the requested classes (e.g. class-specific context)."""
 
@@ -99,12 +122,29 @@ class Method(nn.Module):
     fit_request: FeatureRequest | None = None  # the training features `fit` and `tune` take
     phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
     image_tokens = False  # True: "features" are every projected token (B, 1+P, E) (FedOTP)
+    text_prompt = False  # True: a learned text context, `prompt.*` (`coop.prompt.PromptLearner`)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__()
+        type(self).check_config(cfg, TowerLayers.of(clip))
         self.clip = clip.requires_grad_(False).eval()
         self.classnames = list(classnames)
         self.trained_classnames = list(classnames)  # replaced by `load_trained`
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        """A one-line ConfigError for a key this method reads that cannot work with `towers` (or at
+        all); subclasses add their own keys. Here: `prompt.depth` within the text tower."""
+        if cls.text_prompt:
+            check_depth("prompt.depth", int(cfg.prompt.depth), towers.text, "text")
+
+    @classmethod
+    def own_classes_only(cls, cfg: DictConfig) -> str | None:
+        """Why what this method learns with `cfg` scores only the classes it was trained on (so a
+        base-to-new run cannot evaluate its new classes), or None. Here: class-specific context."""
+        if cls.text_prompt and cfg.prompt.csc:
+            return "prompt.csc=true learns context for the base classes only"
+        return None
 
     @property
     def n_cls(self) -> int:

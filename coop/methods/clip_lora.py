@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from coop.lora import LoRAAdapters
-from coop.methods.base import Method
+from coop.config import ConfigError
+from coop.lora import LoRAAdapters, LoRAError, resolve_layers
+from coop.methods.base import Method, TowerLayers
 from coop.model import CLIP, ModelError, cosine_logits
 
 # The original's template for every dataset: each dataset file's own template sits in a string
@@ -52,6 +53,12 @@ def shared_prefix_length(ids: torch.Tensor, eos: torch.Tensor) -> int:
     return min(common, int(eos.min()))
 
 
+def layer_spec(cfg: DictConfig) -> str | list[int]:
+    """`lora.layers` as `coop.lora.resolve_layers` takes it: a name or a plain list."""
+    layers = cfg.lora.layers
+    return OmegaConf.to_object(layers) if OmegaConf.is_list(layers) else layers
+
+
 class CLIPLoRA(Method):
     """CLIP with low-rank q|k|v adapters in both towers, trained on cross-entropy.
 
@@ -65,6 +72,18 @@ class CLIPLoRA(Method):
     name = "clip_lora"
     trainer = "sgd"
     input = "pixels"
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        """`lora.layers` within each adapted tower (`coop.lora.resolve_layers`)."""
+        super().check_config(cfg, towers)
+        for tower in cfg.lora.towers:
+            n = towers.text if tower == "text" else towers.image
+            try:
+                if n is not None:  # an image tower that takes no adapters: refused when built
+                    resolve_layers(layer_spec(cfg), n, tower)
+            except LoRAError as e:
+                raise ConfigError(str(e)) from None
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
@@ -86,7 +105,7 @@ class CLIPLoRA(Method):
             clip,
             towers,
             list(lora.targets),
-            OmegaConf.to_object(lora.layers) if OmegaConf.is_list(lora.layers) else lora.layers,
+            layer_spec(cfg),
             rank=int(lora.rank),
             alpha=float(lora.alpha),
             dropout=float(lora.dropout),

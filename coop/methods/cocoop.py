@@ -72,6 +72,7 @@ class CoCoOp(Method):
 
     name = "cocoop"
     trainer = "sgd"
+    text_prompt = True
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)

@@ -47,6 +47,7 @@ class CoOp(Method):
 
     name = "coop"
     trainer = "sgd"
+    text_prompt = True
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)

@@ -39,6 +39,7 @@ class IVLP(VisionPromptMethod):
 
     name = "ivlp"
     phrase_max_ctx = PHRASE_MAX_CTX
+    text_prompt = True
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from coop.methods.base import Towers
+from coop.methods.base import TowerLayers, Towers
 from coop.methods.coop import CoOp
 from coop.methods.zeroshot import resolve_templates, template_features
 from coop.model import CLIP
@@ -41,11 +41,21 @@ class KgCoOp(CoOp):
 
     name = "kgcoop"
 
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        super().check_config(cfg, towers)
+        cls.templates_of(cfg)
+
+    @staticmethod
+    def templates_of(cfg: DictConfig) -> tuple[str, list[str]]:
+        """(`kgcoop.templates`, the template strings it names on `data.name`)."""
+        choice = str(OmegaConf.select(cfg, "kgcoop.templates", default="kgcoop"))
+        return choice, resolve_templates(choice, cfg.data.name, "kgcoop.templates")
+
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
         self.weight = float(OmegaConf.select(cfg, "kgcoop.weight", default=WEIGHT))
-        self.template_choice = str(OmegaConf.select(cfg, "kgcoop.templates", default="kgcoop"))
-        self.templates = resolve_templates(self.template_choice, cfg.data.name, "kgcoop.templates")
+        self.template_choice, self.templates = self.templates_of(cfg)
         self._clip_features: torch.Tensor | None = None  # (n_cls, E), normalised, once per run
 
     def clip_features(self) -> torch.Tensor:

@@ -76,6 +76,10 @@ class LinearProbe(Method):
     tunes_on_val = True
     fit_request = FeatureRequest(views=1, augment=False)  # the test transform, as CoOp extracts them
 
+    @classmethod
+    def own_classes_only(cls, cfg: DictConfig) -> str | None:
+        return "method=linear_probe learns one classifier row per base class"
+
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
         dim = clip.embed_dim

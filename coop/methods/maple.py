@@ -29,6 +29,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from coop.config import ConfigError
+from coop.methods.base import TowerLayers
 from coop.methods.ivlp import IVLP
 from coop.prompt import PromptError
 
@@ -43,17 +45,22 @@ class MaPLe(IVLP):
 
     name = "maple"
 
+    @classmethod
+    def check_vision(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        """The vision prompts are as deep as the text prompts: `prompt.depth` within the image tower."""
+        depth = int(cfg.prompt.depth)
+        if towers.image is not None and depth > towers.image:
+            raise ConfigError(
+                f"prompt.depth={depth} is above the image tower's {towers.image} layers "
+                "(maple prompts both towers to the same depth)"
+            )
+
     def build_vision(self, cfg: DictConfig) -> None:
         pl = self.prompt_learner
         if pl.csc:
             raise PromptError(
                 "prompt.csc=true is not defined for maple: every image shares one set of vision prompts, "
                 "projected from one shared text context"
-            )
-        if pl.depth > self.tower_layers:
-            raise PromptError(
-                f"prompt.depth={pl.depth} is above the image tower's {self.tower_layers} layers "
-                "(maple prompts both towers to the same depth)"
             )
         width = pl.ctx.shape[-1]
         self.proj = nn.Linear(width, self.tower_width).to(self.device)

@@ -44,6 +44,7 @@ from torch import nn
 
 from coop.config import ConfigError
 from coop.inserted import InsertedTokens
+from coop.methods.base import TowerLayers
 from coop.methods.promptsrc import frozen_text_features
 from coop.methods.vpt import VisionPromptMethod
 from coop.methods.zeroshot import resolve_templates
@@ -128,6 +129,17 @@ class MMRL(VisionPromptMethod):
     """
 
     name = "mmrl"
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        block_indices(cfg.mmrl.layers, towers.text, "mmrl.layers")
+        super().check_config(cfg, towers)
+
+    @classmethod
+    def check_vision(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        """`mmrl.vision_layers` within the image tower (MMRL reads no `vision.*` key)."""
+        if towers.image is not None:
+            block_indices(cfg.mmrl.vision_layers, towers.image, "mmrl.vision_layers")
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)

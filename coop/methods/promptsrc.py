@@ -45,6 +45,7 @@ from omegaconf import DictConfig
 
 from coop.config import ConfigError, resolved_epochs
 from coop.gpa import GaussianAggregate, gpa_weights
+from coop.methods.base import TowerLayers
 from coop.methods.ivlp import IVLP
 from coop.methods.zeroshot import resolve_templates
 from coop.model import CLIP
@@ -230,6 +231,11 @@ class PromptSRC(IVLP):
     """
 
     name = "promptsrc"
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        super().check_config(cfg, towers)
+        resolve_promptsrc_templates(str(cfg.promptsrc.templates), cfg.data.name)  # a known name or a template
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)

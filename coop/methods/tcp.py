@@ -32,7 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from coop.blocks import QuickGELU
-from coop.methods.base import Method
+from coop.config import ConfigError
+from coop.methods.base import Method, TowerLayers
 from coop.methods.zeroshot import DEFAULT_TEMPLATE, template_features
 from coop.model import CLIP, cosine_logits
 from coop.prompt import N_CTX_DEFAULT, PromptError, PromptLearner
@@ -114,6 +115,17 @@ class TCP(Method):
 
     name = "tcp"
     trainer = "sgd"
+    text_prompt = True
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        """As every prompt method's, and `tcp.layer` below the text tower's last block."""
+        super().check_config(cfg, towers)
+        layer = int(OmegaConf.select(cfg, "tcp.layer", default=LAYER))
+        if not 1 <= layer < towers.text:
+            raise ConfigError(
+                f"tcp.layer must be in 1..{towers.text - 1} (the text tower's blocks), got {layer}"
+            )
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
@@ -125,11 +137,6 @@ class TCP(Method):
             )
         dataset = str(cfg.data.name)
         self.layer = int(OmegaConf.select(cfg, "tcp.layer", default=LAYER))
-        layers = clip.text.cfg.layers
-        if not 1 <= self.layer < layers:
-            raise PromptError(
-                f"tcp.layer must be in 1..{layers - 1} (the text tower's blocks), got {self.layer}"
-            )
         self.weight = float(OmegaConf.select(cfg, "tcp.weight", default=WEIGHT))
         self.teacher_template = TEACHER_TEMPLATES.get(dataset, DEFAULT_TEMPLATE)
         self.prompt_template = PROMPT_TEMPLATES.get(dataset, DEFAULT_PROMPT)

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from coop.data.imagenet_variants import TEST_ONLY_DATASETS
-from coop.methods.base import FeatureRequest, Method, TransferError
+from coop.methods.base import FeatureRequest, Method, TowerLayers, TransferError
 from coop.methods.zeroshot import (
     COOP_TEMPLATES,
     DEFAULT_TEMPLATE,
@@ -116,6 +116,11 @@ class TipAdapter(Method):
     name = "tip_adapter"
     trainer = "none"
     keys_name = "keys"  # what the checkpoint calls the keys the logits use
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        super().check_config(cfg, towers)
+        tip_templates(str(cfg.tip.templates), cfg.data.name)  # a known name or a template
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from coop.methods.base import Method, Towers
+from coop.config_checks import check_depth
+from coop.methods.base import Method, TowerLayers, Towers
 from coop.model import CLIP, ModelError, cosine_logits
 from coop.prompt import PromptError
 
@@ -55,8 +56,7 @@ class VisionPrompts(nn.Module):
         super().__init__()
         if n_ctx < 1:
             raise PromptError(f"vision.n_ctx must be >= 1, got {n_ctx}")
-        if not 1 <= depth <= layers:
-            raise PromptError(f"vision.depth must be in 1..{layers} (the image tower's layers), got {depth}")
+        check_depth("vision.depth", depth, layers, "image")
         self.n_ctx, self.depth = n_ctx, depth
         self.ctx = nn.Parameter(torch.empty(n_ctx, width).normal_(std=0.02))
         self.deep_ctx = (
@@ -89,6 +89,18 @@ class VisionPromptMethod(Method):
 
     trainer = "sgd"
     input = "pixels"
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        super().check_config(cfg, towers)
+        cls.check_vision(cfg, towers)
+
+    @classmethod
+    def check_vision(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        """The image tower's keys: `vision.depth` within its layers (VPT, IVLP, PromptSRC)."""
+        depth = OmegaConf.select(cfg, "vision.depth")
+        if depth is not None:
+            check_depth("vision.depth", int(depth), towers.image, "image")
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)

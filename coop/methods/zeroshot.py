@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from coop.config import ConfigError
-from coop.methods.base import Method
+from coop.methods.base import Method, TowerLayers
 from coop.model import CLIP, cosine_logits
 
 DEFAULT_TEMPLATE = "a photo of a {}."
@@ -101,6 +101,11 @@ class ZeroShot(Method):
 
     name = "zeroshot"
     trainer = "none"
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        super().check_config(cfg, towers)
+        resolve_templates(str(cfg.zeroshot.templates), cfg.data.name)  # a known name or a template
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
