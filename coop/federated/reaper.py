@@ -1,0 +1,76 @@
+"""The simulation's reaper: when the tool that started a run ends, however it ends, every process
+of the run ends too.
+
+    python -S coop/federated/reaper.py MARKER     # stdin: a pipe whose other end the tool holds
+
+Every process of a run carries the environment variable `COOP_FL_RUN=MARKER` (`RUN_VAR`), which
+`coop.federated.simulation.simulate` sets for the SuperLink and `flwr run`, and which their
+descendants inherit: the SuperExec, `flwr-simulation`, Ray's GCS, raylet, agents and actors. The
+reaper reads its stdin until EOF, which comes when the tool closes the pipe at the end of the run
+or when the kernel closes it because the tool died (SIGKILL included); then it SIGKILLs every
+process that carries the marker, until none is left, and exits.
+
+It is a process of its own, in a session of its own, because nothing inside the run can do this:
+Flower starts the SuperExec in a new session (so neither the tool's process group nor
+PR_SET_PDEATHSIG reaches it or `flwr-simulation` under it), and a watcher thread inside
+`flwr-simulation` stops running once that process heads for its own exit (its Python interpreter
+stops daemon threads when it finalizes) or before its ServerApp has started.
+
+Standard library only: it runs as a script, without importing coop or torch (`-S`: no site-packages).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+RUN_VAR = "COOP_FL_RUN"
+
+
+def run_processes(marker: str) -> list[int]:
+    """The pids of the live processes whose environment holds RUN_VAR=marker (Linux /proc; a
+    zombie's environment is empty, so a killed process that is not reaped yet is not listed)."""
+    entry = f"{RUN_VAR}={marker}".encode()
+    pids = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:  # no procfs: nothing found
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    pids.append(int(name))
+        except OSError:  # gone, or not ours
+            continue
+    return pids
+
+
+def end_run(marker: str, timeout: float = 20.0) -> int:
+    """SIGKILL every process of the run until two scans in a row find none; returns how many were
+    killed. A process that forks while it is being killed is found by the next scan."""
+    killed, empty, deadline = set(), 0, time.monotonic() + timeout
+    while empty < 2 and time.monotonic() < deadline:
+        pids = run_processes(marker)
+        empty = 0 if pids else empty + 1
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    return len(killed)
+
+
+def main() -> int:
+    marker = sys.argv[1]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the tool, which closes the pipe
+    while sys.stdin.buffer.read(4096):  # until EOF: the tool closed the pipe or died
+        pass
+    end_run(marker)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
