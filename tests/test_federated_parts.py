@@ -262,26 +262,58 @@ def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-def test_a_killed_tool_is_not_alive_while_unreaped():
-    """The ServerApp's watch on its tool (`app.alive`): a killed process that its parent has not
-    reaped yet (a zombie; os.kill(pid, 0) still succeeds) counts as gone."""
+# A "tool" that starts a run's processes as Flower does: one in a session of its own (the SuperExec),
+# which starts another (flwr-simulation, Ray), and one unmarked process that is not the run's.
+FAKE_TOOL = """
+import importlib.util, os, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("reaper", sys.argv[3])  # without importing coop (torch)
+reaper = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reaper)
+marker, exit_normally = sys.argv[1], sys.argv[2] == "exit"
+child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+with reaper.reaped(marker):
+    env = {**os.environ, reaper.RUN_VAR: marker}
+    subprocess.Popen([sys.executable, "-c", child], env=env, start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    print(other.pid, flush=True)
+    time.sleep(0 if exit_normally else 60)
+"""
+
+
+def _wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_no_process_of_a_run_outlives_its_tool(tmp_path, how):
+    """The reaper (coop.federated.reaper) ends every process that carries the run's marker, in
+    whatever session, when the tool is SIGKILLed or leaves the block normally; it spares the rest."""
     import signal
 
-    from coop.federated.app import alive
+    from coop.federated import reaper
+    from coop.federated.reaper import run_processes
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    marker = f"test-{os.getpid()}-{how}"
+    cmd = [sys.executable, "-c", FAKE_TOOL, marker, how, reaper.__file__]
+    tool = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    other = int(tool.stdout.readline())
     try:
-        assert alive(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while alive(proc.pid):  # dies at once; only the zombie is left
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(proc.pid, 0)  # ... which os.kill alone would call alive
+        if how == "sigkill":
+            assert _wait_for(lambda: len(run_processes(marker)) == 2, 30), run_processes(marker)
+            tool.kill()
+        assert tool.wait(30) == (-signal.SIGKILL if how == "sigkill" else 0)
+        gone = _wait_for(lambda: not run_processes(marker), 5 if how == "sigkill" else 0)
+        assert gone, run_processes(marker)
+        os.kill(other, 0)  # not the run's: still running
     finally:
-        proc.kill()
-        proc.wait()
-    assert not alive(proc.pid)
+        os.kill(other, signal.SIGKILL)
+        for pid in run_processes(marker):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():
@@ -296,23 +328,3 @@ def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():
                       "module": "coop.federated.server"})  # fmt: skip
     with pytest.raises(FederatedError, match="^KeyError: 'x'$"):  # a class not rebuilt from its text
         raise_remote({"error": "'x'", "type": "KeyError", "module": "builtins"})
-
-
-def test_wait_for_exit_returns_when_the_process_ends_reaped_or_not():
-    import signal
-    import threading
-
-    from coop.federated.app import wait_for_exit
-
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    done = threading.Event()
-    watcher = threading.Thread(target=lambda: (wait_for_exit(proc.pid), done.set()), daemon=True)
-    watcher.start()
-    try:
-        assert not done.wait(0.5)  # still running
-        os.kill(proc.pid, signal.SIGKILL)  # a zombie until reaped below
-        assert done.wait(5)
-    finally:
-        proc.kill()
-        proc.wait()
-    wait_for_exit(proc.pid)  # gone altogether: returns at once

@@ -1,7 +1,12 @@
 """The simulation's reaper: when the tool that started a run ends, however it ends, every process
 of the run ends too.
 
-    python -S coop/federated/reaper.py MARKER     # stdin: a pipe whose other end the tool holds
+    with reaped(marker):          # in the tool; the run's processes get RUN_VAR=marker
+        ...                       # start and run them
+    # here (or when the tool dies) the reaper has killed them all
+
+`reaped` starts `python -I -S coop/federated/reaper.py MARKER`, whose stdin is a pipe whose other
+end the tool holds.
 
 Every process of a run carries the environment variable `COOP_FL_RUN=MARKER` (`RUN_VAR`), which
 `coop.federated.simulation.simulate` sets for the SuperLink and `flwr run`, and which their
@@ -21,18 +26,21 @@ Standard library only: it runs as a script, without importing coop or torch (`-S
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 RUN_VAR = "COOP_FL_RUN"
 
 
-def run_processes(marker: str) -> list[int]:
-    """The pids of the live processes whose environment holds RUN_VAR=marker (Linux /proc; a
-    zombie's environment is empty, so a killed process that is not reaped yet is not listed)."""
-    entry = f"{RUN_VAR}={marker}".encode()
+def run_processes(marker: str, var: str = RUN_VAR) -> list[int]:
+    """The pids of the live processes whose environment holds var=marker (Linux /proc; a zombie's
+    environment is empty, so a killed process that is not reaped yet is not listed)."""
+    entry = f"{var}={marker}".encode()
     pids = []
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:  # no procfs: nothing found
         if not name.isdigit() or int(name) == os.getpid():
@@ -61,6 +69,30 @@ def end_run(marker: str, timeout: float = 20.0) -> int:
                 pass
         time.sleep(0.05)
     return len(killed)
+
+
+@contextlib.contextmanager
+def reaped(marker: str) -> Iterator[None]:
+    """Start the reaper of the run whose processes carry `marker`; when the block ends (or this
+    process dies, which closes the pipe) it ends them all, and the block's end waits for it."""
+    read, write = os.pipe()  # not inherited by the run's processes: only the reaper holds the read end
+    env = {k: v for k, v in os.environ.items() if k != RUN_VAR}
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), marker], stdin=read, env=env,
+        start_new_session=True,
+    )  # fmt: skip  # its own session: a signal to the tool's group (Ctrl-C, a test's kill) spares it
+    os.close(read)
+    try:
+        yield
+    finally:
+        os.close(write)  # EOF: the reaper kills every process of the run
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode != 0:  # it was killed itself: do its work here
+            end_run(marker)
 
 
 def main() -> int:

@@ -51,7 +51,6 @@ from coop.federated.server import FederatedError
 
 APP_DIR = Path(__file__).resolve().parents[2] / "configs" / "federated" / "flower-app"
 CONNECTION = "coop-local"
-REAPER = Path(reaper.__file__)
 START_TIMEOUT = 120.0  # seconds for the SuperLink to answer
 
 
@@ -132,29 +131,6 @@ def superlink(home: Path, env: dict, flower_log) -> Iterator[str]:
             proc.wait()
 
 
-@contextlib.contextmanager
-def reaped(marker: str) -> Iterator[None]:
-    """Start the reaper of the run whose processes carry `marker`; when the block ends (or this
-    process dies, which closes the pipe) it ends them all, and the block's end waits for it."""
-    read, write = os.pipe()  # not inherited by the run's processes: only the reaper holds the read end
-    env = {k: v for k, v in os.environ.items() if k != reaper.RUN_VAR}
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", str(REAPER), marker], stdin=read, env=env, start_new_session=True
-    )  # its own session: a signal to this process's group (a shell's Ctrl-C, a test's kill) spares it
-    os.close(read)
-    try:
-        yield
-    finally:
-        os.close(write)  # EOF: the reaper kills every process of the run
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.returncode != 0:  # it was killed itself: do its work here
-            reaper.end_run(marker)
-
-
 class LogTail(threading.Thread):
     """Copies the lines that a file gains to this process's stderr, until `stop`."""
 
@@ -189,7 +165,7 @@ def submit(cmd: list[str], env: dict, flower_log, result_file: Path, grace: floa
     """Run `flwr run ... --stream` until it ends, or until the ServerApp has written its result and
     `grace` seconds have passed: Flower then still shuts its Ray backend down for several seconds,
     which this process need not wait for (the run folder is complete, and the reaper ends the run's
-    processes, `reaped`). Returns flwr's exit code (None if it was stopped)."""
+    processes, `coop.federated.reaper.reaped`). Returns flwr's exit code (None if it was stopped)."""
     proc = subprocess.Popen(cmd, env=env, stdout=flower_log, stderr=subprocess.STDOUT, **CHILD)
     try:
         done_at = None
@@ -221,8 +197,10 @@ def raise_remote(result: dict) -> None:
     raise FederatedError(f"{result.get('type', 'error')}: {message}")
 
 
-def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1) -> dict:
+def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1, num_cpus: int = 0) -> dict:
     """Run `cfg` as a Flower simulation with fl.clients SuperNodes; returns metrics.json's content.
+    Ray runs num_cpus // cpus_per_client actors (num_cpus 0: all the machine's cores), which run the
+    clients' messages.
 
     The caller holds the run folder's lock (`coop.lock.run_lock`); the ServerApp runs under it.
     """
@@ -250,7 +228,7 @@ def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1
         )
         flower_log.flush()
         tail = LogTail(folder / "log.txt")
-        with reaped(marker), superlink(home, env, flower_log) as address:
+        with reaper.reaped(marker), superlink(home, env, flower_log) as address:
             (home / "config.toml").write_text(
                 f'[superlink]\ndefault = "{CONNECTION}"\n\n'
                 f'[superlink.{CONNECTION}]\naddress = "{address}"\ninsecure = true\n'
@@ -262,7 +240,7 @@ def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1
             federation = (
                 f"num-supernodes={int(cfg.fl.clients)} client-resources-num-cpus={res['num-cpus']} "
                 f"client-resources-num-gpus={res['num-gpus']}"
-            )
+            ) + (f" init-args-num-cpus={int(num_cpus)}" if num_cpus else "")
             cmd = [_bin("flwr"), "run", str(APP_DIR), CONNECTION, "--stream",
                    "--run-config", run_config, "--federation-config", federation]  # fmt: skip
             tail.start()
