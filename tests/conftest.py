@@ -141,17 +141,47 @@ def fl_env(tmp_path_factory, request):
     }
 
 
-def fl_processes(env: dict) -> dict[int, str]:
-    """{pid: command line} of the processes that still run from the federated runs started with `env`."""
-    from coop.federated.reaper import run_processes
+_FL_SESSIONS: dict[str, set[int]] = {}  # marker -> the sessions its runs' processes led
 
+
+def fl_processes(env: dict) -> dict[int, str]:
+    """{pid: command line} of the processes that still run from the federated runs started with
+    `env`: those whose environment holds its marker, and those in the sessions that such processes
+    led when this looked before (Ray's workers and agents may lose the marker from what /proc shows
+    of their environment: `coop.federated.reaper.scan`)."""
+    from coop.federated.reaper import scan
+
+    sessions = _FL_SESSIONS.setdefault(env["COOP_TEST_RUN"], set())
+    pids, leaders = scan(env["COOP_TEST_RUN"], var="COOP_TEST_RUN", sessions=sessions)
+    sessions |= leaders
     out = {}
-    for pid in run_processes(env["COOP_TEST_RUN"], var="COOP_TEST_RUN"):
+    for pid in pids:
         try:
             out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             pass
     return out
+
+
+@contextmanager
+def noting_fl_sessions(env: dict):
+    """While the block runs, look at the runs started with `env` every 0.5 s (`fl_processes`), so
+    that a later look knows the sessions they led."""
+    import threading
+
+    done = threading.Event()
+
+    def note() -> None:
+        while not done.wait(0.5):
+            fl_processes(env)
+
+    thread = threading.Thread(target=note, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # The longest files first: `make test` runs `--dist loadfile` (a file per worker), so a long file

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("flwr")
 pytest.importorskip("flwr_datasets")
 
-from conftest import REPO, TINY_CONFIG, fl_processes, make_image_folder  # noqa: E402
+from conftest import REPO, TINY_CONFIG, fl_processes, make_image_folder, noting_fl_sessions  # noqa: E402
 
 from coop.federated import task  # noqa: E402
 
@@ -59,9 +59,10 @@ def command(folder: Path, overrides: list[str]) -> list[str]:
 def run_tool(
     folder: Path, overrides: list[str], env: dict, timeout: float = 400
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
-    )
+    with noting_fl_sessions(env):  # for fl_processes after the run
+        return subprocess.run(
+            command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+        )
 
 
 def history(folder: Path) -> list[dict]:
@@ -217,6 +218,7 @@ def _kill_when(proc: subprocess.Popen, ready, env: dict, timeout: float = 300) -
         assert proc.poll() is None, f"the run ended (code {proc.returncode}) before it could be killed"
         assert time.monotonic() < deadline, "timed out waiting to kill the run"
         time.sleep(0.01)
+    fl_processes(env)  # notes the sessions that the run's processes lead, before they may be gone
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10  # the reaper acts on the kill at once; 10 s for a loaded machine

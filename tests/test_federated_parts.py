@@ -262,20 +262,26 @@ def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-# A "tool" that starts a run's processes as Flower does: one in a session of its own (the SuperExec),
-# which starts another (flwr-simulation, Ray), and one unmarked process that is not the run's.
+# A "tool" that starts a run's processes as Flower does: one that leads a session of its own (the
+# SuperExec), which starts another whose environment lacks the marker (a Ray worker after it set its
+# process title), and one unmarked process outside the run.
 FAKE_TOOL = """
 import importlib.util, os, subprocess, sys, time
 spec = importlib.util.spec_from_file_location("reaper", sys.argv[3])  # without importing coop (torch)
 reaper = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(reaper)
 marker, exit_normally = sys.argv[1], sys.argv[2] == "exit"
-child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+child = (
+    "import os, subprocess, sys, time; env = {k: v for k, v in os.environ.items() if k != sys.argv[1]}; "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], env=env); time.sleep(60)"
+)
 with reaper.reaped(marker):
     env = {**os.environ, reaper.RUN_VAR: marker}
-    subprocess.Popen([sys.executable, "-c", child], env=env, start_new_session=True)
+    leader = subprocess.Popen([sys.executable, "-c", child, reaper.RUN_VAR], env=env, start_new_session=True)
+    while len(reaper.scan(marker, sessions=[leader.pid])[0]) < 2:  # the leader and its unmarked child
+        time.sleep(0.05)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-    print(other.pid, flush=True)
+    print(other.pid, leader.pid, flush=True)
     time.sleep(0 if exit_normally else 60)
 """
 
@@ -291,28 +297,29 @@ def _wait_for(condition, timeout: float) -> bool:
 
 @pytest.mark.parametrize("how", ["sigkill", "exit"])
 def test_no_process_of_a_run_outlives_its_tool(tmp_path, how):
-    """The reaper (coop.federated.reaper) ends every process that carries the run's marker, in
-    whatever session, when the tool is SIGKILLed or leaves the block normally; it spares the rest."""
+    """The reaper (coop.federated.reaper) ends every process that carries the run's marker, and those
+    in the sessions they lead, when the tool is SIGKILLed or leaves the block normally; it spares
+    the rest."""
     import signal
 
     from coop.federated import reaper
-    from coop.federated.reaper import run_processes
 
     marker = f"test-{os.getpid()}-{how}"
     cmd = [sys.executable, "-c", FAKE_TOOL, marker, how, reaper.__file__]
     tool = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    other = int(tool.stdout.readline())
+    other, leader = map(int, tool.stdout.readline().split())
+    run = lambda: reaper.scan(marker, sessions=[leader])[0]  # noqa: E731 - the run's processes
     try:
         if how == "sigkill":
-            assert _wait_for(lambda: len(run_processes(marker)) == 2, 30), run_processes(marker)
+            assert len(run()) == 2, run()  # the session's leader (marked) and its unmarked child
             tool.kill()
         assert tool.wait(30) == (-signal.SIGKILL if how == "sigkill" else 0)
-        gone = _wait_for(lambda: not run_processes(marker), 5 if how == "sigkill" else 0)
-        assert gone, run_processes(marker)
+        gone = _wait_for(lambda: not run(), 5 if how == "sigkill" else 0)
+        assert gone, run()
         os.kill(other, 0)  # not the run's: still running
     finally:
         os.kill(other, signal.SIGKILL)
-        for pid in run_processes(marker):
+        for pid in run():
             os.kill(pid, signal.SIGKILL)
 
 

@@ -10,10 +10,12 @@ end the tool holds.
 
 Every process of a run carries the environment variable `COOP_FL_RUN=MARKER` (`RUN_VAR`), which
 `coop.federated.simulation.simulate` sets for the SuperLink and `flwr run`, and which their
-descendants inherit: the SuperExec, `flwr-simulation`, Ray's GCS, raylet, agents and actors. The
-reaper reads its stdin until EOF, which comes when the tool closes the pipe at the end of the run
-or when the kernel closes it because the tool died (SIGKILL included); then it SIGKILLs every
-process that carries the marker, until none is left, and exits.
+descendants inherit: the SuperExec, `flwr-simulation`, Ray's GCS, raylet, agents and actors; and
+the SuperExec leads a session that holds all the processes under it (`scan`). The reaper waits
+for EOF on its stdin, noting the sessions that marked processes lead every 0.5 s; EOF comes when
+the tool closes the pipe at the end of the run or when the kernel closes it because the tool died
+(SIGKILL included); then it SIGKILLs every process that carries the marker or is in one of those
+sessions, until none is left, and exits.
 
 It is a process of its own, in a session of its own, because nothing inside the run can do this:
 - Flower starts the SuperExec in a new session: neither the tool's process group nor
@@ -36,38 +38,52 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 RUN_VAR = "COOP_FL_RUN"
 
 
-def run_processes(marker: str, var: str = RUN_VAR) -> list[int]:
-    """The pids of the live processes whose environment holds var=marker (Linux /proc; a zombie's
-    environment is empty, so a killed process that is not reaped yet is not listed)."""
-    entry = f"{var}={marker}".encode()
-    pids = []
+def scan(marker: str, var: str = RUN_VAR, sessions: Iterable[int] = ()) -> tuple[list[int], set[int]]:
+    """(the pids of the run's live processes, the sessions that the run's processes lead).
+
+    A process is the run's if its environment holds var=marker or it is in one of `sessions`. The
+    environment alone misses some: Ray's workers and agents set their process title
+    (`ray::DashboardAgent`), which overwrites the start of the memory that /proc/<pid>/environ shows,
+    and with it, depending on where Ray put it, the marker. They stay in the session of the
+    SuperExec, which Flower starts as a session leader, marked. (Linux /proc; zombies are skipped.)
+    """
+    entry, sessions = f"{var}={marker}".encode(), set(sessions)
+    pids, leaders = [], set()
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:  # no procfs: nothing found
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state, _, _, sid = f.read().rsplit(b")", 1)[1].split()[:4]
             with open(f"/proc/{name}/environ", "rb") as f:
-                if entry in f.read().split(b"\0"):
-                    pids.append(int(name))
-        except OSError:  # gone, or not ours
+                marked = entry in f.read().split(b"\0")
+        except (OSError, ValueError):  # gone, or not ours
             continue
-    return pids
+        if state == b"Z" or not (marked or int(sid) in sessions):
+            continue
+        pids.append(int(name))
+        if marked and int(sid) == int(name):
+            leaders.add(int(name))
+    return pids, leaders
 
 
-def end_run(marker: str, timeout: float = 20.0) -> int:
-    """SIGKILL every process of the run until two scans in a row find none; returns how many were
-    killed. A process that forks while it is being killed is found by the next scan."""
-    killed, empty, deadline = set(), 0, time.monotonic() + timeout
+def end_run(marker: str, sessions: Iterable[int] = (), timeout: float = 20.0) -> int:
+    """SIGKILL every process of the run (`scan`) until two scans in a row find none; returns how
+    many were killed. A process that forks while it is being killed is found by the next scan."""
+    sessions, killed, empty, deadline = set(sessions), set(), 0, time.monotonic() + timeout
     while empty < 2 and time.monotonic() < deadline:
-        pids = run_processes(marker)
+        pids, leaders = scan(marker, sessions=sessions)
+        sessions |= leaders
         empty = 0 if pids else empty + 1
         for pid in pids:
             try:
@@ -106,9 +122,12 @@ def reaped(marker: str) -> Iterator[None]:
 def main() -> int:
     marker = sys.argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the tool, which closes the pipe
-    while sys.stdin.buffer.read(4096):  # until EOF: the tool closed the pipe or died
-        pass
-    end_run(marker)
+    sessions: set[int] = set()  # noted while the run goes: their leaders may be gone at its end
+    while True:  # until EOF: the tool closed the pipe or died
+        if select.select([0], [], [], 0.5)[0] and not os.read(0, 4096):
+            break
+        sessions |= scan(marker)[1]
+    end_run(marker, sessions)
     return 0
 
 
