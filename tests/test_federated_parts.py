@@ -259,6 +259,12 @@ def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path
     proc = run_tool_in_process(REPO / "tools" / "federated.py", cmd[2:-1])  # the same, without a new Python
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == "error: fl.clients=100 is more than the 18 training images"
+    proc = run_tool_in_process(
+        REPO / "tools" / "federated.py", ["--num-cpus", "1", "--cpus-per-client", "2", *cmd[2:-2]]
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: --num-cpus 1 is less than --cpus-per-client 2"
+    )
     assert not (tmp_path / "run").exists()
 
 
