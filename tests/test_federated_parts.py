@@ -341,3 +341,28 @@ def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():
                       "module": "coop.federated.server"})  # fmt: skip
     with pytest.raises(FederatedError, match="^KeyError: 'x'$"):  # a class not rebuilt from its text
         raise_remote({"error": "'x'", "type": "KeyError", "module": "builtins"})
+
+
+def test_a_lost_actors_error_is_one_line_with_its_pid_and_cause():
+    """Ray's texts (abridged) for an actor whose process died and for one that Ray's memory monitor
+    killed, as the server's log line gives them (coop.federated.ray_pool)."""
+    from ray.exceptions import OutOfMemoryError
+
+    from coop.federated.ray_pool import describe
+
+    died = RuntimeError(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ClientAppActor\n\tactor_id: 676d\n"
+        "\tpid: 12875\n\tip: 192.0.2.2\nThe actor is dead because its worker process has died. Worker exit type: "
+        "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2."
+    )
+    assert describe(died) == "its Ray actor (pid 12875) died (SYSTEM_ERROR); a new actor takes its place"
+    oom = OutOfMemoryError(
+        "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2, ID: e92b) "
+        "was 22.40GB / 23.54GB (0.951548), which exceeds the memory usage threshold of 0.950000; Ray killed 1 "
+        "worker(s) based on the killing policy: [(Task: task name=ClientAppActor.run, pid=29525, actual memory "
+        "used=1.10GB)]"
+    )
+    assert describe(oom) == (
+        "its Ray actor (pid 29525) died (Ray's memory monitor: the machine's memory use 0.952 > 0.950); "
+        "a new actor takes its place"
+    )

@@ -4,9 +4,10 @@
 actors as the machine's CPUs hold `client-resources-num-cpus`; the simulation of
 `tools/federated.py` on 2 cores has one). When an actor's process dies (Ray's memory monitor kills
 workers when the machine's memory use passes `RAY_memory_usage_threshold`, 0.95 by default,
-whatever process uses it; the kernel's OOM killer; a `kill`), `ray.get` raises a `RayActorError`,
-and Flower 1.42 (`RayBackend.process_message`) turns it into an error reply for that message, logs
-Ray's 20-line traceback, and puts the dead actor back into the pool. Ray does not restart it
+whatever process uses it; the kernel's OOM killer; a `kill`), `ray.get` raises a `RayActorError`
+(an `OutOfMemoryError` when the memory monitor killed it), and Flower 1.42
+(`RayBackend.process_message`) turns it into an error reply for that message, logs Ray's 20-line
+traceback, and puts the dead actor back into the pool. Ray does not restart it
 (Flower creates its actors without `max_restarts`, and the simulation's federation config has no
 key for it), so every later message sent to that actor fails too: with one actor, every client
 of the run fails from then on and the run stops with "every sampled client failed".
@@ -34,13 +35,17 @@ class ActorLost(ClientAppException):
 
 
 def describe(error: Exception) -> str:
-    """One line for a `RayActorError`: the actor's pid and Ray's exit type, where Ray gives them."""
+    """One line for a lost actor's error (`RayActorError`, or `OutOfMemoryError` when Ray's memory
+    monitor killed it): the actor's pid and why, where Ray's text gives them."""
     text = str(error)
-    pid, kind = re.search(r"\bpid: (\d+)", text), re.search(r"Worker exit type: (\w+)", text)
-    return (
-        f"its Ray actor{f' (pid {pid[1]})' if pid else ''} died "
-        f"({kind[1] if kind else type(error).__name__}); a new actor takes its place"
-    )
+    pid = re.search(r"\bpid[:=] ?(\d+)", text)
+    usage = re.search(r"\(([\d.]+)\), which exceeds the memory usage threshold of ([\d.]+)", text)
+    kind = re.search(r"Worker exit type: (\w+)", text)
+    if usage:
+        why = f"Ray's memory monitor: the machine's memory use {float(usage[1]):.3f} > {float(usage[2]):.3f}"
+    else:
+        why = kind[1] if kind else type(error).__name__
+    return f"its Ray actor{f' (pid {pid[1]})' if pid else ''} died ({why}); a new actor takes its place"
 
 
 def install() -> bool:
@@ -49,7 +54,7 @@ def install() -> bool:
     if Path(sys.argv[0]).name != "flwr-simulation":
         return False
     from flwr.simulation.ray_transport.ray_actor import BasicActorPool
-    from ray.exceptions import RayActorError
+    from ray.exceptions import OutOfMemoryError, RayActorError
 
     fetch = BasicActorPool.fetch_result_and_return_actor_to_pool
     if getattr(fetch, "coop_replaces_lost_actors", False):
@@ -58,7 +63,7 @@ def install() -> bool:
     def fetch_or_replace(pool: BasicActorPool, future):
         try:
             return fetch(pool, future)
-        except RayActorError as e:
+        except (RayActorError, OutOfMemoryError) as e:  # the latter: Ray's memory monitor
             # Flower's caller puts the actor that ran `future` back into the pool (its
             # `add_actor_back_to_pool`): make that a new one
             if future in pool._future_to_actor:
