@@ -21,6 +21,7 @@ demo: $(VENV)/.installed
 # Two xdist workers at most (one per core on a 2-core machine), one intra-op thread each
 # (tests/conftest.py). --dist loadfile keeps each test file on one worker, so module fixtures are
 # built once and the Ray simulations of tests/test_federated.py run one at a time. PYTEST_WORKERS=0: serial.
+# Each federated simulation holds ~4 GB (one Ray actor; docs/federated.md), so two side by side ~8 GB.
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(2, os.cpu_count() or 1))")
 
 test: $(VENV)/.installed

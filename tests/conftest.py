@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -120,11 +121,67 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# Ray's memory monitor kills a worker (a simulation's client actor) when the MACHINE's memory use
+# passes 95%, whoever uses it: on a machine shared with other jobs that fails clients of runs whose
+# results the tests compare exactly. Off for the tests (and the tools they start); the kernel's OOM
+# killer still acts when memory runs out. A value set by the caller wins.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+
+
 @pytest.fixture(scope="module")
-def fl_env(tmp_path_factory):
+def fl_env(tmp_path_factory, request):
     """Federated runs' environment: one feature cache per test module, never ~/.cache (the autouse
-    cache fixture is function-scoped, too late for the module-scoped reference run)."""
-    return {**os.environ, "COOP_CACHE_DIR": str(tmp_path_factory.mktemp("fl-cache"))}
+    cache fixture is function-scoped, too late for the module-scoped reference run), and a marker
+    that every process of the module's runs inherits (`COOP_TEST_RUN`; see `fl_processes`)."""
+    marker = f"{os.getpid()}-{request.module.__name__}-{time.monotonic_ns()}"
+    return {
+        **os.environ,
+        "COOP_CACHE_DIR": str(tmp_path_factory.mktemp("fl-cache")),
+        "COOP_TEST_RUN": marker,
+    }
+
+
+_FL_SESSIONS: dict[str, set[int]] = {}  # marker -> the sessions its runs' processes led
+
+
+def fl_processes(env: dict) -> dict[int, str]:
+    """{pid: command line} of the processes that still run from the federated runs started with
+    `env`: those whose environment holds its marker, and those in the sessions that such processes
+    led when this looked before (Ray's workers and agents may lose the marker from what /proc shows
+    of their environment: `coop.federated.reaper.scan`)."""
+    from coop.federated.reaper import scan
+
+    sessions = _FL_SESSIONS.setdefault(env["COOP_TEST_RUN"], set())
+    pids, leaders = scan(env["COOP_TEST_RUN"], var="COOP_TEST_RUN", sessions=sessions)
+    sessions |= leaders
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            pass
+    return out
+
+
+@contextmanager
+def noting_fl_sessions(env: dict):
+    """While the block runs, look at the runs started with `env` every 0.5 s (`fl_processes`), so
+    that a later look knows the sessions they led."""
+    import threading
+
+    done = threading.Event()
+
+    def note() -> None:
+        while not done.wait(0.5):
+            fl_processes(env)
+
+    thread = threading.Thread(target=note, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # The longest files first: `make test` runs `--dist loadfile` (a file per worker), so a long file

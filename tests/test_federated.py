@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("flwr")
 pytest.importorskip("flwr_datasets")
 
-from conftest import REPO, TINY_CONFIG, make_image_folder  # noqa: E402
+from conftest import REPO, TINY_CONFIG, fl_processes, make_image_folder, noting_fl_sessions  # noqa: E402
 
 from coop.federated import task  # noqa: E402
 
@@ -49,17 +49,20 @@ PROMPTFL = [
 
 
 def command(folder: Path, overrides: list[str]) -> list[str]:
-    # one Ray actor runs the three clients in turn: on 2 cores that starts faster than two
-    tool = [sys.executable, str(REPO / "tools" / "federated.py"), "--cpus-per-client", "2"]
+    # one Ray actor (~1 GB) runs the three clients in turn, whatever the machine's cores: on 2 cores
+    # that starts faster than two, and with two test files' simulations side by side on a machine
+    # that others use too, memory is what runs out first
+    tool = [sys.executable, str(REPO / "tools" / "federated.py"), "--cpus-per-client", "1", "--num-cpus", "1"]
     return [*tool, *overrides, f"output_dir={folder}"]
 
 
 def run_tool(
     folder: Path, overrides: list[str], env: dict, timeout: float = 400
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
-    )
+    with noting_fl_sessions(env):  # for fl_processes after the run
+        return subprocess.run(
+            command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+        )
 
 
 def history(folder: Path) -> list[dict]:
@@ -83,6 +86,7 @@ def reference(promptfl_data, fl_env, tmp_path_factory):
     overrides = [*PROMPTFL, f"data.root={promptfl_data}"]
     proc = run_tool(folder, overrides, fl_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert fl_processes(fl_env) == {}  # the tool's exit waits for its reaper (coop.federated.reaper)
     (folder.parent / "stderr.txt").write_text(proc.stderr)  # the tool's console log
     return folder, overrides
 
@@ -193,41 +197,53 @@ def test_promptfl_equals_direct_computation(reference, fl_env, monkeypatch):
         torch.testing.assert_close(final[key], tensor, rtol=1e-5, atol=1e-6)
 
 
-def _start(folder: Path, overrides: list[str], env: dict) -> subprocess.Popen:
+def _start(folder: Path, overrides: list[str], env: dict, capture: bool = False) -> subprocess.Popen:
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
     return subprocess.Popen(
         command(folder, overrides),
         cwd=REPO,
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # SIGKILL the whole group: the server and its Ray processes
+        stdout=out,
+        stderr=out,
+        text=True,
+        start_new_session=True,  # a group of its own, which _kill_when kills
     )
 
 
-def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+def _kill_when(proc: subprocess.Popen, ready, env: dict, timeout: float = 300) -> None:
+    """SIGKILL the tool `proc` (its process group) once `ready()`; then no process of its run (which
+    Flower starts in sessions of their own: the SuperExec, flwr-simulation, Ray) may be left."""
     deadline = time.monotonic() + timeout
     while not ready():
         assert proc.poll() is None, f"the run ended (code {proc.returncode}) before it could be killed"
         assert time.monotonic() < deadline, "timed out waiting to kill the run"
         time.sleep(0.01)
+    fl_processes(env)  # notes the sessions that the run's processes lead, before they may be gone
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    time.sleep(0.5)  # the ServerApp, in a process of Flower's, exits with the tool: let it be gone
+    deadline = time.monotonic() + 10  # the reaper acts on the kill at once; 10 s for a loaded machine
+    while left := fl_processes(env):
+        assert time.monotonic() < deadline, f"processes of the killed run are left: {left}"
+        time.sleep(0.05)
 
 
 def test_resume_after_sigkill_at_round_boundary_and_mid_round(reference, fl_env, tmp_path):
     ref_folder, overrides = reference
     folder = tmp_path / "run"
+    # 0. killed while Ray starts (before the ServerApp has begun): nothing of the run is left
+    ray_starts = lambda: any("raylet" in c for c in fl_processes(fl_env).values())  # noqa: E731
+    _kill_when(_start(folder, overrides, fl_env), ray_starts, fl_env)
+    assert not (folder / "checkpoint.pt").exists()
     # 1. killed as soon as round 1 is checkpointed (the boundary between rounds 1 and 2; on a loaded
     #    machine the ServerApp, in a process of Flower's, may finish round 2 before the kill reaches it)
-    _kill_when(_start(folder, overrides, fl_env), lambda: (folder / "checkpoint.pt").is_file())
+    _kill_when(_start(folder, overrides, fl_env), lambda: (folder / "checkpoint.pt").is_file(), fl_env)
     done = ckpt_round(folder)
     assert 1 <= done < ROUNDS
     # 2. resumed, then killed while the clients of the next round train
     log = folder / "log.txt"
     started = f"round {done + 1}/{ROUNDS}: training"
     before = log.read_text().count(started)
-    _kill_when(_start(folder, overrides, fl_env), lambda: log.read_text().count(started) > before)
+    _kill_when(_start(folder, overrides, fl_env), lambda: log.read_text().count(started) > before, fl_env)
     assert ckpt_round(folder) == done, f"the kill was meant to land inside round {done + 1}"
     size = log.stat().st_size
     time.sleep(1.5)  # the ServerApp runs in a process that Flower starts: it must have stopped too

@@ -259,29 +259,74 @@ def test_tool_bad_input_is_one_line_before_any_simulation(image_folder, tmp_path
     proc = run_tool_in_process(REPO / "tools" / "federated.py", cmd[2:-1])  # the same, without a new Python
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == "error: fl.clients=100 is more than the 18 training images"
+    proc = run_tool_in_process(
+        REPO / "tools" / "federated.py", ["--num-cpus", "1", "--cpus-per-client", "2", *cmd[2:-2]]
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: --num-cpus 1 is less than --cpus-per-client 2"
+    )
     assert not (tmp_path / "run").exists()
 
 
-def test_a_killed_tool_is_not_alive_while_unreaped():
-    """The ServerApp's watch on its tool (`app.alive`): a killed process that its parent has not
-    reaped yet (a zombie; os.kill(pid, 0) still succeeds) counts as gone."""
+# A "tool" that starts a run's processes as Flower does: one that leads a session of its own (the
+# SuperExec), which starts another whose environment lacks the marker (a Ray worker after it set its
+# process title), and one unmarked process outside the run.
+FAKE_TOOL = """
+import importlib.util, os, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("reaper", sys.argv[3])  # without importing coop (torch)
+reaper = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reaper)
+marker, exit_normally = sys.argv[1], sys.argv[2] == "exit"
+child = (
+    "import os, subprocess, sys, time; env = {k: v for k, v in os.environ.items() if k != sys.argv[1]}; "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], env=env); time.sleep(60)"
+)
+with reaper.reaped(marker):
+    env = {**os.environ, reaper.RUN_VAR: marker}
+    leader = subprocess.Popen([sys.executable, "-c", child, reaper.RUN_VAR], env=env, start_new_session=True)
+    while len(reaper.scan(marker, sessions=[leader.pid])[0]) < 2:  # the leader and its unmarked child
+        time.sleep(0.05)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    print(other.pid, leader.pid, flush=True)
+    time.sleep(0 if exit_normally else 60)
+"""
+
+
+def _wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_no_process_of_a_run_outlives_its_tool(tmp_path, how):
+    """The reaper (coop.federated.reaper) ends every process that carries the run's marker, and those
+    in the sessions they lead, when the tool is SIGKILLed or leaves the block normally; it spares
+    the rest."""
     import signal
 
-    from coop.federated.app import alive
+    from coop.federated import reaper
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    marker = f"test-{os.getpid()}-{how}"
+    cmd = [sys.executable, "-c", FAKE_TOOL, marker, how, reaper.__file__]
+    tool = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    other, leader = map(int, tool.stdout.readline().split())
+    run = lambda: reaper.scan(marker, sessions=[leader])[0]  # noqa: E731 - the run's processes
     try:
-        assert alive(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while alive(proc.pid):  # dies at once; only the zombie is left
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(proc.pid, 0)  # ... which os.kill alone would call alive
+        if how == "sigkill":
+            assert len(run()) == 2, run()  # the session's leader (marked) and its unmarked child
+            tool.kill()
+        assert tool.wait(30) == (-signal.SIGKILL if how == "sigkill" else 0)
+        gone = _wait_for(lambda: not run(), 5 if how == "sigkill" else 0)
+        assert gone, run()
+        os.kill(other, 0)  # not the run's: still running
     finally:
-        proc.kill()
-        proc.wait()
-    assert not alive(proc.pid)
+        os.kill(other, signal.SIGKILL)
+        for pid in run():
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():
@@ -298,21 +343,26 @@ def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():
         raise_remote({"error": "'x'", "type": "KeyError", "module": "builtins"})
 
 
-def test_wait_for_exit_returns_when_the_process_ends_reaped_or_not():
-    import signal
-    import threading
+def test_a_lost_actors_error_is_one_line_with_its_pid_and_cause():
+    """Ray's texts (abridged) for an actor whose process died and for one that Ray's memory monitor
+    killed, as the server's log line gives them (coop.federated.ray_pool)."""
+    from ray.exceptions import OutOfMemoryError
 
-    from coop.federated.app import wait_for_exit
+    from coop.federated.ray_pool import describe
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    done = threading.Event()
-    watcher = threading.Thread(target=lambda: (wait_for_exit(proc.pid), done.set()), daemon=True)
-    watcher.start()
-    try:
-        assert not done.wait(0.5)  # still running
-        os.kill(proc.pid, signal.SIGKILL)  # a zombie until reaped below
-        assert done.wait(5)
-    finally:
-        proc.kill()
-        proc.wait()
-    wait_for_exit(proc.pid)  # gone altogether: returns at once
+    died = RuntimeError(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ClientAppActor\n\tactor_id: 676d\n"
+        "\tpid: 12875\n\tip: 192.0.2.2\nThe actor is dead because its worker process has died. Worker exit type: "
+        "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2."
+    )
+    assert describe(died) == "its Ray actor (pid 12875) died (SYSTEM_ERROR); a new actor takes its place"
+    oom = OutOfMemoryError(
+        "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2, ID: e92b) "
+        "was 22.40GB / 23.54GB (0.951548), which exceeds the memory usage threshold of 0.950000; Ray killed 1 "
+        "worker(s) based on the killing policy: [(Task: task name=ClientAppActor.run, pid=29525, actual memory "
+        "used=1.10GB)]"
+    )
+    assert describe(oom) == (
+        "its Ray actor (pid 29525) died (Ray's memory monitor: the machine's memory use 0.952 > 0.950); "
+        "a new actor takes its place"
+    )

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("flwr")
 pytest.importorskip("flwr_datasets")
 
-from conftest import make_image_folder  # noqa: E402
+from conftest import fl_processes, make_image_folder  # noqa: E402
 from test_federated import BASE, _kill_when, _start, ckpt_round, history, run_tool  # noqa: E402
 
 from coop.federated import task  # noqa: E402
@@ -97,7 +97,7 @@ def test_personal_simulation_equals_the_in_process_grid(fl_env, tmp_path, monkey
     folder = tmp_path / "ray"
     log = folder / "log.txt"
     if kill:
-        _kill_when(_start(folder, overrides, fl_env), lambda: "round 2/3: training" in read(log))
+        _kill_when(_start(folder, overrides, fl_env), lambda: "round 2/3: training" in read(log), fl_env)
         assert ckpt_round(folder) in (1, 2) and not (folder / "metrics.json").exists()
     proc = run_tool(folder, overrides, fl_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,7 +142,46 @@ def test_a_client_failure_with_stop_is_one_line_from_the_serverapps_process(fl_e
     ]
     proc = run_tool(folder, overrides, fl_env)
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert fl_processes(fl_env) == {}  # a failed ServerApp leaves no process of its run either
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: round 1: client ") and str(bad) in last
     assert last.endswith("fl.on_client_failure=stop, the checkpoint keeps round 0")
     assert not (folder / "checkpoint.pt").exists() and not (folder / "metrics.json").exists()
+
+
+def test_a_lost_ray_actor_fails_one_client_and_is_replaced(fl_env, tmp_path):
+    """SIGKILL of the Ray actor that runs the clients (what Ray's memory monitor or the OOM killer do
+    on a machine short of memory): the first client whose message it was running, or is sent next,
+    fails for that round, with one line naming it and the actor; a new actor runs the other
+    clients, and the run finishes (coop.federated.ray_pool)."""
+    import signal
+    import time
+
+    root = make_image_folder(tmp_path / "images", n_train=6, n_test=4)
+    folder = tmp_path / "run"
+    log = folder / "log.txt"
+    overrides = [*BASE, "data.name=imagefolder", f"data.root={root}", "fl.rounds=2", "fl.local_epochs=4"]
+    proc = _start(folder, overrides, fl_env, capture=True)
+    deadline = time.monotonic() + 300
+    while "round 1/2: training" not in read(log):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    [actor] = [pid for pid, cmd in fl_processes(fl_env).items() if cmd.startswith("ray::ClientAppActor")]
+    os.kill(actor, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+
+    metrics = json.loads((folder / "metrics.json").read_text())
+    [lost] = metrics["client_failures"]
+    assert lost["error"] == f"its Ray actor (pid {actor}) died (SYSTEM_ERROR); a new actor takes its place"
+    rows = history(folder)
+    assert [(r["round"], r["clients"], r["sampled"], r["failed"]) for r in rows] == [
+        (str(r), "2" if r == lost["round"] else "3", "3", str(lost["client"]) if r == lost["round"] else "")
+        for r in (1, 2)
+    ]
+    line = f"round {lost['round']}: client {lost['client']} failed: {lost['error']}"
+    for text in (stderr, read(log)):  # the console and log.txt: that one line, none of Ray's
+        assert text.count(line) == 1 and "Traceback" not in text and "ray.exceptions" not in text
+    flower = read(folder / "flower.log")  # Flower's traceback and Ray's text stay there
+    assert "Traceback" in flower and f"Exception ActorLost occurred. Message: {lost['error']}" in flower
+    assert fl_processes(fl_env) == {}

@@ -37,6 +37,11 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. fl.clients=5")
     ap.add_argument("--cpus-per-client", type=int, default=1, help="CPU cores per simulated client (1)")
     ap.add_argument(
+        "--num-cpus", type=int, default=0,
+        help="CPU cores the simulation may use in all (0: the machine's); it runs "
+        "num-cpus // cpus-per-client Ray actors, each ~1 GB",
+    )  # fmt: skip
+    ap.add_argument(
         "--clients-per-gpu", type=int, default=1, help="simulated clients sharing one GPU on CUDA runs (1)"
     )
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -48,6 +53,8 @@ def main() -> int:
         )
     if args.cpus_per_client < 1 or args.clients_per_gpu < 1:
         raise ConfigError("--cpus-per-client and --clients-per-gpu must be >= 1")
+    if args.num_cpus and args.num_cpus < args.cpus_per_client:
+        raise ConfigError(f"--num-cpus {args.num_cpus} is less than --cpus-per-client {args.cpus_per_client}")
     try:
         from coop.federated import task
         from coop.federated.partition import PartitionError
@@ -68,7 +75,7 @@ def main() -> int:
             task.client_partition(cfg, task.load_data(cfg))  # bad data or partition: fail before Ray starts
             task.check_model(cfg)
             with run_lock(cfg.output_dir):  # held for the whole run; the ServerApp runs under it
-                metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu)
+                metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu, args.num_cpus)
     except PartitionError as e:
         raise ConfigError(str(e)) from None
     except FederatedError as e:

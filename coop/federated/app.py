@@ -15,15 +15,9 @@ personalised methods add EVALUATE to every client per round (its personal model 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import select
 import shlex
-import signal
-import threading
-import time
 from pathlib import Path
 
 from flwr.app import Context
@@ -32,12 +26,14 @@ from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
 from coop.config import load_config
-from coop.federated import task
+from coop.federated import ray_pool, task
 from coop.federated.client import handle_evaluate, handle_query, handle_train
 from coop.federated.server import run_server
 from coop.io import atomic_write
 
 log = logging.getLogger(__name__)
+
+ray_pool.install()  # in flwr-simulation: a lost Ray actor fails one client's message, and is replaced
 
 client_app = ClientApp()
 client_app.query()(handle_query)
@@ -58,59 +54,6 @@ def deployment_config(run_config: dict) -> DictConfig:
 server_app = ServerApp()
 
 
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no procfs: os.kill's answer
-        return True
-
-
-def wait_for_exit(pid: int, period: float = 0.1) -> None:
-    """Return when process `pid` has ended: at once through a pidfd on Linux (readable when the
-    process exits, reaped or not), else by polling `alive` every `period` seconds."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # not Linux, or already gone
-        fd = None
-    if fd is not None:
-        try:
-            select.select([fd], [], [])
-        finally:
-            os.close(fd)
-        return
-    while alive(pid):
-        time.sleep(period)
-
-
-def exit_with(pid: int, period: float = 0.1) -> None:
-    """Stop this process as soon as process `pid`, the tool that started the run, is gone: a killed
-    tool stops its run. Nothing is cleaned up (the run folder is only ever written atomically), and the
-    process group goes too: Flower starts this process in a group of its own with the SuperExec and
-    the Ray processes, which would otherwise outlive it."""
-
-    try:
-        tool_group = os.getpgid(pid)  # read now: once the tool is reaped it cannot be asked
-    except OSError:
-        tool_group = None
-
-    def watch() -> None:
-        wait_for_exit(pid, period)
-        group = os.getpgrp()
-        if group not in (tool_group, None):  # never the tool's own group (a shell's job, a test's)
-            with contextlib.suppress(OSError):
-                os.killpg(group, signal.SIGKILL)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="coop-tool-watch").start()
-
-
 def write_result(path: str, result: dict) -> None:
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(json.dumps(result)))
 
@@ -121,8 +64,12 @@ def _deployed_main(grid: Grid, context: Context) -> None:
     run_config = context.run_config
     tool, result_file = int(run_config.get("tool-pid", 0) or 0), str(run_config.get("result-file", "") or "")
     if tool > 0:  # the one-machine simulation (coop.federated.simulation)
-        exit_with(tool)
-        logging.getLogger("flwr").setLevel(logging.WARNING)  # its per-round INFO lines duplicate ours
+        # Flower's own lines go to flower.log through its handler, not to log.txt and the console:
+        # its per-round INFO lines repeat ours, and for a failed client (its traceback) the server
+        # logs one line
+        flwr_log = logging.getLogger("flwr")
+        flwr_log.setLevel(logging.WARNING)
+        flwr_log.propagate = False
     try:
         metrics = run_server(grid, deployment_config(run_config), lock_holder=tool or None)
     except Exception as e:

@@ -9,10 +9,12 @@ per run; that process runs the ServerApp and the Ray backend that simulates the 
 
 - **its own SuperLink**, a child of this process on a free port, with a private `FLWR_HOME` (a
   temporary folder holding the connection and the installed app) and an in-memory database, so
-  parallel runs never share one. On Linux the kernel kills it when this process dies
-  (`PR_SET_PDEATHSIG`); its SuperExec and `flwr-simulation` watch their parents and stop after it.
-- **the ServerApp watches this process** (run config `tool-pid`) and exits at once when it is gone,
-  so a killed tool leaves nothing writing its run folder, and a rerun resumes.
+  parallel runs never share one.
+- **no process of the run outlives the tool**: every process of the run carries a marker in its
+  environment, and a reaper (`coop.federated.reaper`, a process of its own) SIGKILLs them all when
+  the run ends or the tool dies, however it dies; so a killed tool leaves nothing writing its run
+  folder, and a rerun resumes. (The kernel also kills the SuperLink and `flwr run`, this process's
+  children, when it dies: `PR_SET_PDEATHSIG`.)
 - **the lock stays with the tool**: this process holds the run folder's lock for the whole run; the
   ServerApp checks that the lock's holder is its tool (`coop.lock.run_lock(..., holder=pid)`).
 - **one config**: the resolved config is written to a file that the ServerApp loads unchanged
@@ -30,6 +32,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -43,7 +46,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from coop.config import to_yaml
-from coop.federated import task
+from coop.federated import reaper, task
 from coop.federated.server import FederatedError
 
 APP_DIR = Path(__file__).resolve().parents[2] / "configs" / "federated" / "flower-app"
@@ -161,9 +164,8 @@ class LogTail(threading.Thread):
 def submit(cmd: list[str], env: dict, flower_log, result_file: Path, grace: float = 0.5) -> int | None:
     """Run `flwr run ... --stream` until it ends, or until the ServerApp has written its result and
     `grace` seconds have passed: Flower then still shuts its Ray backend down for several seconds,
-    which this process need not wait for (the run folder is complete, and the ServerApp's process
-    group goes when this process ends, `coop.federated.app.exit_with`). Returns flwr's exit code
-    (None if it was stopped)."""
+    which this process need not wait for (the run folder is complete, and the reaper ends the run's
+    processes, `coop.federated.reaper.reaped`). Returns flwr's exit code (None if it was stopped)."""
     proc = subprocess.Popen(cmd, env=env, stdout=flower_log, stderr=subprocess.STDOUT, **CHILD)
     try:
         done_at = None
@@ -195,8 +197,10 @@ def raise_remote(result: dict) -> None:
     raise FederatedError(f"{result.get('type', 'error')}: {message}")
 
 
-def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1) -> dict:
+def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1, num_cpus: int = 0) -> dict:
     """Run `cfg` as a Flower simulation with fl.clients SuperNodes; returns metrics.json's content.
+    Ray runs num_cpus // cpus_per_client actors (num_cpus 0: all the machine's cores), which run the
+    clients' messages.
 
     The caller holds the run folder's lock (`coop.lock.run_lock`); the ServerApp runs under it.
     """
@@ -213,7 +217,9 @@ def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1
     ):
         home = Path(tmp)
         # the SuperExec looks for a new run every second by default: 0.1 s starts ours sooner
+        marker = f"{os.getpid()}-{secrets.token_hex(8)}"
         env = {**os.environ, "FLWR_HOME": str(home), "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
+        env[reaper.RUN_VAR] = marker  # inherited by every process of the run, Ray's included
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         (home / "config.yaml").write_text(to_yaml(cfg))
         result_file = home / "result.json"
@@ -222,7 +228,7 @@ def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1
         )
         flower_log.flush()
         tail = LogTail(folder / "log.txt")
-        with superlink(home, env, flower_log) as address:
+        with reaper.reaped(marker), superlink(home, env, flower_log) as address:
             (home / "config.toml").write_text(
                 f'[superlink]\ndefault = "{CONNECTION}"\n\n'
                 f'[superlink.{CONNECTION}]\naddress = "{address}"\ninsecure = true\n'
@@ -234,7 +240,7 @@ def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1
             federation = (
                 f"num-supernodes={int(cfg.fl.clients)} client-resources-num-cpus={res['num-cpus']} "
                 f"client-resources-num-gpus={res['num-gpus']}"
-            )
+            ) + (f" init-args-num-cpus={int(num_cpus)}" if num_cpus else "")
             cmd = [_bin("flwr"), "run", str(APP_DIR), CONNECTION, "--stream",
                    "--run-config", run_config, "--federation-config", federation]  # fmt: skip
             tail.start()
