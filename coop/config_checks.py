@@ -15,11 +15,14 @@ class ConfigError(ValueError):
 DEPT_HOSTS = ("coop", "cocoop", "kgcoop", "maple")  # coop.methods.dept
 
 
-def check_depth(key: str, depth: int, layers: int | None, tower: str) -> None:
-    """ConfigError unless `depth` (the blocks a key prompts, e.g. prompt.depth) is in 1..`layers`,
-    the block count of the `tower` ("text" or "image"); None: a tower whose count is not known."""
+def check_depth(
+    key: str, depth: int, layers: int | None, tower: str, error: type[ValueError] = ConfigError
+) -> None:
+    """`error` (ConfigError for a run config; a module's own error for its arguments) unless
+    `depth` (the blocks a key prompts, e.g. prompt.depth) is in 1..`layers`, the block count of the
+    `tower` ("text" or "image"); None: a tower whose count is not known."""
     if layers is not None and not 1 <= depth <= layers:
-        raise ConfigError(f"{key} must be in 1..{layers} (the {tower} tower's layers), got {depth}")
+        raise error(f"{key} must be in 1..{layers} (the {tower} tower's layers), got {depth}")
 
 
 def epochs_for_shots(shots: int, dataset: str) -> int:

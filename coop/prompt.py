@@ -132,7 +132,7 @@ class PromptLearner(nn.Module):
             raise PromptError(f"a prompt template other than '{{}}.' needs position end, got '{position}'")
         if position not in POSITIONS:
             raise PromptError(f"unknown class-token position '{position}' (choose end, middle or front)")
-        check_depth("prompt.depth", int(depth), clip.text.cfg.layers, "text")
+        check_depth("prompt.depth", int(depth), clip.text.cfg.layers, "text", PromptError)
         if not classnames:
             raise PromptError("no class names given")
         self.position = POSITIONS[position]

@@ -56,7 +56,7 @@ class VisionPrompts(nn.Module):
         super().__init__()
         if n_ctx < 1:
             raise PromptError(f"vision.n_ctx must be >= 1, got {n_ctx}")
-        check_depth("vision.depth", depth, layers, "image")
+        check_depth("vision.depth", depth, layers, "image", PromptError)
         self.n_ctx, self.depth = n_ctx, depth
         self.ctx = nn.Parameter(torch.empty(n_ctx, width).normal_(std=0.02))
         self.deep_ctx = (
