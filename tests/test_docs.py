@@ -77,7 +77,7 @@ def test_readme_demo_timing_describes_the_demo_config():
     cfg = load_config(str(REPO / "configs" / "demo.yaml"))
     epochs = cfg.train.epochs or epochs_for_shots(cfg.data.shots, cfg.data.name)
     text = " ".join(_text(REPO / "README.md").split())
-    timing = text.split("On a 2-core CPU shared with other jobs", 1)[1].split("A second run", 1)[0]
+    timing = text.split("On an idle 2-core CPU", 1)[1].split("A second run", 1)[0]
     n_classes = 3  # textile: nominal, local defect, global defect
     assert (
         f"{cfg.train.aug_views} augmented views of the {cfg.data.shots * n_classes} training images" in timing
