@@ -219,6 +219,8 @@ def test_the_model_limits_cover_each_method():
         (["method=mmrl", "mmrl.vision_layers=[3]"], "names block 3, and the tower has 2 blocks"),
         (["method=clip_lora", "lora.layers=[2]"], "of the vision tower's 2 blocks"),
         (["method=tcp", "tcp.layer=3"], r"tcp.layer must be in 1..2 \(the text tower's blocks\), got 3"),
+        (["method=tcp", "prompt.position=middle"], r"method=tcp builds its own prompt: prompt.position=end"),
+        (["method=vpt", "vision.n_ctx=null"], r"method=vpt needs vision.n_ctx \(an integer >= 1\)"),
         (["method=kgcoop", "kgcoop.templates=texture"], "kgcoop.templates='texture' is not one of 'coop'"),
         (["method=promptsrc", "prompt.depth=2", "vision.depth=2", "promptsrc.templates=nope"], "promptsrc.templates='nope' is not 'promptsrc'"),
         (["method=tip_adapter", "tip.templates=nope"], "tip.templates='nope' is not one of 'coop'"),

@@ -11,7 +11,6 @@ from omegaconf import OmegaConf
 from coop.config import ConfigError, load_config
 from coop.methods import build_method
 from coop.methods.tcp import PROMPT_TEMPLATES, TEACHER_TEMPLATES
-from coop.prompt import PromptError
 from coop.reference.tcp import tcp_loss, tcp_teacher, tcp_text_features
 
 CLASSES = ["abyssinian", "great_pyrenees", "crane (bird)", "a very long compound class name of a cat"]
@@ -102,7 +101,7 @@ def test_recipe_and_errors(tiny_clip):
     assert load_config(None, ["method=tcp", "data.name=imagenet", "train.epochs=50"]).train.epochs == 50
     with pytest.raises(ConfigError, match="tcp.layer must be in 1..2"):
         build_method(tiny_clip, CLASSES, load_config(None, ["method=tcp"]))  # 3 blocks: 8 is too deep
-    with pytest.raises(PromptError, match="prompt.position=end"):
+    with pytest.raises(ConfigError, match="prompt.position=end"):
         build_method(
             tiny_clip, CLASSES, load_config(None, ["method=tcp", "tcp.layer=1", "prompt.position=front"])
         )

@@ -119,8 +119,15 @@ class TCP(Method):
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
-        """As every prompt method's, and `tcp.layer` below the text tower's last block."""
+        """As every prompt method's, its own prompt layout, and `tcp.layer` below the text tower's
+        last block."""
         super().check_config(cfg, towers)
+        p = cfg.prompt
+        if p.position != "end" or p.csc or int(p.depth) != 1:
+            raise ConfigError(
+                "method=tcp builds its own prompt: prompt.position=end, prompt.csc=false, prompt.depth=1 "
+                f"(got {p.position}, {p.csc}, {p.depth})"
+            )
         layer = int(OmegaConf.select(cfg, "tcp.layer", default=LAYER))
         if not 1 <= layer < towers.text:
             raise ConfigError(
@@ -128,13 +135,8 @@ class TCP(Method):
             )
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
-        super().__init__(clip, classnames, cfg)
+        super().__init__(clip, classnames, cfg)  # check_config: the layout and tcp.layer
         p = cfg.prompt
-        if p.position != "end" or p.csc or int(p.depth) != 1:
-            raise PromptError(
-                "method=tcp builds its own prompt: prompt.position=end, prompt.csc=false, prompt.depth=1 "
-                f"(got {p.position}, {p.csc}, {p.depth})"
-            )
         dataset = str(cfg.data.name)
         self.layer = int(OmegaConf.select(cfg, "tcp.layer", default=LAYER))
         self.weight = float(OmegaConf.select(cfg, "tcp.weight", default=WEIGHT))

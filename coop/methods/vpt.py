@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from coop.config_checks import check_depth
+from coop.config_checks import ConfigError, check_depth
 from coop.methods.base import Method, TowerLayers, Towers
 from coop.model import CLIP, ModelError, cosine_logits
 from coop.prompt import PromptError
@@ -97,10 +97,13 @@ class VisionPromptMethod(Method):
 
     @classmethod
     def check_vision(cls, cfg: DictConfig, towers: TowerLayers) -> None:
-        """The image tower's keys: `vision.depth` within its layers (VPT, IVLP, PromptSRC)."""
-        depth = OmegaConf.select(cfg, "vision.depth")
-        if depth is not None:
-            check_depth("vision.depth", int(depth), towers.image, "image")
+        """The image tower's keys: `vision.n_ctx` and `vision.depth` set, the depth within its
+        layers (VPT, IVLP, PromptSRC)."""
+        try:
+            _, depth = vision_settings(cfg)
+        except PromptError as e:
+            raise ConfigError(str(e)) from None
+        check_depth("vision.depth", depth, towers.image, "image")
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
