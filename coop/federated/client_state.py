@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from coop.io import atomic_write
+from coop.io import atomic_write, refused_unpickling
 
 FORMAT = "coop-personal-1"
 ARRAYS, META = "personal", "personal-meta"  # the keys in Context.state
@@ -52,12 +52,45 @@ def state_dir(cfg, node_config: dict, pid: int) -> Path:
         raise PersonalStateError(
             "the run has no output_dir: give the SuperNode a node-config state-dir=<folder>"
         )
-    return Path(str(cfg.output_dir)) / "clients" / f"client{pid}"
+    return client_dir(str(cfg.output_dir), pid)
+
+
+def client_dir(output_dir: str | Path, pid: int) -> Path:
+    """Client `pid`'s state dir in a run folder (the one-machine simulation's)."""
+    return Path(output_dir) / "clients" / f"client{pid}"
 
 
 def run_digest(config_text: str) -> str:
     """Which run a state file belongs to: a digest of the run config the server sends."""
     return hashlib.sha256(config_text.encode()).hexdigest()[:16]
+
+
+def round_file(folder: str | Path, rnd: int) -> Path:
+    """The file of round `rnd`'s tensors in a client's state dir."""
+    return Path(folder) / f"personal_round{rnd}.pt"
+
+
+def read_round_file(path: Path, pid: int, rnd: int, keys, run: str | None = None) -> dict[str, torch.Tensor]:
+    """Client `pid`'s tensors of round `rnd` from `path` (written by `PersonalStore.save`).
+
+    Raises:
+        PersonalStateError: the file cannot be read, is not that client's round (of run `run`, when
+            given), or does not hold exactly `keys`.
+    """
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        refused = refused_unpickling(path, e)
+        raise PersonalStateError(refused or f"cannot read {path} ({type(e).__name__}); round {rnd}") from None
+    mine = {"format": FORMAT, "partition-id": pid, "round": rnd, **({} if run is None else {"run": run})}
+    if not isinstance(saved, dict) or any(saved.get(k) != v for k, v in mine.items()):
+        of_run = "" if run is None else " of this run: give each SuperNode its own state-dir"
+        raise PersonalStateError(f"{path} is not client {pid}'s round {rnd}{of_run}")
+    tensors = saved.get("tensors")
+    if not isinstance(tensors, dict) or set(tensors) != set(keys):
+        held = sorted(tensors) if isinstance(tensors, dict) else tensors
+        raise PersonalStateError(f"{path} holds {held}, expected {sorted(keys)}")
+    return dict(tensors)
 
 
 class PersonalStore:
@@ -74,7 +107,7 @@ class PersonalStore:
         self.state, self.folder, self.pid, self.run = state, Path(folder), pid, run
 
     def path(self, rnd: int) -> Path:
-        return self.folder / f"personal_round{rnd}.pt"
+        return round_file(self.folder, rnd)
 
     def load(self, rnd: int, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The personal tensors of round `rnd` (after this client trained in it); 0: `initial`."""
@@ -89,18 +122,7 @@ class PersonalStore:
                 f"no personal tensors of round {rnd} at {path} (the server's checkpoint names that round; "
                 "was the node-config state-dir changed or the folder deleted?)"
             )
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise PersonalStateError(f"cannot read {path} ({type(e).__name__}); round {rnd}") from None
-        mine = {"format": FORMAT, "partition-id": self.pid, "run": self.run, "round": rnd}
-        if not isinstance(saved, dict) or any(saved.get(k) != v for k, v in mine.items()):
-            raise PersonalStateError(
-                f"{path} is not client {self.pid}'s round {rnd} of this run: give each SuperNode its own state-dir"
-            )
-        if set(saved["tensors"]) != set(initial):
-            raise PersonalStateError(f"{path} holds {sorted(saved['tensors'])}, expected {sorted(initial)}")
-        return dict(saved["tensors"])
+        return read_round_file(path, self.pid, rnd, initial, self.run)
 
     def save(self, rnd: int, tensors: dict[str, torch.Tensor]) -> None:
         """Round `rnd`'s tensors: the file first (atomic), then `Context.state`."""

@@ -26,7 +26,6 @@ from omegaconf import DictConfig
 
 from coop.checkpoint import FEDERATED_FORMAT
 from coop.interop.dassl import InteropError
-from coop.io import refused_unpickling
 from coop.methods import Method
 
 
@@ -80,22 +79,18 @@ def run_model(
     rnd = int(ckpt.get("strategy", {}).get("personal_round", {}).get(client, 0))
     if rnd == 0:  # never trained: its part is the initial value (built from data.seed)
         return dict(ckpt["prompt"]), f"client {client}"
-    path = folder / "clients" / f"client{client}" / f"personal_round{rnd}.pt"
+    from coop.federated.client_state import PersonalStateError, client_dir, read_round_file, round_file
+
+    path = round_file(client_dir(folder, client), rnd)
     if not path.is_file():
         raise FederatedModelError(
             f"client {client}'s tensors of round {rnd} are not at {path} (a deployment keeps them in "
             "each SuperNode's state-dir: copy that file there)"
         )
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise FederatedModelError(
-            refused_unpickling(path, e) or f"cannot read {path}: {type(e).__name__}"
-        ) from None
-    saved = saved if isinstance(saved, dict) else {}
-    tensors = saved.get("tensors")
-    if saved.get("partition-id") != client or not isinstance(tensors, dict) or set(tensors) != set(keys):
-        raise FederatedModelError(f"{path} does not hold client {client}'s {', '.join(keys)}")
+        tensors = read_round_file(path, client, rnd, keys)
+    except PersonalStateError as e:
+        raise FederatedModelError(str(e)) from None
     return {**ckpt["prompt"], **tensors}, f"client {client}"
 
 
