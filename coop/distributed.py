@@ -140,14 +140,6 @@ def require_shares(n: int, what: str) -> None:
         )
 
 
-def require_batch_shares(n: int, batch_size: int, drop_last: bool = True) -> None:
-    """`require_shares` for the smallest global batch of an epoch over n items (the batches of
-    `coop.engine.global_batches`): checked before the model is built, not in the first step."""
-    smallest = n if n < batch_size else batch_size if drop_last or n % batch_size == 0 else n % batch_size
-    if n:
-        require_shares(smallest, f"train.batch_size={batch_size}: a global batch")
-
-
 def _comm_device() -> torch.device:
     """Where a collective's tensors live: the rank's GPU under NCCL, the CPU under gloo."""
     if dist.get_backend() == "nccl":

@@ -139,9 +139,11 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
         require_train_split(dataset)  # test-only datasets (ImageNet-V2/-Sketch/-A/-R) do not train
     dataset = subsample_classes(dataset, cfg.data.subsample_classes)
     if ckpt is None and getattr(METHODS.get(cfg.method), "trainer", "") == "sgd":  # before the model
-        distributed.require_batch_shares(
-            len(dataset.train), int(cfg.train.batch_size), bool(cfg.train.drop_last)
+        batches = global_batches(
+            torch.arange(len(dataset.train)), int(cfg.train.batch_size), cfg.train.drop_last
         )
+        for batch in batches[-1:]:  # the smallest: every rank needs a share of each (rank_share)
+            rank_share(batch, int(cfg.train.batch_size))
     if clip is None:
         clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
