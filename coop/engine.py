@@ -138,12 +138,11 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
     if ckpt is None:
         require_train_split(dataset)  # test-only datasets (ImageNet-V2/-Sketch/-A/-R) do not train
     dataset = subsample_classes(dataset, cfg.data.subsample_classes)
-    if ckpt is None and getattr(METHODS.get(cfg.method), "trainer", "") == "sgd":  # before the model
-        batches = global_batches(
-            torch.arange(len(dataset.train)), int(cfg.train.batch_size), cfg.train.drop_last
-        )
-        for batch in batches[-1:]:  # the smallest: every rank needs a share of each (rank_share)
-            rank_share(batch, int(cfg.train.batch_size))
+    sgd = getattr(METHODS.get(cfg.method), "trainer", "") == "sgd"
+    if ckpt is None and sgd and len(dataset.train):  # before the model; an empty split: a DataError later
+        batch_size = int(cfg.train.batch_size)
+        batches = global_batches(torch.arange(len(dataset.train)), batch_size, cfg.train.drop_last)
+        rank_share(batches[-1], batch_size)  # the smallest: every rank needs a share of each batch
     if clip is None:
         clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
