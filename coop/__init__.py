@@ -10,12 +10,12 @@ clf = coop.load_classifier("runs/.../seed1")     # a run folder or a tools/expor
 probs = clf.predict(images)                      # (B, n_cls), images from clf.transform
 """
 
-from coop.image_encoder import ImageTransformer, VisionConfig
 from coop.interop import Classifier, load_classifier
-from coop.model import CLIP, cosine_logits
-from coop.prompt import PromptClassifier, PromptLearner
-from coop.text_encoder import TextConfig, TextTransformer
-from coop.weights import load_clip
+from coop.model.clip import CLIP, cosine_logits
+from coop.model.image_encoder import ImageTransformer, VisionConfig
+from coop.model.prompt import PromptClassifier, PromptLearner
+from coop.model.text_encoder import TextConfig, TextTransformer
+from coop.model.weights import load_clip
 
 __all__ = [
     "CLIP",

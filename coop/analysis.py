@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from coop.prompt import PromptLearner
+from coop.model.prompt import PromptLearner
 
 METRICS = ("euclidean", "cosine")
 

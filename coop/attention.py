@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from coop.analysis import readable_token
-from coop.model import CLIP
-from coop.prompt import PromptLearner
-from coop.text_encoder import TextTransformer
+from coop.model.clip import CLIP
+from coop.model.prompt import PromptLearner
+from coop.model.text_encoder import TextTransformer
 
 
 @torch.no_grad()

@@ -33,9 +33,9 @@ from omegaconf import OmegaConf
 from coop.io import atomic_write, refused_unpickling
 from coop.methods import METHODS
 from coop.methods.coop import build_learner, require_transferable
-from coop.model import CLIP
-from coop.prompt import PromptLearner
-from coop.weights import load_clip
+from coop.model.clip import CLIP
+from coop.model.prompt import PromptLearner
+from coop.model.weights import load_clip
 
 # What evaluation needs, and what resuming a run needs on top of it.
 REQUIRED_KEYS = ("prompt", "config", "classnames")

@@ -141,7 +141,7 @@ class TipConfig:  # tip_adapter, tip_adapter_f (coop.methods.tip_adapter); per d
 
 
 @dataclass
-class LoraConfig:  # coop.lora, coop.methods.clip_lora
+class LoraConfig:  # coop.model.lora, coop.methods.clip_lora
     rank: int = key(2, ">= 1")
     alpha: float = key(1.0, "> 0")
     dropout: float = key(0.25, "in [0, 1)")

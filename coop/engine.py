@@ -59,9 +59,9 @@ from coop.features import autocast, cached_features, resolve_precision
 from coop.methods import METHODS, Method, build_method
 from coop.methods.base import FeatureRequest
 from coop.metrics import classification_metrics
-from coop.model import CLIP
+from coop.model.clip import CLIP
+from coop.model.weights import load_clip
 from coop.schedule import Schedule, steps_per_epoch
-from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def use_fp16(clip: CLIP, method: Method) -> None:
     As in CoOp, the prompt vectors themselves become fp16 and plain SGD updates them: no loss
     scaling, no fp32 master copy (`Method.to_half`; the vision-prompt methods keep the tensors that
     their original keeps in fp32 in fp32 and cast them to half in the forward pass). Images and cached features are fed in the same dtype; only the
-    cosine logits (`coop.model.cosine_logits`) are formed in fp32 from the fp16 features.
+    cosine logits (`coop.model.clip.cosine_logits`) are formed in fp32 from the fp16 features.
     """
     clip.half()
     getattr(method, "to_half", method.half)()  # a bare module (e.g. a PromptLearner) is halved whole

@@ -20,7 +20,7 @@ from coop.checkpoint import FEDERATED_FORMAT, CheckpointError, load_checkpoint
 from coop.config import load_config, model_tag
 from coop.engine import evaluate_run, setup
 from coop.io import write_json
-from coop.model import CLIP
+from coop.model.clip import CLIP
 from coop.tensorboard import OFF, Board
 
 log = logging.getLogger(__name__)

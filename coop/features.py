@@ -36,7 +36,7 @@ from coop import distributed
 from coop.data import DataError, Datum, ImageDataset, collate_skip_none
 from coop.data.images import derive_seed
 from coop.io import atomic_write
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from coop.config import ConfigError
 from coop.methods import METHODS
 from coop.methods.base import TowerLayers
-from coop.weights import resolve_model_name
+from coop.model.weights import resolve_model_name
 
 
 @functools.cache

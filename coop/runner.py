@@ -62,10 +62,10 @@ from coop.engine import (
 from coop.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.io import atomic_write, write_json
 from coop.lock import require_run_folder, run_lock
+from coop.model.weights import absolute_model_files
 from coop.preflight import check_base_to_new, check_model_limits
 from coop.schedule import Schedule, build_optimizer, plan_schedule
 from coop.tensorboard import Board, open_board
-from coop.weights import absolute_model_files
 
 log = logging.getLogger(__name__)
 

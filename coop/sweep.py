@@ -38,7 +38,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from coop.config import LENGTH_YIELDS, ConfigError, flatten, load_config, run_name
 from coop.data import DATASETS
 from coop.lock import LOCKED, wait_for_writer
-from coop.model import ModelError
+from coop.model.clip import ModelError
 from coop.preflight import check_model_limits
 from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 

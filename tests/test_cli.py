@@ -16,10 +16,10 @@ import _cli  # noqa: E402
 from coop.config import ConfigError, load_config  # noqa: E402
 from coop.data import DataError  # noqa: E402
 from coop.engine import NonFiniteLossError  # noqa: E402
-from coop.model import ModelError  # noqa: E402
-from coop.prompt import PromptError  # noqa: E402
+from coop.model.clip import ModelError  # noqa: E402
+from coop.model.prompt import PromptError  # noqa: E402
+from coop.model.weights import WeightsUnavailableError  # noqa: E402
 from coop.runner import RunError  # noqa: E402
-from coop.weights import WeightsUnavailableError  # noqa: E402
 
 
 def exit_of(error: BaseException, capsys) -> tuple[int, list[str]]:

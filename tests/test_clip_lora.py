@@ -18,10 +18,10 @@ from test_vision_language import WIDE_VISION
 
 from coop.config import ConfigError, load_config, run_name
 from coop.evaluation import evaluate_checkpoint
-from coop.lora import LoRAAdapters, LoRAError, resolve_layers
 from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
-from coop.model import CLIP, ModelError
+from coop.model.clip import CLIP, ModelError
+from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
 from coop.published import FEW_SHOT_16, lookup
 from coop.reference.clip_lora import clip_lora_logits
 from coop.runner import train_run
@@ -292,7 +292,7 @@ def test_precision(models):
 def test_non_vit_towers_are_refused(tmp_path):
     import json
 
-    from coop.weights import load_clip
+    from coop.model.weights import load_clip
 
     resnet = dict(
         WIDE_VISION, vision_cfg={"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 8}

@@ -13,8 +13,8 @@ from test_image_encoder import build as build_openclip
 from test_image_encoder import shrunk_config
 
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
-from coop.model import CLIP
-from coop.packing import pack
+from coop.model.clip import CLIP
+from coop.model.packing import pack
 from coop.reference.clip_lora import text_features as reference_text_features
 
 P = 0.25  # lora.dropout's default

@@ -117,7 +117,12 @@ def test_param_groups_recipes_and_names(tiny_clip):
     assert [g.get("lr_scale", 1.0) for g in groups] == [1.0, 6.5]
     assert {id(t) for t in groups[1]["params"]} == own and not own & {id(t) for t in groups[0]["params"]}
     coop = load_config(None, ["method=coop", "dept.enabled=true"])
-    assert (coop.prompt.n_ctx, coop.train.lr, coop.train.epochs, coop.train.batch_size) == (16, 0.0035, 10, 4)
+    assert (coop.model.prompt.n_ctx, coop.train.lr, coop.train.epochs, coop.train.batch_size) == (
+        16,
+        0.0035,
+        10,
+        4,
+    )
     kg = load_config(None, ["method=kgcoop", "dept.enabled=true"])
     assert (kg.kgcoop.weight, kg.prompt.ctx_init, kg.train.lr) == (2.0, "a photo of a", 0.0035)
     maple = load_config(None, ["method=maple", "dept.enabled=true"])
@@ -201,7 +206,7 @@ def test_config_files_spell_out_the_recipes_and_grids_run_them(tmp_path):
 def test_fp16_as_the_originals(tiny_openclip):
     """train.precision=fp16: DePT's head is half (the original's `.type(dtype)`), its FiLM stays fp32;
     TCP is half throughout (ctx and meta-net, as its PREC=fp16); both losses stay finite."""
-    from coop.model import CLIP
+    from coop.model.clip import CLIP
 
     clip = CLIP.from_openclip(tiny_openclip)  # its own copy: halving it must not touch the fixture's
     m = dept(clip, "coop", "prompt.n_ctx=3")

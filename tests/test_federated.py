@@ -155,7 +155,7 @@ def test_promptfl_equals_direct_computation(reference, fl_env, monkeypatch):
     """Each round = every client's local CoOp training outside Flower, then the weighted mean."""
     from omegaconf import OmegaConf
 
-    from coop.weights import load_clip
+    from coop.model.weights import load_clip
 
     monkeypatch.setenv("COOP_CACHE_DIR", fl_env["COOP_CACHE_DIR"])  # the clients' features
     folder, _ = reference

@@ -18,8 +18,8 @@ from torch import nn
 
 import coop
 from coop.features import cache_key
-from coop.image_encoder import ImageTransformer, ModelError
-from coop.model import cosine_logits
+from coop.model.clip import cosine_logits
+from coop.model.image_encoder import ImageTransformer, ModelError
 from coop.reference import ivlp_logits, maple_logits, vision_features, vpt_logits
 
 # Every standard OpenCLIP ViT this forward covers, shrunk to a few layers and a small image; each

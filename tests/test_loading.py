@@ -12,7 +12,7 @@ from conftest import TINY_CONFIG, randomise_text_tower
 from torch import nn
 
 import coop
-from coop import weights as coop_weights
+from coop.model import weights as coop_weights
 
 # OpenAI's key layout infers heads as width // 64, so the tiny model uses 64-wide heads.
 OPENAI_TINY = {
@@ -116,7 +116,7 @@ def test_plain_state_dict_names_the_activation(tmp_path, caplog):
     weights = tmp_path / "weights.bin"
     torch.save(randomise_text_tower(open_clip.CLIP(**cfg)).state_dict(), weights)
 
-    with caplog.at_level(logging.INFO, logger="coop.weights"):
+    with caplog.at_level(logging.INFO, logger="coop.model.weights"):
         clip = coop.load_clip(gelu_name, pretrained=str(weights))
     lines = [r.getMessage() for r in caplog.records if "GELU" in r.getMessage()]
     assert not clip.text.cfg.quick_gelu
@@ -124,7 +124,7 @@ def test_plain_state_dict_names_the_activation(tmp_path, caplog):
     assert "model.name=coop-tiny-twin-quickgelu" in lines[0]
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="coop.weights"):
+    with caplog.at_level(logging.INFO, logger="coop.model.weights"):
         assert coop.load_clip(quick_name, pretrained=str(weights)).text.cfg.quick_gelu
         coop.load_clip(str(TINY_CONFIG), pretrained=str(weights))  # no -quickgelu twin: nothing to say
     assert not [r for r in caplog.records if "GELU" in r.getMessage()]

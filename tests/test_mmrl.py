@@ -19,8 +19,8 @@ from coop.config import ConfigError, load_config, run_name
 from coop.evaluation import evaluate_checkpoint
 from coop.methods import build_method
 from coop.methods.base import TransferError
-from coop.model import CLIP
-from coop.packing import pack
+from coop.model.clip import CLIP
+from coop.model.packing import pack
 from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
 from coop.runner import train_run
 

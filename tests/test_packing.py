@@ -1,4 +1,4 @@
-"""The packed pass (coop.packing): its layout and attention, and parity of outputs and of every
+"""The packed pass (coop.model.packing): its layout and attention, and parity of outputs and of every
 prompt gradient with the full-77 reference for every path that runs prompts, with class names of
 every token length ImageNet has (1 up to the longest) in one batch."""
 
@@ -11,7 +11,7 @@ from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
 from test_cocoop import cocoop, grads_of
 
 import coop
-from coop import packing
+from coop.model import packing
 from coop.reference import cocoop_logits, coop_text_features, reference_inputs
 
 

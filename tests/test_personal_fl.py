@@ -447,7 +447,7 @@ def test_bad_personal_settings_are_one_line(args, message):
 
 
 def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation(tmp_path):
-    from coop.model import ModelError
+    from coop.model.clip import ModelError
 
     tiny = json.loads(TINY_CONFIG.read_text())
     resnet = {
@@ -621,7 +621,7 @@ def direct_metrics(folder: Path) -> dict:
     from omegaconf import OmegaConf
 
     from coop.data import build_dataset, subsample_classes
-    from coop.weights import load_clip
+    from coop.model.weights import load_clip
 
     cfg = OmegaConf.load(folder / "config.yaml")
     ckpt = torch.load(folder / "checkpoint.pt", weights_only=True)
@@ -739,7 +739,7 @@ def test_personal_tensors_never_travel_and_the_checkpoint_names_their_version(pe
     from omegaconf import OmegaConf
 
     from coop.federated.client import client_config, client_data
-    from coop.weights import load_clip
+    from coop.model.weights import load_clip
 
     folder, _, _, grid = personal_runs[method]
     trains = [s for s in grid.seen if s["phase"] == "train"]

@@ -9,7 +9,7 @@ import torch
 from conftest import randomise_prompts
 
 import coop
-from coop.prompt import PromptError
+from coop.model.prompt import PromptError
 from coop.reference import coop_text_features
 
 CLASSES = [
@@ -240,15 +240,15 @@ def test_ctx_init_word_count_differs_from_coop(tiny_clip, caplog):
     """CoOp learns M = word count of ctx_init; we learn every BPE token and say what CoOp would do."""
     phrase = "a close-up photo of a"
     assert len(tiny_clip.tokenizer.encode(phrase)) == 7 and len(phrase.split(" ")) == 5
-    with caplog.at_level(logging.INFO, logger="coop.prompt"):
+    with caplog.at_level(logging.INFO, logger="coop.model.prompt"):
         learner = coop.PromptLearner(tiny_clip, CLASSES, ctx_init=phrase)
     assert learner.n_ctx == 7 and learner.ctx.shape == (7, tiny_clip.width)
-    lines = [r.getMessage() for r in caplog.records if r.name == "coop.prompt"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "coop.model.prompt"]
     assert len(lines) == 1 and caplog.records[-1].levelno == logging.WARNING
     assert "5 words but 7 BPE tokens" in lines[0]
     assert "M=5 context vectors" in lines[0] and "other 2 tokens frozen" in lines[0]
     assert "all 7 tokens are learned" in lines[0]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="coop.prompt"):
+    with caplog.at_level(logging.INFO, logger="coop.model.prompt"):
         coop.PromptLearner(tiny_clip, CLASSES, ctx_init="a_photo_of_a")  # 4 words, 4 tokens
-    assert not [r for r in caplog.records if r.name == "coop.prompt"]
+    assert not [r for r in caplog.records if r.name == "coop.model.prompt"]

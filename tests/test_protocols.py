@@ -21,9 +21,9 @@ from coop.config import load_config
 from coop.data import ImageDataset, build_dataset
 from coop.engine import clip_transforms
 from coop.evaluation import evaluate_checkpoint_targets
+from coop.model.weights import load_clip
 from coop.runner import train_run
 from coop.sweep import load_grid, plan
-from coop.weights import load_clip
 
 pytestmark = pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")
 

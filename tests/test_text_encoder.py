@@ -8,8 +8,8 @@ import torch
 from conftest import TINY_CONFIG, build_openclip
 
 import coop
-from coop import model as coop_model
-from coop import weights as coop_weights
+from coop.model import clip as coop_model
+from coop.model import weights as coop_weights
 
 TEXTS = [
     "a photo of a dog.",

@@ -174,7 +174,7 @@ def test_runs_tune_on_val_transfer_and_resume(data_root, tmp_path):  # noqa: F81
 
     # the keys: each training image's 10 views (scale 0.5-1, flip), mean of raw features, normalised
     s_cfg = tiny_cfg(tmp_path / "unused", *common, "method=tip_adapter")
-    from coop.weights import load_clip
+    from coop.model.weights import load_clip
 
     clip = load_clip(s_cfg.model.name, pretrained=None)
     train_tf, _ = clip_transforms(clip, s_cfg.train.crop_scale)

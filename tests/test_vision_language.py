@@ -19,13 +19,13 @@ from test_protocols import data_root  # noqa: F401  (a fixture)
 from coop.config import ConfigError, load_config, run_name
 from coop.evaluation import evaluate_checkpoint
 from coop.methods import build_method
-from coop.model import CLIP, ModelError
-from coop.prompt import PromptClassifier, PromptError, PromptLearner
+from coop.model.clip import CLIP, ModelError
+from coop.model.prompt import PromptClassifier, PromptError, PromptLearner
+from coop.model.weights import load_clip
 from coop.reference import ivlp_logits, maple_logits, reference_inputs, vpt_logits
 from coop.results import dataset_table, load_runs
 from coop.runner import train_run
 from coop.sweep import load_grid, plan
-from coop.weights import load_clip
 
 CLASSES = ["red thing", "green_thing", "t-shirt"]
 TRAIN = [sys.executable, str(REPO / "tools" / "train.py")]

@@ -60,9 +60,9 @@ BAD_INPUT = (
     ("coop.io", "OutputError"),
     ("coop.checkpoint", "CheckpointError"),
     ("coop.methods", "TransferError"),
-    ("coop.model", "ModelError"),
-    ("coop.weights", "WeightsUnavailableError"),
-    ("coop.prompt", "PromptError"),
+    ("coop.model.clip", "ModelError"),
+    ("coop.model.weights", "WeightsUnavailableError"),
+    ("coop.model.prompt", "PromptError"),
     ("coop.interop", "InteropError"),
 )
 # A run that failed for a reason the message explains: one line and exit 1.

@@ -11,7 +11,7 @@ modules. Its backward pass runs per image (the batch's mean loss, accumulated im
 same gradients), because a graph over B x n_cls x 77 tokens does not fit in memory (batch 8 x 100
 classes needs ~30 GB in fp32: why CoCoOp trains with batch 1). Ours is `CoCoOp.loss`: B prefixes
 `[SOS][ctx_b]`, each attended to by the n_cls class suffixes cut after [EOS] and packed into one
-sequence (`coop.packing`), in one pass. Prompts follow CoCoOp's recipe (M = 4 from "a photo of
+sequence (`coop.model.packing`), in one pass. Prompts follow CoCoOp's recipe (M = 4 from "a photo of
 a", class token at the end; `--position middle` or `front` for the other layouts), for the first
 N ImageNet class names, on random weights. Each side gets `--warmup` untimed steps, then the best
 of `--repeats` timed steps counts, the two sides alternating so that both see the same machine

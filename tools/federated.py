@@ -28,7 +28,7 @@ from _cli import run_cli, setup_logging  # noqa: E402
 from coop import distributed  # noqa: E402
 from coop.config import ConfigError, load_config  # noqa: E402
 from coop.lock import run_lock  # noqa: E402
-from coop.weights import absolute_model_files  # noqa: E402
+from coop.model.weights import absolute_model_files  # noqa: E402
 
 
 def main() -> int:

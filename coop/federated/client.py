@@ -54,8 +54,8 @@ from coop.federated.task import (
     run_precision,
 )
 from coop.methods import Method
-from coop.model import CLIP
-from coop.weights import load_clip
+from coop.model.clip import CLIP
+from coop.model.weights import load_clip
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from omegaconf import DictConfig
 
 from coop.methods.base import Method
 from coop.methods.coop import build_learner
-from coop.model import CLIP
-from coop.prompt import PromptClassifier
+from coop.model.clip import CLIP
+from coop.model.prompt import PromptClassifier
 
 
 def unbalanced_ot(

@@ -28,8 +28,8 @@ from torch import nn
 
 from coop.methods.base import Method
 from coop.methods.coop import build_learner
-from coop.model import CLIP, cosine_logits
-from coop.prompt import PromptClassifier
+from coop.model.clip import CLIP, cosine_logits
+from coop.model.prompt import PromptClassifier
 
 
 class FedPGP(Method):

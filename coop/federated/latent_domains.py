@@ -31,8 +31,8 @@ from torch import nn
 
 from coop.methods.base import Method, TransferError
 from coop.methods.coop import build_learner
-from coop.model import CLIP, cosine_logits
-from coop.prompt import PromptClassifier
+from coop.model.clip import CLIP, cosine_logits
+from coop.model.prompt import PromptClassifier
 
 _DOMAIN_KEY = re.compile(r"^domain(\d+)\.")
 

@@ -43,7 +43,7 @@ from coop.engine import predict
 from coop.federated import task
 from coop.federated.personal_data import client_test_sets
 from coop.methods import Method
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 PERSONAL_FIELDS = [
     "local_accuracy",

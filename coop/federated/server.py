@@ -50,9 +50,9 @@ from coop.federated.personal import PERSONAL_FIELDS, round_summary
 from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
 from coop.lock import run_lock
+from coop.model.weights import load_clip
 from coop.runner import check_same_config
 from coop.tensorboard import OFF, Board, open_board
-from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
 

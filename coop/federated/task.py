@@ -39,9 +39,9 @@ from coop.federated.personal_data import (
 )
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
-from coop.model import CLIP, ModelError
+from coop.model.clip import CLIP, ModelError
+from coop.model.weights import load_clip
 from coop.preflight import check_model_limits
-from coop.weights import load_clip
 
 log = logging.getLogger(__name__)
 

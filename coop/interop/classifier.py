@@ -33,7 +33,7 @@ from coop.features import autocast, resolve_precision
 from coop.interop.export import ExportError, read_export, run_checkpoint
 from coop.interop.federated import build_federated, federated_method, run_model
 from coop.methods import Method, build_method
-from coop.weights import load_clip
+from coop.model.weights import load_clip
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from coop.checkpoint import load_checkpoint
 from coop.interop.dassl import InteropError
 from coop.interop.federated import federated_method, run_model
 from coop.io import atomic_write, require_writable
-from coop.weights import absolute_model_files
+from coop.model.weights import absolute_model_files
 
 FORMAT, FORMAT_VERSION = "coop.prompts", "1"
 CARD_KEYS = ("method", "model.name", "model.pretrained", "classnames", "config")  # what a reader needs

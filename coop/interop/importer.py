@@ -33,8 +33,8 @@ from coop.interop.names import implied_overrides, map_names
 from coop.io import atomic_write, write_json
 from coop.lock import require_run_folder, run_lock
 from coop.methods import build_method
-from coop.model import CLIP
-from coop.weights import absolute_model_files, load_clip
+from coop.model.clip import CLIP
+from coop.model.weights import absolute_model_files, load_clip
 
 log = logging.getLogger(__name__)
 

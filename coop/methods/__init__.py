@@ -23,7 +23,7 @@ from coop.methods.tcp import TCP
 from coop.methods.tip_adapter import TipAdapter, TipAdapterF
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 METHODS: dict[str, type[Method]] = {
     "coop": CoOp,

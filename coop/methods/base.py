@@ -51,7 +51,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from coop.config_checks import check_depth
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Method(nn.Module):
     fit_request: FeatureRequest | None = None  # the training features `fit` and `tune` take
     phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
     image_tokens = False  # True: "features" are every projected token (B, 1+P, E) (FedOTP)
-    text_prompt = False  # True: a learned text context, `prompt.*` (`coop.prompt.PromptLearner`)
+    text_prompt = False  # True: a learned text context, `prompt.*` (`coop.model.prompt.PromptLearner`)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__()

@@ -7,7 +7,7 @@ augmented images with labels y:
     image  = adapted image tower on the batch                                             (B, E)
     logits = logit_scale.exp() * norm(image) @ norm(text).T;   loss = CE(logits, y)
 
-Adapters (`coop.lora`): for every block in `lora.layers` of every tower in `lora.towers`, each
+Adapters (`coop.model.lora`): for every block in `lora.layers` of every tower in `lora.towers`, each
 projection in `lora.targets` of the packed q|k|v gets s * B A, A (r, W) kaiming_uniform(a=sqrt(5)),
 B (W, r) zeros, s = alpha / sqrt(r) (r = 2, alpha = 1), dropout 0.25 on the branch's input.
 Nothing of CLIP trains or changes: the updates are added to the projection's output, never
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from coop.config import ConfigError
-from coop.lora import LoRAAdapters, LoRAError, resolve_layers
 from coop.methods.base import Method, TowerLayers
-from coop.model import CLIP, ModelError, cosine_logits
+from coop.model.clip import CLIP, ModelError, cosine_logits
+from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
 
 # The original's template for every dataset: each dataset file's own template sits in a string
 # literal, and the live assignment that follows is this one.
@@ -54,7 +54,7 @@ def shared_prefix_length(ids: torch.Tensor, eos: torch.Tensor) -> int:
 
 
 def layer_spec(cfg: DictConfig) -> str | list[int]:
-    """`lora.layers` as `coop.lora.resolve_layers` takes it: a name or a plain list."""
+    """`lora.layers` as `coop.model.lora.resolve_layers` takes it: a name or a plain list."""
     layers = cfg.lora.layers
     return OmegaConf.to_object(layers) if OmegaConf.is_list(layers) else layers
 
@@ -75,7 +75,7 @@ class CLIPLoRA(Method):
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
-        """`lora.layers` within each adapted tower (`coop.lora.resolve_layers`)."""
+        """`lora.layers` within each adapted tower (`coop.model.lora.resolve_layers`)."""
         super().check_config(cfg, towers)
         for tower in cfg.lora.towers:
             n = towers.text if tower == "text" else towers.image

@@ -12,7 +12,7 @@ Only `ctx` and the meta-net train. The original runs one image at a time, all cl
 - with shared context and the class at the end or in the middle, image b's `[SOS][ctx_b..]` is a
   prefix of all its classes' prompts: the B prefixes are computed once each and n_cls suffixes
   attend to each (`TextTransformer.prefix_keys_values` / `encode_after_prefixes`), cut after
-  [EOS] and packed into one sequence (`coop.packing`), the same packing after every prefix;
+  [EOS] and packed into one sequence (`coop.model.packing`), the same packing after every prefix;
 - with class-specific context or the class at the front, only [SOS] is shared: the B x n_cls
   prompts run after it as one packed sequence (still cut after [EOS]).
 
@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from coop.methods.base import Method, Towers
 from coop.methods.coop import build_learner, require_transferable
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 CHUNK_PROMPTS = 1024  # default prompts per block (`cocoop.chunk_prompts`)
 EVAL_BLOCKS = 8  # without a graph, blocks may be this many times larger

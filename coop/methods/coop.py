@@ -6,8 +6,8 @@ import torch
 from omegaconf import DictConfig
 
 from coop.methods.base import Method, Towers, TransferError
-from coop.model import CLIP
-from coop.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
+from coop.model.clip import CLIP
+from coop.model.prompt import N_CTX_DEFAULT, PromptClassifier, PromptLearner
 
 
 def build_learner(

@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 
 from coop.methods.coop import build_learner, require_transferable
 from coop.methods.vpt import VisionPromptMethod, VisionPrompts, vision_settings
-from coop.model import CLIP
-from coop.prompt import PromptClassifier, PromptLearner
+from coop.model.clip import CLIP
+from coop.model.prompt import PromptClassifier, PromptLearner
 
 PHRASE_MAX_CTX = 4  # the original uses ctx_init only when n_ctx <= 4
 

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from coop.methods.base import TowerLayers, Towers
 from coop.methods.coop import CoOp
 from coop.methods.zeroshot import resolve_templates, template_features
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 WEIGHT = 8.0  # KgCoOp's lambda
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from coop.data import DataError
 from coop.methods.base import FeatureRequest, Method, TransferError
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 log = logging.getLogger(__name__)
 

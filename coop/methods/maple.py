@@ -32,7 +32,7 @@ from torch import nn
 from coop.config import ConfigError
 from coop.methods.base import TowerLayers
 from coop.methods.ivlp import IVLP
-from coop.prompt import PromptError
+from coop.model.prompt import PromptError
 
 
 class MaPLe(IVLP):

@@ -7,7 +7,7 @@ K = `mmrl.n_tokens`:
     r_t^l = T_l(R)     (K, W_t) for each text block l in `mmrl.layers`       (Linear d_r -> W_t)
     r_v^l = V_l(R)     (K, W_v) for each image block l in `mmrl.vision_layers` (Linear d_r -> W_v)
     text  = the dataset's hand-crafted prompt (CoOp's template), r_t inserted after [SOS] at the
-            first listed block and replaced at the later ones (`coop.inserted`)         (n_cls, E)
+            first listed block and replaced at the later ones (`coop.model.inserted`)         (n_cls, E)
     image = r_v inserted after [CLS] the same way; f_cls = ln_post(x[:, 0]) @ proj (frozen),
             f_rep = mean_k ln_post(x[:, 1+k]) @ proj_rep                                (B, E) each
     logits = s * norm(f_cls) @ norm(text).T,  logits_rep = s * norm(f_rep) @ norm(text).T
@@ -43,12 +43,12 @@ from omegaconf import DictConfig
 from torch import nn
 
 from coop.config import ConfigError
-from coop.inserted import InsertedTokens
 from coop.methods.base import TowerLayers
 from coop.methods.promptsrc import frozen_text_features
 from coop.methods.vpt import VisionPromptMethod
 from coop.methods.zeroshot import resolve_templates
-from coop.model import CLIP
+from coop.model.clip import CLIP
+from coop.model.inserted import InsertedTokens
 
 
 def block_indices(layers, n_blocks: int, key: str) -> list[int]:

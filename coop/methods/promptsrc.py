@@ -48,7 +48,7 @@ from coop.gpa import GaussianAggregate, gpa_weights
 from coop.methods.base import TowerLayers
 from coop.methods.ivlp import IVLP
 from coop.methods.zeroshot import resolve_templates
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 log = logging.getLogger(__name__)
 

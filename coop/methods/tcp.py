@@ -15,7 +15,7 @@ from their own names with the learned ctx and meta-net.
 
 The text pass keeps the exact fast paths: [SOS][v1..vM] is computed once for every class in
 blocks 0..layer-1; at `tcp.layer` the rows stop sharing it (only [SOS] stays shared) because
-their context slots now differ (`coop.text_encoder.deep_by_block`).
+their context slots now differ (`coop.model.text_encoder.deep_by_block`).
 
 Widths come from the model (the original's `reshape(..., 512)` and fixed four tokens break on
 ViT-L and for M != 4); the weight is `tcp.weight` (the original hard-codes 8.0 and ignores its `W`
@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from coop.blocks import QuickGELU
 from coop.config import ConfigError
 from coop.methods.base import Method, TowerLayers
 from coop.methods.zeroshot import DEFAULT_TEMPLATE, template_features
-from coop.model import CLIP, cosine_logits
-from coop.prompt import N_CTX_DEFAULT, PromptError, PromptLearner
+from coop.model.blocks import QuickGELU
+from coop.model.clip import CLIP, cosine_logits
+from coop.model.prompt import N_CTX_DEFAULT, PromptError, PromptLearner
 
 LAYER = 8  # the text block whose input takes the class-aware tokens (`tcp.layer`)
 WEIGHT = 8.0  # the original's hard-coded weight of the knowledge term (`tcp.weight`)

@@ -42,7 +42,7 @@ from coop.methods.zeroshot import (
     resolve_templates,
     template_features,
 )
-from coop.model import CLIP
+from coop.model.clip import CLIP
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from torch import nn
 
 from coop.config_checks import ConfigError, check_depth
 from coop.methods.base import Method, TowerLayers, Towers
-from coop.model import CLIP, ModelError, cosine_logits
-from coop.prompt import PromptError
+from coop.model.clip import CLIP, ModelError, cosine_logits
+from coop.model.prompt import PromptError
 
 VPT_TEMPLATE = "a photo of a {}."  # the VPT trainer's fixed text prompt
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from coop.config import ConfigError
 from coop.methods.base import Method, TowerLayers
-from coop.model import CLIP, cosine_logits
+from coop.model.clip import CLIP, cosine_logits
 
 DEFAULT_TEMPLATE = "a photo of a {}."
 

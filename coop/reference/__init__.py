@@ -16,7 +16,7 @@ import torch
 from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
-from coop.prompt import PromptLearner
+from coop.model.prompt import PromptLearner
 
 
 def coop_layout(learner: PromptLearner, embeds: torch.Tensor, ctx: torch.Tensor, name_lens: list[int]):

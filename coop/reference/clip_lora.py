@@ -6,10 +6,10 @@ projections use W_t + s * B_t @ A_t (the original's merged `LinearLoRA`; with dr
 forward x W_t^T + b_t + s * drop(x) (B_t A_t)^T on given masks), written out block by
 block with explicit loops over open_clip's `ResidualAttentionBlock`s (ln_1, the separate q, k, v
 projections, attention with open_clip's additive causal mask, out_proj, ln_2, mlp). Nothing here
-shares code with `coop.lora` or our towers: it is the ground truth of the tests and the
+shares code with `coop.model.lora` or our towers: it is the ground truth of the tests and the
 original-style side of `tools/bench_vl.py --method clip_lora`.
 
-Learned tensors are named as `coop.lora.LoRAAdapters` names them: `{tower}.{block}.{t}_A` (r, W)
+Learned tensors are named as `coop.model.lora.LoRAAdapters` names them: `{tower}.{block}.{t}_A` (r, W)
 and `{tower}.{block}.{t}_B` (W, r), tower "text" or "vision", t in q, k, v.
 """
 
@@ -102,7 +102,7 @@ def clip_lora_logits(
         oc: an open_clip `CLIP` (standard text tower and ViT).
         images: (B, 3, H, W).
         ids: (n_cls, 77) ids of "a photo of a {class}.".
-        tensors: the learned A and B (`coop.lora.LoRAAdapters.tensors()` names).
+        tensors: the learned A and B (`coop.model.lora.LoRAAdapters.tensors()` names).
         scale: s = alpha / sqrt(r).
         logit_scale: the original's fixed 100; None uses the model's exp(logit_scale).
     """

@@ -4,10 +4,10 @@
     Resblocks(cfg, causal)         `transformer.resblocks.{i}`, cfg.layers blocks
     load_checked(module, src, ..)  OpenCLIP weights into our tower, every key and shape checked
 
-`cfg` is a `coop.text_encoder.TextConfig` or a `coop.image_encoder.VisionConfig`: the fields the
+`cfg` is a `coop.model.text_encoder.TextConfig` or a `coop.model.image_encoder.VisionConfig`: the fields the
 blocks read (width, heads, layers, mlp_width, quick_gelu, gelu_approximate, ln_eps) have the same
 names in both. The text tower's blocks are causal; the image tower's (`causal=False`) are not.
-Each block has a full-sequence forward and a packed one (`coop.packing`, the text tower's rows).
+Each block has a full-sequence forward and a packed one (`coop.model.packing`, the text tower's rows).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coop.packing import Packing
+from coop.model.packing import Packing
 
 
 class QuickGELU(nn.Module):
@@ -91,7 +91,7 @@ class CausalSelfAttention(nn.Module):
         v_prefix: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of packed rows (`coop.packing`) that follow a prefix whose keys/values are given.
+        """Attention of packed rows (`coop.model.packing`) that follow a prefix whose keys/values are given.
 
         Args:
             x: (G, T, W) normalised hidden states of the rows' own tokens, packed.

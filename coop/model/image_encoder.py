@@ -2,7 +2,7 @@
 
 The module mirrors OpenCLIP's standard `VisionTransformer` parameter for parameter (the state-dict
 keys equal open_clip's `visual.*` keys without the prefix, checked one by one at load), but it is
-our own forward code, built from the same blocks as `coop.text_encoder` without the causal mask:
+our own forward code, built from the same blocks as `coop.model.text_encoder` without the causal mask:
 
     x = conv1(images)                                         # (B, W, gh, gw) patch embedding
     x = [class_embedding; patches] + positional_embedding     # (B, 1+P, W)
@@ -13,7 +13,7 @@ our own forward code, built from the same blocks as `coop.text_encoder` without 
     feats = ln_post(x[:, 0]) @ proj                           # (B, E)
 
 MMRL's representation tokens take another path, `encode_with_inserted`: K tokens inserted after
-[CLS] at one block and replaced at later ones (`coop.inserted.InsertedTokens`), with the
+[CLS] at one block and replaced at later ones (`coop.model.inserted.InsertedTokens`), with the
 frozen tower's features of the same images from the blocks before the insertion on, shared.
 
 These are the vision-prompt semantics of the MaPLe/IVLP/VPT code (their `VisionTransformer_MaPLe`
@@ -23,7 +23,7 @@ open_clip's `encode_image`.
 
 Towers this forward does not cover (ResNets, timm towers, attentional pooling, average pooling,
 layer scale, custom blocks, no ln_pre, patch dropout) are refused by `vision_config_from_openclip`
-with a one-line `ModelError` that names the model; `coop.model.CLIP` then keeps open_clip's module.
+with a one-line `ModelError` that names the model; `coop.model.clip.CLIP` then keeps open_clip's module.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from coop.blocks import Resblocks, load_checked
-from coop.inserted import InsertedTokens
+from coop.model.blocks import Resblocks, load_checked
+from coop.model.inserted import InsertedTokens
 
 
 class ModelError(ValueError):
@@ -84,7 +84,7 @@ class ImageTransformer(nn.Module):
         self.transformer = Resblocks(cfg, causal=False)
         self.ln_post = nn.LayerNorm(w, eps=cfg.ln_eps)
         self.proj = nn.Parameter(torch.empty(w, cfg.output_dim))
-        # What `coop.model.CLIP` reads off an image tower (open_clip's attributes of the same names).
+        # What `coop.model.clip.CLIP` reads off an image tower (open_clip's attributes of the same names).
         self.image_size = (cfg.image_size, cfg.image_size)
         self.preprocess_cfg: dict = {}
 

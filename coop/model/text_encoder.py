@@ -7,7 +7,7 @@ are identical), but it is our own forward code:
     for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))     (causal mask)
     feats = ln_final(x)[arange(N), eos] @ text_projection     # (N, E)
 
-Prompts run through one packed pass (`coop.packing`), exact, with three savings:
+Prompts run through one packed pass (`coop.model.packing`), exact, with three savings:
   * positions after a row's [EOS] never influence its [EOS] under a causal mask, so each row
     computes `eos + 1` tokens instead of 77;
   * a prefix that every row shares ([SOS], or [SOS][v1..] with shared context) is computed once
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from coop.blocks import Resblocks
-from coop.inserted import InsertedTokens
-from coop.packing import Packing, pack, tiles
+from coop.model.blocks import Resblocks
+from coop.model.inserted import InsertedTokens
+from coop.model.packing import Packing, pack, tiles
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class TextTransformer(nn.Module):
         (and their keys/values) are computed once instead of once per row. With shared context,
         `[SOS][v1..vM]` (class at the end) or `[SOS][v1..vM/2]` (class in the middle) is such a
         prefix. Exact for a forward that draws nothing at random: a draw per token (CLIP-LoRA's
-        dropout masks) would be shared by all rows (`coop.lora.LoRAAdapters.draws_masks`).
+        dropout masks) would be shared by all rows (`coop.model.lora.LoRAAdapters.draws_masks`).
 
         Args:
             prefix: (1, P, W) token embeddings of positions 0..P-1, shared by all rows.
@@ -225,7 +225,7 @@ class TextTransformer(nn.Module):
     def _encode_packed(self, kv, x, eos, start: int, deep_prompts, slots, recompute: bool) -> torch.Tensor:
         """The one forward pass of prompts: rows' tokens start.. packed, after G prefixes.
 
-        Rows run in class tiles (`coop.packing.tiles`), each through the whole tower in one
+        Rows run in class tiles (`coop.model.packing.tiles`), each through the whole tower in one
         packing: the same arithmetic per row, with per-token tensors of a tile's size.
 
         Args:

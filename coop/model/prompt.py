@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from coop.config_checks import check_depth
-from coop.model import CLIP, cosine_logits
+from coop.model.clip import CLIP, cosine_logits
 
 log = logging.getLogger(__name__)
 POSITIONS = {"end": "end", "middle": "middle", "mid": "middle", "front": "front"}

@@ -1,6 +1,6 @@
 """Tokens inserted into a Transformer's sequence after its first token: MMRL's representation tokens.
 
-Both towers (`coop.text_encoder`, `coop.image_encoder`) take them the same way: K tokens enter
+Both towers (`coop.model.text_encoder`, `coop.model.image_encoder`) take them the same way: K tokens enter
 after [SOS] / [CLS] at the input of one block, without positional embedding, so the sequence grows
 by K (77 -> 77+K, 197 -> 197+K); at the input of each later listed block the K hidden states at
 positions 1..K are replaced by that block's tokens; the other blocks carry them on.

@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from coop.io import refused_unpickling
-from coop.model import CLIP, ModelError
+from coop.model.clip import CLIP, ModelError
 
 log = logging.getLogger(__name__)
 

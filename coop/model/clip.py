@@ -3,13 +3,13 @@
     clip = coop.load_clip("ViT-B-16", pretrained="openai")      # or pretrained=None / a file
     clip = coop.CLIP.from_openclip(open_clip_model)              # wrap an already-built model
 
-`from_openclip` copies the text-tower weights into `coop.text_encoder.TextTransformer` and, for a
-standard OpenCLIP ViT, the image-tower weights into `coop.image_encoder.ImageTransformer` (same
+`from_openclip` copies the text-tower weights into `coop.model.text_encoder.TextTransformer` and, for a
+standard OpenCLIP ViT, the image-tower weights into `coop.model.image_encoder.ImageTransformer` (same
 state-dict keys, checked one by one), so both sides run one forward of ours, with or without
 prompts. Other image towers (ResNets, attentional pooling, ...) keep open_clip's module; they
 serve the feature-based methods exactly as before and refuse vision prompts (`ModelError`).
 
-`coop.weights.load_clip` builds the model by name and loads its weights (an OpenCLIP tag or a
+`coop.model.weights.load_clip` builds the model by name and loads its weights (an OpenCLIP tag or a
 local file).
 """
 
@@ -25,9 +25,9 @@ from open_clip.transformer import QuickGELU as OpenClipQuickGELU
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
-from coop.blocks import load_checked
-from coop.image_encoder import ImageTransformer, ModelError, vision_config_from_openclip
-from coop.text_encoder import TextConfig, TextTransformer
+from coop.model.blocks import load_checked
+from coop.model.image_encoder import ImageTransformer, ModelError, vision_config_from_openclip
+from coop.model.text_encoder import TextConfig, TextTransformer
 
 log = logging.getLogger(__name__)
 
