@@ -117,12 +117,7 @@ def test_param_groups_recipes_and_names(tiny_clip):
     assert [g.get("lr_scale", 1.0) for g in groups] == [1.0, 6.5]
     assert {id(t) for t in groups[1]["params"]} == own and not own & {id(t) for t in groups[0]["params"]}
     coop = load_config(None, ["method=coop", "dept.enabled=true"])
-    assert (coop.model.prompt.n_ctx, coop.train.lr, coop.train.epochs, coop.train.batch_size) == (
-        16,
-        0.0035,
-        10,
-        4,
-    )
+    assert (coop.prompt.n_ctx, coop.train.lr, coop.train.epochs, coop.train.batch_size) == (16, 0.0035, 10, 4)
     kg = load_config(None, ["method=kgcoop", "dept.enabled=true"])
     assert (kg.kgcoop.weight, kg.prompt.ctx_init, kg.train.lr) == (2.0, "a photo of a", 0.0035)
     maple = load_config(None, ["method=maple", "dept.enabled=true"])
