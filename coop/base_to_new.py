@@ -24,7 +24,7 @@ import math
 
 import pandas as pd
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.published import DATASETS_11, lookup
 from coop.reproduce import no_counterpart, row_protocols
 from coop.results import (

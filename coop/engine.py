@@ -42,7 +42,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from coop import distributed
-from coop.config import ConfigError, run_name
+from coop.config.checks import ConfigError
+from coop.config.run_names import run_name
 from coop.data import (
     CLIP_MEAN,
     CLIP_STD,

@@ -17,7 +17,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from coop.checkpoint import FEDERATED_FORMAT, CheckpointError, load_checkpoint
-from coop.config import load_config, model_tag
+from coop.config.load import load_config
+from coop.config.run_names import model_tag
 from coop.engine import evaluate_run, setup
 from coop.io import write_json
 from coop.model.clip import CLIP

@@ -18,7 +18,7 @@ import functools
 import open_clip
 from omegaconf import DictConfig
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.methods import METHODS
 from coop.methods.base import TowerLayers
 from coop.model.weights import resolve_model_name

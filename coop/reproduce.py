@@ -28,7 +28,7 @@ import math
 
 import pandas as pd
 
-from coop.config import model_tag
+from coop.config.run_names import model_tag
 from coop.published import DATASETS_11, DG_TARGETS, FIGURES, lookup
 from coop.results import _group_value, row_label
 

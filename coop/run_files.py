@@ -17,7 +17,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from coop.config import CHOICES, flatten
+from coop.config.load import flatten
+from coop.config.schema import CHOICES
 from coop.io import refused_unpickling
 
 log = logging.getLogger(__name__)

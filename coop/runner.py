@@ -1,6 +1,6 @@
 """A training run as a folder: resume, checkpoint every epoch, write metrics when done.
 
-    from coop.config import load_config
+    from coop.config.load import load_config
     from coop.runner import train_run
     metrics = train_run(load_config(None, ["model.pretrained=none", "data.shots=4"]))
 
@@ -41,12 +41,8 @@ from tqdm import trange
 
 from coop import distributed
 from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from coop.config import (
-    DEFAULTS,
-    RESULT_FREE_KEYS,
-    flatten,
-    to_yaml,
-)
+from coop.config.load import RESULT_FREE_KEYS, flatten, to_yaml
+from coop.config.schema import DEFAULTS
 from coop.data import DataError
 from coop.engine import (
     NonFiniteLossError,

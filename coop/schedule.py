@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coop.config import ConfigError, resolved_epochs
+from coop.config.checks import ConfigError, resolved_epochs
 
 SCHEDULES = ("cosine", "cosine_iter", "constant")
 OPTIMIZERS = ("sgd", "adam", "adamw")

@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.sweep import Run, finish_run, log, run_command
 
 

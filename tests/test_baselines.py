@@ -10,7 +10,9 @@ from conftest import tiny_args
 from omegaconf import OmegaConf
 from test_methods import CLASSES, direct_text_features
 
-from coop.config import ConfigError, load_config, method_settings
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import method_settings
 from coop.methods import build_method, resolve_templates
 from coop.methods.zeroshot import IMAGENET_TEMPLATES_SELECT
 

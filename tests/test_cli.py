@@ -13,7 +13,8 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "tools"))
 import _cli  # noqa: E402
 
-from coop.config import ConfigError, load_config  # noqa: E402
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.data import DataError  # noqa: E402
 from coop.engine import NonFiniteLossError  # noqa: E402
 from coop.model.clip import ModelError  # noqa: E402

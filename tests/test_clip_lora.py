@@ -16,7 +16,9 @@ from test_image_encoder import build as build_openclip
 from test_image_encoder import randomise, shrunk_config
 from test_vision_language import WIDE_VISION
 
-from coop.config import ConfigError, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.evaluation import evaluate_checkpoint
 from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE

@@ -1,4 +1,4 @@
-"""The typed configuration (`coop.config_schema`): every key's type, set and range is refused in one
+"""The typed configuration (`coop.config.schema`): every key's type, set and range is refused in one
 line that names the key and the value; saved run configs still load; the tools refuse bad values
 before they create anything, and a sweep's dry run checks every point against the model."""
 
@@ -10,10 +10,11 @@ from conftest import REPO, TINY_CONFIG, run_tool_in_process
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from coop.config import DEFAULTS, ConfigError, flatten, load_config, to_yaml
-from coop.config_schema import SPECS, RunConfig
-from coop.config_spec import check_values
-from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
+from coop.config.checks import ConfigError
+from coop.config.load import flatten, load_config, to_yaml
+from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS
+from coop.config.schema import DEFAULTS, SPECS, RunConfig
+from coop.config.spec import check_values
 
 
 def refusal(*overrides: str, path: str | None = None) -> str:

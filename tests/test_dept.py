@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO
 
-from coop.config import ConfigError, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.methods import DePT, build_method
 from coop.reference import (
     _clip_logits,

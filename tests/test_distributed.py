@@ -27,7 +27,8 @@ from conftest import REPO, make_image_folder, run_tool_in_process, tiny_args
 
 import coop.runner
 from coop import distributed
-from coop.config import ConfigError, load_config
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.engine import rank_share
 from coop.sweep import Run, slot_gpus, train_command
 from coop.sweep_submitit import submitit_parameters

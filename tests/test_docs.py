@@ -7,7 +7,8 @@ import re
 import pytest
 from conftest import REPO
 
-from coop.config import DEFAULTS, METHODS, flatten
+from coop.config.load import flatten
+from coop.config.schema import DEFAULTS, METHODS
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FILE_SUFFIXES = {"py", "yaml", "yml", "json", "csv", "md", "txt", "pt", "png", "bin", "toml"}
@@ -72,7 +73,8 @@ def test_method_lists_name_every_method():
 
 def test_readme_demo_timing_describes_the_demo_config():
     """The README's measured demo names the run configs/demo.yaml makes: its views, shots and epochs."""
-    from coop.config import epochs_for_shots, load_config
+    from coop.config.checks import epochs_for_shots
+    from coop.config.load import load_config
 
     cfg = load_config(str(REPO / "configs" / "demo.yaml"))
     epochs = cfg.train.epochs or epochs_for_shots(cfg.data.shots, cfg.data.name)

@@ -22,7 +22,7 @@ from torch import nn
 
 import coop
 from coop.checkpoint import load_checkpoint
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.data.images import load_image
 from coop.engine import eval_features, setup
 from coop.evaluation import evaluate_checkpoint

@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 
 import coop.methods.kgcoop as kgcoop_module
-from coop.config import ConfigError, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
 from coop.methods import build_method
 from coop.reference import coop_text_features

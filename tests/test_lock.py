@@ -77,7 +77,7 @@ def test_a_process_runs_under_the_lock_its_holder_holds_for_it(tmp_path):
 def test_second_train_run_refuses_before_writing(tmp_path, image_folder):
     """train_run on a folder that another live process writes: RunLockedError (a one-line
     bad-input error of the tools), nothing trained or written."""
-    from coop.config import load_config
+    from coop.config.load import load_config
     from coop.runner import train_run
 
     out = tmp_path / "run"

@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO, tiny_args
 from PIL import Image
 
-from coop.config import ConfigError, load_config
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.data import DataError, build_dataset
 from coop.data.splits import make_split
 from coop.runner import train_run

@@ -15,7 +15,9 @@ from conftest import REPO, TINY_CONFIG, interrupted_at
 from test_image_encoder import build, randomise, shrunk_config
 from test_protocols import data_root  # noqa: F401  (a fixture)
 
-from coop.config import ConfigError, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.evaluation import evaluate_checkpoint
 from coop.methods import build_method
 from coop.methods.base import TransferError

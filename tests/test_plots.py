@@ -13,7 +13,8 @@ import matplotlib
 import pytest
 from test_results_federated import write_fl_run
 
-from coop.config import load_config, run_name, to_yaml
+from coop.config.load import load_config, to_yaml
+from coop.config.run_names import run_name
 from coop.plots import lines_figure, positions_figure, rounds_figure
 from coop.results import load_runs
 

@@ -16,7 +16,8 @@ pytest.importorskip("flwr")
 
 from conftest import TINY_CONFIG  # noqa: E402
 
-from coop.config import ConfigError, load_config  # noqa: E402
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.data.base import Datum  # noqa: E402
 from coop.engine import evaluate  # noqa: E402
 from coop.federated import client, task  # noqa: E402

@@ -18,7 +18,9 @@ from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fi
 
 import coop
 from coop import reference
-from coop.config import ConfigError, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.evaluation import evaluate_checkpoint
 from coop.gpa import GaussianAggregate, gpa_weights
 from coop.methods import build_method

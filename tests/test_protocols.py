@@ -17,7 +17,7 @@ from conftest import REPO, TINY_CONFIG
 from PIL import Image
 from test_methods import coop_search_by_hand
 
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.data import ImageDataset, build_dataset
 from coop.engine import clip_transforms
 from coop.evaluation import evaluate_checkpoint_targets

@@ -15,7 +15,8 @@ from conftest import REPO, TINY_CONFIG, interrupted_at, make_image_folder, tiny_
 
 import coop
 from coop.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint
-from coop.config import ConfigError, load_config
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.data import DataError, ImageDataset, build_dataset, build_transforms
 from coop.engine import clip_transforms, setup, use_fp16
 from coop.evaluation import evaluate_checkpoint

@@ -19,7 +19,8 @@ import coop
 from coop import analysis, attention
 from coop import sweep as sweep_lib
 from coop.checkpoint import save_checkpoint
-from coop.config import load_config, run_name, to_yaml
+from coop.config.load import load_config, to_yaml
+from coop.config.run_names import run_name
 from coop.results import load_runs, summarize, varying_keys
 
 TOOLS = REPO / "tools"

@@ -13,7 +13,7 @@ import yaml
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.results import dataset_table, format_dataset_markdown, load_runs, summarize, varying_keys
 
 

@@ -19,7 +19,8 @@ import yaml
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from coop.config import ConfigError, load_config
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.plots import load_histories, round_keys, round_table, rounds_figure
 from coop.results import domain_table, load_runs
 

@@ -10,7 +10,8 @@ from conftest import interrupted_at, tiny_args
 
 import coop.engine
 import coop.runner
-from coop.config import ConfigError, load_config
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.engine import setup
 from coop.methods import METHODS, build_method
 from coop.runner import train_run

@@ -1,5 +1,5 @@
 """Shipped config files never beat a per-dataset recipe by accident: every run config and every
-sweep grid in configs/ x every dataset that `coop.recipes.DATASET_RECIPES` has an entry for
+sweep grid in configs/ x every dataset that `coop.config.recipes.DATASET_RECIPES` has an entry for
 resolves each of that entry's keys to the table's value, unless `ON_PURPOSE` lists the file and
 the key with its reason. The resolved table (`tools/recipes.py`) shows every recipe value, and
 docs/recipes.md is its current output."""
@@ -14,9 +14,9 @@ import yaml
 from conftest import REPO, run_tool_in_process
 from omegaconf import OmegaConf
 
-from coop.config import load_config
+from coop.config.load import load_config
+from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 from coop.recipe_table import RECIPE_METHODS, resolved, show
-from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 from coop.sweep import format_value, load_grid, plan
 
 CONFIGS = REPO / "configs"

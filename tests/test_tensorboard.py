@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import make_image_folder, tiny_args
 
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.runner import train_run
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

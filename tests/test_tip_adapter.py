@@ -13,7 +13,10 @@ from conftest import REPO, interrupted_at
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 
 import coop.reference.tip_adapter as ref
-from coop.config import ConfigError, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.recipes import TIP_SETTINGS
+from coop.config.run_names import run_name
 from coop.data import ImageDataset, build_dataset
 from coop.data.images import derive_seed
 from coop.engine import REQUEST_STREAM, clip_transforms
@@ -21,7 +24,6 @@ from coop.evaluation import evaluate_checkpoint_targets
 from coop.methods import build_method
 from coop.methods.tip_adapter import search_alpha_beta, search_grid
 from coop.methods.zeroshot import IMAGENET_TEMPLATES_SELECT
-from coop.recipes import TIP_SETTINGS
 from coop.runner import train_run
 from coop.schedule import plan_schedule
 from coop.sweep import load_grid, plan

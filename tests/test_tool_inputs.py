@@ -20,7 +20,7 @@ import torch
 from conftest import REPO, TINY_CONFIG, make_image_folder, run_tool_in_process, tiny_args
 
 import coop
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.runner import train_run
 
 TOOLS = REPO / "tools"
@@ -362,7 +362,7 @@ def test_one_line_errors_come_from_rank_0_alone(monkeypatch, capsys):
     sys.path.insert(0, str(TOOLS))
     import _cli
 
-    from coop.config import ConfigError
+    from coop.config.checks import ConfigError
 
     message = "train.batch_size=4: a global batch of 4 images cannot be split across 5 ranks"
 
@@ -379,7 +379,7 @@ def test_one_line_errors_come_from_rank_0_alone(monkeypatch, capsys):
 def test_a_batch_that_does_not_split_is_refused_before_the_model_is_built(
     image_folder, tmp_path, monkeypatch
 ):
-    from coop.config import ConfigError
+    from coop.config.checks import ConfigError
     from coop.engine import setup
 
     monkeypatch.setenv("WORLD_SIZE", "5")

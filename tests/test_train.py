@@ -19,7 +19,9 @@ from conftest import (
     tiny_args,
 )
 
-from coop.config import ConfigError, epochs_for_shots, load_config, run_name
+from coop.config.checks import ConfigError, epochs_for_shots
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 
 TRAIN = [sys.executable, str(REPO / "tools" / "train.py")]
 EVAL = [sys.executable, str(REPO / "tools" / "eval.py")]

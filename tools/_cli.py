@@ -52,7 +52,7 @@ def one_line(error: BaseException) -> str:
 # sys.modules, so nothing is imported here (a class never imported cannot have been raised) and a
 # class that does not exist yet is skipped.
 BAD_INPUT = (
-    ("coop.config", "ConfigError"),
+    ("coop.config.load", "ConfigError"),
     ("coop.data", "DataError"),
     ("coop.runner", "RunError"),
     ("coop.lock", "RunLockedError"),

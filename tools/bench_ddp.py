@@ -43,7 +43,7 @@ def worker(args) -> None:
     import torch
 
     from coop import distributed
-    from coop.config import load_config
+    from coop.config.load import load_config
     from coop.engine import setup, train_one_epoch, training_features
     from coop.schedule import build_optimizer
 

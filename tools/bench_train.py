@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import setup_logging  # noqa: E402
 
-from coop.config import load_config  # noqa: E402
+from coop.config.load import load_config
 from coop.engine import setup, train_one_epoch, training_features  # noqa: E402
 
 

@@ -23,7 +23,7 @@ log = logging.getLogger("coop.demo")
 
 def main() -> int:
     setup_logging()
-    from coop.config import load_config
+    from coop.config.load import load_config
     from coop.model.weights import pretrained_available
     from coop.runner import train_run
 

@@ -45,7 +45,7 @@ def main() -> int:
     setup_logging(args.verbose)
 
     from coop import distributed
-    from coop.config import load_config
+    from coop.config.load import load_config
     from coop.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
     from coop.interop.export import run_checkpoint
     from coop.io import require_writable, write_json

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli  # noqa: E402
 
-from coop.config import ConfigError  # noqa: E402
+from coop.config.checks import ConfigError
 from coop.data import DATASETS  # noqa: E402
 from coop.recipe_table import RECIPE_METHODS, recipe_document, recipe_markdown  # noqa: E402
 

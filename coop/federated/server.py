@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from coop import runner
 from coop.checkpoint import FEDERATED_FORMAT
-from coop.config import to_yaml
+from coop.config.load import to_yaml
 from coop.engine import evaluate
 from coop.federated import task
 from coop.federated.personal import PERSONAL_FIELDS, round_summary

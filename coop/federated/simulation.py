@@ -45,7 +45,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from coop.config import to_yaml
+from coop.config.load import to_yaml
 from coop.federated import reaper, task
 from coop.federated.server import FederatedError
 

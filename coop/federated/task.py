@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from coop.config import ConfigError, model_tag, run_name
+from coop.config.checks import ConfigError
+from coop.config.run_names import model_tag, run_name
 from coop.data import CLIP_MEAN, CLIP_STD, build_dataset, build_transforms, subsample_classes
 from coop.data.images import derive_seed
 from coop.data.multidomain import build_multidomain, domain_of
@@ -66,7 +67,7 @@ FEDERATED_BASE = {"train": {"aug_views": 1}}
 
 def check_config(cfg: DictConfig) -> None:
     """One-line ConfigError, naming the keys, for `fl.*` settings that cannot run with the rest of
-    the config (each key's own type and range: `coop.config_schema`, checked by `load_config`)."""
+    the config (each key's own type and range: `coop.config.schema`, checked by `load_config`)."""
     fl = cfg.fl
     check_model_limits(cfg)
     if int(cfg.train.aug_views) == 0:

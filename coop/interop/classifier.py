@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from coop.checkpoint import load_checkpoint
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.data import DataError
 from coop.data.folders import IMAGE_EXTENSIONS
 from coop.data.images import load_image

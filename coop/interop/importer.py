@@ -25,7 +25,8 @@ import torch
 from omegaconf import OmegaConf
 
 from coop.checkpoint import save_checkpoint
-from coop.config import load_config, model_tag, to_yaml
+from coop.config.load import load_config, to_yaml
+from coop.config.run_names import model_tag
 from coop.data import build_dataset, subsample_classes
 from coop.evaluation import evaluate_on, evaluate_targets
 from coop.interop.dassl import InteropError, read_state_dict

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from coop.config_checks import check_depth
+from coop.config.checks import check_depth
 from coop.model.clip import CLIP
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from coop.config import ConfigError, resolved_epochs
+from coop.config.checks import ConfigError, resolved_epochs
 from coop.gpa import GaussianAggregate, gpa_weights
 from coop.methods.base import TowerLayers
 from coop.methods.ivlp import IVLP

@@ -1,12 +1,12 @@
 """The run configuration as a typed schema: one dataclass per section, every key with its type,
 default and, where it has one, its allowed set or range.
 
-    cfg = OmegaConf.structured(RunConfig)   # what `coop.config.load_config` starts from
+    cfg = OmegaConf.structured(RunConfig)   # what `coop.config.load.load_config` starts from
 
 OmegaConf types each key from its annotation (bool, int, float, str, `| None`, `list[...]`) and
 refuses a value of another type itself (`prompt.csc=maybe`, `data.seed=abc`);
-`coop.config_spec.check_values` then checks the ranges and sets declared next to each key
-(`key(default, ">= 0")`). Rules that involve several keys live in `coop.config_checks`; keys
+`coop.config.spec.check_values` then checks the ranges and sets declared next to each key
+(`key(default, ">= 0")`). Rules that involve several keys live in `coop.config.checks`; keys
 bounded by the model's towers in `coop.preflight`.
 
 Ranges are written as `"> 0"`, `">= 1"`, `"in [0, 1)"` or `"finite"`; on a list they hold for each
@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from coop.config_spec import Spec, key, specs
+from coop.config.spec import Spec, key, specs
 
 # see coop.methods
 METHODS = tuple(
@@ -126,7 +126,7 @@ class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.gpa
 
 
 @dataclass
-class TipConfig:  # tip_adapter, tip_adapter_f (coop.methods.tip_adapter); per dataset: coop.recipes
+class TipConfig:  # tip_adapter, tip_adapter_f (coop.methods.tip_adapter); per dataset: coop.config.recipes
     augment_epochs: int = key(10, ">= 1")  # augmented views averaged into each cache key
     init_alpha: float = key(
         1.17, ">= 0"
@@ -154,7 +154,7 @@ class LoraConfig:  # coop.model.lora, coop.methods.clip_lora
 
 
 @dataclass
-class MmrlConfig:  # coop.methods.mmrl; per-dataset reg_weight / rep_dim: coop.recipes.DATASET_RECIPES
+class MmrlConfig:  # coop.methods.mmrl; per-dataset reg_weight / rep_dim: coop.config.recipes.DATASET_RECIPES
     n_tokens: int = key(5, ">= 1")  # K representation tokens
     rep_dim: int = key(512, ">= 1")  # d_r
     # 1-based text blocks that take the tokens; null: L/2..L (6..12 of 12)

@@ -1,5 +1,5 @@
 """The config rules that involve several keys (`check_rules`). Each key's own type, set and range
-are declared in its schema (`coop.config_schema`) and checked there; each rule here raises a
+are declared in its schema (`coop.config.schema`) and checked there; each rule here raises a
 one-line ConfigError that names the keys and their values.
 """
 
