@@ -1,6 +1,6 @@
 """Looking inside learned prompts: the vocabulary words nearest to each learned vector.
 
-    from coop.checkpoint import load_trained
+    from coop.train.checkpoint import load_trained
     from coop import analysis
     clip, learner, ckpt = load_trained("runs/.../checkpoint.pt")
     rows = analysis.nearest_words(learner, clip.text.token_embedding.weight, clip.tokenizer, topk=5)

@@ -1,6 +1,6 @@
 """Attention maps of prompts under the causal mask, through the model's own attention modules.
 
-    from coop.checkpoint import load_trained
+    from coop.train.checkpoint import load_trained
     from coop import attention
     clip, learner, ckpt = load_trained("runs/.../checkpoint.pt")
     feats, maps = attention.attention_maps(clip.text, learner)   # maps: (layers, n_cls, L, L)

@@ -70,7 +70,7 @@ def test_kgcoop_defaults_to_its_own_templates(tiny_clip, tiny_openclip):
     [({"method": "linear_probe"}, "method=linear_probe"), ({"prompt.csc": "true"}, "prompt.csc=true")],
 )
 def test_base_to_new_refused_before_training(tmp_path, image_folder, extra, first):
-    from coop.runner import train_run
+    from coop.train.runner import train_run
 
     out = tmp_path / "run"
     cfg = load_config(None, tiny_args(image_folder, out, **{"data.subsample_classes": "base", **extra}))

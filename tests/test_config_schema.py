@@ -210,7 +210,7 @@ def test_sweep_dry_run_checks_every_point_against_the_model(tmp_path):
 
 
 def test_the_model_limits_cover_each_method():
-    from coop.preflight import check_model_limits
+    from coop.train.preflight import check_model_limits
 
     tiny = [f"model.name={TINY_CONFIG}"]
     for overrides, message in (
@@ -238,7 +238,7 @@ def test_the_model_limits_cover_each_method():
 
 
 def test_base_to_new_refuses_what_scores_only_its_own_classes():
-    from coop.preflight import check_base_to_new
+    from coop.train.preflight import check_base_to_new
 
     base = ["data.subsample_classes=base"]
     for overrides, what in (

@@ -23,7 +23,7 @@ from coop.reference import (
     vision_features,
 )
 from coop.reference.dept import dept_loss, dept_test_logits
-from coop.sweep import load_grid, plan
+from coop.train.sweep import load_grid, plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]
 

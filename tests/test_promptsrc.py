@@ -21,9 +21,8 @@ from coop import reference
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.config.run_names import run_name
-from coop.evaluation import evaluate_checkpoint
-from coop.gpa import GaussianAggregate, gpa_weights
 from coop.methods import build_method
+from coop.methods.gpa import GaussianAggregate, gpa_weights
 from coop.methods.promptsrc import (
     PROMPTSRC_TEMPLATES,
     PromptSRC,
@@ -34,8 +33,9 @@ from coop.methods.promptsrc import (
 )
 from coop.reference import promptsrc_fixed_embeddings, reference_inputs
 from coop.results import dataset_table, load_runs, summarize
-from coop.runner import train_run
-from coop.sweep import load_grid, plan
+from coop.train.evaluation import evaluate_checkpoint
+from coop.train.runner import train_run
+from coop.train.sweep import load_grid, plan
 
 CLASSNAMES = ["red_thing", "green thing", "blue whale", "a dog"]
 

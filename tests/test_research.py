@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 
 import coop
 from coop import analysis, attention
-from coop import sweep as sweep_lib
-from coop.checkpoint import save_checkpoint
 from coop.config.load import load_config, to_yaml
 from coop.config.run_names import run_name
 from coop.results import load_runs, summarize, varying_keys
+from coop.train import sweep as sweep_lib
+from coop.train.checkpoint import save_checkpoint
 
 TOOLS = REPO / "tools"
 GRIDS = REPO / "configs" / "ablations"

@@ -189,8 +189,8 @@ def test_zero_epochs_is_the_zero_shot_baseline(image_folder, tmp_path):
     """epochs=0 with ctx_init evaluates zero-shot CLIP with that template through the same pipeline."""
     import coop
     from coop.data import build_dataset
-    from coop.engine import clip_transforms
-    from coop.features import encode_images
+    from coop.train.engine import clip_transforms
+    from coop.train.features import encode_images
 
     out = tmp_path / "zs"
     res = run(

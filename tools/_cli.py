@@ -54,11 +54,11 @@ def one_line(error: BaseException) -> str:
 BAD_INPUT = (
     ("coop.config.load", "ConfigError"),
     ("coop.data", "DataError"),
-    ("coop.runner", "RunError"),
-    ("coop.lock", "RunLockedError"),
-    ("coop.lock", "NotARunFolderError"),
+    ("coop.train.runner", "RunError"),
+    ("coop.train.lock", "RunLockedError"),
+    ("coop.train.lock", "NotARunFolderError"),
     ("coop.io", "OutputError"),
-    ("coop.checkpoint", "CheckpointError"),
+    ("coop.train.checkpoint", "CheckpointError"),
     ("coop.methods", "TransferError"),
     ("coop.model.clip", "ModelError"),
     ("coop.model.weights", "WeightsUnavailableError"),
@@ -66,7 +66,7 @@ BAD_INPUT = (
     ("coop.interop", "InteropError"),
 )
 # A run that failed for a reason the message explains: one line and exit 1.
-RUN_FAILED = (("coop.engine", "NonFiniteLossError"),)
+RUN_FAILED = (("coop.train.engine", "NonFiniteLossError"),)
 
 OOM_HINT = """\
 error: out of memory. To fit, try one or more of:

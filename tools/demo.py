@@ -25,7 +25,7 @@ def main() -> int:
     setup_logging()
     from coop.config.load import load_config
     from coop.model.weights import pretrained_available
-    from coop.runner import train_run
+    from coop.train.runner import train_run
 
     overrides = sys.argv[1:]
     cfg = load_config(str(REPO / "configs" / "demo.yaml"), overrides)

@@ -28,8 +28,8 @@ from _cli import run_cli, setup_logging  # noqa: E402
 from coop import distributed  # noqa: E402
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
-from coop.lock import run_lock  # noqa: E402
 from coop.model.weights import absolute_model_files  # noqa: E402
+from coop.train.lock import run_lock  # noqa: E402
 
 
 def main() -> int:

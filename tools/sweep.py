@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
-from coop.sweep import (  # noqa: E402
+from coop.train.sweep import (  # noqa: E402
     format_value,
     load_grid,
     plan,
@@ -40,9 +40,9 @@ from coop.sweep import (  # noqa: E402
     train_command,
     visible_gpus,
 )
-from coop.sweep_submitit import run_submitit  # noqa: E402
+from coop.train.sweep_submitit import run_submitit  # noqa: E402
 
-log = logging.getLogger("coop.sweep")
+log = logging.getLogger("coop.train.sweep")
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
 

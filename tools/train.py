@@ -35,7 +35,7 @@ def main() -> int:
     cfg = load_config(args.config, args.overrides)
 
     from coop import distributed
-    from coop.runner import train_run
+    from coop.train.runner import train_run
 
     metrics = train_run(cfg)
     summary = {k: metrics[k] for k in ("accuracy", "macro_f1", "n_test", "epochs", "shots", "seed")}

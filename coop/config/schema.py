@@ -7,7 +7,7 @@ OmegaConf types each key from its annotation (bool, int, float, str, `| None`, `
 refuses a value of another type itself (`prompt.csc=maybe`, `data.seed=abc`);
 `coop.config.spec.check_values` then checks the ranges and sets declared next to each key
 (`key(default, ">= 0")`). Rules that involve several keys live in `coop.config.checks`; keys
-bounded by the model's towers in `coop.preflight`.
+bounded by the model's towers in `coop.train.preflight`.
 
 Ranges are written as `"> 0"`, `">= 1"`, `"in [0, 1)"` or `"finite"`; on a list they hold for each
 item. `lora.layers` is "all" | "half-up" | "half-bottom" | a list of block indices, and OmegaConf
@@ -72,7 +72,7 @@ class TrainConfig:
     epochs: int | None = key(None, ">= 0")  # null: CoOp's epochs for the shots (epochs_for_shots)
     batch_size: int = key(32, ">= 1")
     lr: float = key(0.002, "> 0")
-    optimizer: str = key("sgd", choices=("sgd", "adam", "adamw"))  # coop.schedule
+    optimizer: str = key("sgd", choices=("sgd", "adam", "adamw"))  # coop.train.schedule
     momentum: float = key(0.9, ">= 0")  # sgd
     betas: list[float] = key([0.9, 0.999], "in [0, 1)", length=2)  # adam, adamw
     eps: float = key(1e-8, "> 0")  # adam, adamw
@@ -116,7 +116,7 @@ class KgcoopConfig:
 
 
 @dataclass
-class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.gpa
+class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.methods.gpa
     text_weight: float = key(25.0, ">= 0")
     image_weight: float = key(10.0, ">= 0")
     kl_weight: float = key(1.0, ">= 0")

@@ -13,7 +13,7 @@ or a key that would cancel one of its entries (`YIELDS_TO`), the recipe keeps it
 its 2. Swept keys and every `key=value` of the command line apply to every method. Each point becomes
 `OUT/<coop.config.run_names.run_name(cfg)>`; swept keys that the name lacks (e.g. train.lr) are appended to
 its settings part. Runs execute as subprocesses of `tools/train.py` (local, one GPU per worker) or
-as submitit jobs (SLURM, or submitit's local executor: `coop.sweep_submitit`).
+as submitit jobs (SLURM, or submitit's local executor: `coop.train.sweep_submitit`).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from coop.config.load import LENGTH_YIELDS, flatten, load_config
 from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 from coop.config.run_names import run_name
 from coop.data import DATASETS
-from coop.lock import LOCKED, wait_for_writer
 from coop.model.clip import ModelError
-from coop.preflight import check_model_limits
+from coop.train.lock import LOCKED, wait_for_writer
+from coop.train.preflight import check_model_limits
 
-log = logging.getLogger("coop.sweep")
+log = logging.getLogger("coop.train.sweep")
 
 # keys that coop.config.run_names.run_name spells out
 NAMED_KEYS = {"data.name", "model.name", "data.shots", "prompt.n_ctx", "prompt.csc", "prompt.position",
