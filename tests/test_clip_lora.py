@@ -23,8 +23,8 @@ from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
 from coop.model.clip import CLIP, ModelError
 from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
-from coop.published import FEW_SHOT_16, lookup
 from coop.reference.clip_lora import clip_lora_logits
+from coop.results.published import FEW_SHOT_16, lookup
 from coop.train.evaluation import evaluate_checkpoint
 from coop.train.runner import train_run
 from coop.train.schedule import build_optimizer

@@ -41,7 +41,7 @@ from coop.reference import (
     reference_inputs,
     vpt_logits,
 )
-from coop.results import load_runs
+from coop.results.tables import load_runs
 from coop.train.checkpoint import load_checkpoint
 from coop.train.engine import eval_features, setup
 from coop.train.evaluation import evaluate_checkpoint

@@ -19,7 +19,7 @@ from coop.config.load import load_config
 from coop.config.run_names import run_name
 from coop.methods import build_method
 from coop.reference import coop_text_features
-from coop.results import dataset_table, load_runs
+from coop.results.tables import dataset_table, load_runs
 from coop.train.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
 from coop.train.runner import train_run
 from coop.train.sweep import load_grid, plan

@@ -32,7 +32,7 @@ from coop.methods.promptsrc import (
     zero_shot_logits,
 )
 from coop.reference import promptsrc_fixed_embeddings, reference_inputs
-from coop.results import dataset_table, load_runs, summarize
+from coop.results.tables import dataset_table, load_runs, summarize
 from coop.train.evaluation import evaluate_checkpoint
 from coop.train.runner import train_run
 from coop.train.sweep import load_grid, plan

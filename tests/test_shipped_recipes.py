@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from coop.config.load import load_config
 from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS
-from coop.recipe_table import RECIPE_METHODS, resolved, show
+from coop.results.recipe_table import RECIPE_METHODS, resolved, show
 from coop.train.sweep import format_value, load_grid, plan
 
 CONFIGS = REPO / "configs"

@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, TINY_CONFIG, interrupted_at, kill_at_first_checkpoint
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 
-from coop.results import load_runs
+from coop.results.tables import load_runs
 from coop.train.runner import train_run
 
 CASES = {

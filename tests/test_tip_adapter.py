@@ -231,7 +231,7 @@ def test_fp16_halves_the_cache_and_keeps_alpha_beta(tiny_clip):
 def test_published_rn50_curves_sit_under_our_rows(tmp_path):
     from test_results import collect, write_run
 
-    from coop.published import lookup
+    from coop.results.published import lookup
 
     fig = lookup("tip_adapter_f", "few_shot", "dtd", shots=16, model="RN50")
     assert (fig.value, fig.checked) == (66.55, True) and lookup("tip_adapter_f", "few_shot", "dtd") is None

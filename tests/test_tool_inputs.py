@@ -130,7 +130,7 @@ def test_unwritable_output_is_refused_before_any_work(trained, tmp_path, monkeyp
     one_line_error(tool("train", *tiny_args(trained.folder, where / "run")), *words)
     res = tool("import_checkpoint", "--from", "coop", tmp_path / "x.pth", "--out", where / "imp", "--no-eval")
     one_line_error(res, *words)
-    monkeypatch.setattr("coop.results.load_runs", never)
+    monkeypatch.setattr("coop.results.tables.load_runs", never)
     one_line_error(tool("collect", trained.run.parent, "--out", where / "tables"), *words)
 
 

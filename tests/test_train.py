@@ -233,7 +233,7 @@ def test_base_to_new(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     new_metrics = json.loads((out / "eval_imagefolder_new.json").read_text())
     assert new_metrics["n_test"] == 2 and new_metrics["accuracy"] == 100.0  # one class: always right
-    from coop.results import load_runs, summarize
+    from coop.results.tables import load_runs, summarize
 
     runs = load_runs(tmp_path)
     table = summarize(runs, by=[])

@@ -1,6 +1,6 @@
 """Published figures of the CoOp family, each with its source and whether it was checked.
 
-    from coop.published import FIGURES, lookup
+    from coop.results.published import FIGURES, lookup
     lookup("cocoop", "base_to_new", "dtd", "accuracy")    # Figure(value=77.01, source=..., checked=False)
 
 All figures are ViT-B/16 with OpenAI's CLIP weights, 16 shots, accuracy in %, as the papers
