@@ -5,6 +5,7 @@ base-to-new table), published.py (published figures with their sources), reprodu
 Δ rows beside ours), plots.py (figures), recipe_table.py (the resolved recipes as tables), and the
 analysis of learned prompts: nearest_words.py and attention_maps.py.
 
-May import: coop.train, coop.methods, coop.model, coop.data, coop.config and the root modules.
-Imported by: the tools.
+Beside coop.train (neither imports the other: these modules read the files a run wrote). May
+import: coop.methods, coop.model, coop.data, coop.config and the root modules. Imported by: the
+tools.
 """
