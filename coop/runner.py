@@ -62,7 +62,7 @@ from coop.engine import (
 from coop.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.io import atomic_write, write_json
 from coop.lock import require_run_folder, run_lock
-from coop.model.weights import absolute_model_files
+from coop.model.weights import absolute_model_files, absolute_tokenizer_dir
 from coop.preflight import check_base_to_new, check_model_limits
 from coop.schedule import Schedule, build_optimizer, plan_schedule
 from coop.tensorboard import Board, open_board
@@ -118,6 +118,7 @@ def train_run(cfg: DictConfig) -> dict:
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
+    cfg.model.tokenizer = absolute_tokenizer_dir(cfg.model.tokenizer)
     folder = require_run_folder(cfg.output_dir)  # every rank, before it writes or builds anything
     world = distributed.world()  # under torchrun rank 0 alone writes the folder; rank k logs warnings
     folder.mkdir(parents=True, exist_ok=True)

@@ -31,15 +31,13 @@ import open_clip
 import torch
 from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH, SimpleTokenizer, basic_clean, canonicalize_text
 
-from coop.model.image_encoder import ModelError
-
 log = logging.getLogger(__name__)
 
 HUB_HOST = "huggingface.co"
 HF_EXTRA = "pip install 'coop[hf]'"
 
 
-class TokenizerError(ModelError):
+class TokenizerError(ValueError):
     """A tokenizer that cannot be loaded here (offline, transformers missing) or used for prompts."""
 
 
