@@ -255,3 +255,10 @@ def test_tokenizer_key_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
     with pytest.raises(TokenizerError, match=r"pip install 'coop\[hf\]'"):
         load_tokenizer("ViT-B-16-SigLIP", tmp_path)
+
+
+@pytest.mark.parametrize("method", ["tcp", "mmrl"])
+def test_methods_that_need_sos_refuse_a_tokenizer_without(no_sos_clip, method):
+    cfg = load_config(None, [f"method={method}", "tcp.layer=2", "mmrl.layers=[1]", "mmrl.vision_layers=[1]"])
+    with pytest.raises(ValueError, match="needs a tokenizer with a start token; model tiny-t5's has none"):
+        coop.methods.build_method(no_sos_clip, CLASSES, cfg)
