@@ -217,9 +217,11 @@ def test_learner_without_sos_shared_prefix_equals_full_pass(no_sos_clip, positio
     assert learner.shared_prefix == (0 if csc or position == "front" else 4 if position == "end" else 2)
 
 
-def test_cocoop_without_sos(no_sos_clip):
-    """CoCoOp's per-image prefix [ctx_b] (no [SOS]) gives each image's plain prompt features."""
-    cfg = load_config(None, ["method=cocoop", "prompt.n_ctx=4"])
+@pytest.mark.parametrize("position", ["end", "front"])
+def test_cocoop_without_sos(no_sos_clip, position):
+    """CoCoOp's per-image prefix [ctx_b] (no [SOS]), or no shared prefix at all (front): each
+    image's prompts give the features of running them whole."""
+    cfg = load_config(None, ["method=cocoop", "prompt.n_ctx=4", f"prompt.position={position}"])
     method = coop.methods.build_method(no_sos_clip, CLASSES, cfg)
     img = torch.randn(2, no_sos_clip.embed_dim)
     with torch.no_grad():

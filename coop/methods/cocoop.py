@@ -126,8 +126,10 @@ class CoCoOp(Method):
             sos = pl.token_embeds[:1, :n_sos].expand(len(ctx), -1, -1)  # (B, 1 or 0, W)
             prefix = torch.cat([sos, ctx[:, : start - n_sos]], dim=1)  # (B, P, W)
             kv = text.prefix_keys_values(prefix, self._deep(), pl.slots)
-        else:  # only [SOS] is shared, by every prompt (nothing, for a tokenizer without [SOS])
-            kv = text.prefix_keys_values(pl.token_embeds[:1, :n_sos], self._deep(), pl.slots)
+        elif n_sos:  # only [SOS] is shared, by every prompt
+            kv = text.prefix_keys_values(pl.token_embeds[:1, :1], self._deep(), pl.slots)
+        else:  # a tokenizer without [SOS]: nothing is shared
+            kv = None
         n_img, n_cls = len(ctx), pl.n_cls
         chunked = not torch.is_grad_enabled() or text.grad_checkpointing
         per_img, per_cls = n_img, n_cls
@@ -179,5 +181,8 @@ class CoCoOp(Method):
                 deep = deep[:, c0:c1].repeat(1, b, 1, 1)  # (J-1, b c, M, W), image-major like the rows
             x = prompts[:, :, n_sos:].reshape(1, b * n, -1, width)  # (1, b c, L-1, W)
             rows_slots = slots.repeat(b, 1) if deep is not None else None
-            feats = text.encode_after_prefixes(kv, x, eos.repeat(b), deep, rows_slots).view(b, n, -1)
+            if kv is None:
+                feats = text.encode_embeddings(x[0], eos.repeat(b), deep, rows_slots).view(b, n, -1)
+            else:
+                feats = text.encode_after_prefixes(kv, x, eos.repeat(b), deep, rows_slots).view(b, n, -1)
         return head(feats, img)  # feats: (b, c, E)
