@@ -87,9 +87,32 @@ def wordpiece(path):
     return path
 
 
+def gemma_like(path):
+    """A Gemma-like tokenizer (SigLIP2's): BPE on the raw text with spaces as "▁", no dummy prefix
+    ("dog" alone, "▁dog" after a word), "$A <eos>" (no <bos>, as open_clip asks), <pad> 0, <eos> 1."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab, merges = dict.fromkeys([*specials, "▁", *CHARS]), []
+    for word in [*WORDS, *("▁" + w for w in WORDS)]:
+        for i in range(2, len(word) + 1):
+            if word[:i] not in vocab:
+                vocab[word[:i]] = None
+                merges.append((word[: i - 1], word[i - 1]))
+    ids = {t: i for i, t in enumerate(vocab)}
+    tok = Tokenizer(models.BPE(ids, merges, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Replace("▁", " ")
+    tok.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
 # family: (open_clip model, tokenizer builder, expected (sos, eos, pad) ids)
 FAMILIES = {
     "siglip": ("ViT-B-16-SigLIP", lambda p: unigram(p, pad="</s>"), (None, 1, 1)),
+    "siglip2": ("ViT-B-16-SigLIP2", gemma_like, (None, 1, 0)),
     "metaclip2-mt5": ("ViT-L-14-worldwide", unigram, (None, 1, 0)),
     "clipa": ("ViT-L-14-CLIPA", wordpiece, (2, None, 0)),  # [SEP] stripped to 0 (strip_sep_token)
 }
@@ -146,32 +169,49 @@ def test_siglip_tokenizer_cleaning(tmp_path):
         assert torch.equal(pt.wrap(pt.encode(text)), tok([text])[0])
 
 
+@pytest.fixture(params=["clip", *sorted(FAMILIES)])
+def any_tokenizer(request, tmp_path):
+    """CLIP's BPE, or a family's tiny tokenizer loaded through model.tokenizer."""
+    if request.param == "clip":
+        return PromptTokenizer(load_tokenizer("ViT-B-16"))
+    model, build, _ = FAMILIES[request.param]
+    return PromptTokenizer(load_tokenizer(model, build(tmp_path / "tok")))
+
+
 @pytest.mark.parametrize("position", ["end", "middle", "front"])
-def test_prompt_layout_against_the_tokenizers_text(family, position):
-    """Every class's ids: the context ids at the slots, and without them exactly the tokenizer's
-    own row for "{name}."; with ctx_init at the end, the tokenizer's row of the whole prompt."""
-    model, directory, _ = family
-    pt = PromptTokenizer(load_tokenizer(model, directory))
+def test_prompt_layout_against_the_tokenizers_text(any_tokenizer, position):
+    """Every class's ids are the tokenizer's own row for "x x x x {name}." with the context's
+    tokens moved to the layout's slots; with ctx_init at the end, its row for the whole prompt."""
+    pt = any_tokenizer
     names = [c.replace("_", " ") for c in CLASSES]
-    ctx = pt.encode("x x x x")
-    ids, name_lens = prompt_ids(pt, position, ctx, names)
+    ids, name_lens = prompt_ids(pt, position, "x x x x", names)
     start = int(pt.sos_id is not None)
-    slots = coop.model.prompt.context_slots(position, len(ctx), name_lens, start)
+    slots = coop.model.prompt.context_slots(position, 4, name_lens, start)
     for row, name, c, s in zip(ids, names, name_lens, slots, strict=True):
-        assert c == len(pt.encode(name))
-        assert row[s].tolist() == ctx
+        whole = pt([f"x x x x {name}."])[0]
+        ctx = whole[start : start + 4]
+        assert len(pt.encode(f"x x x x {name}")) == 4 + c
+        assert torch.equal(row[s], ctx)
         keep = torch.ones(len(row), dtype=torch.bool)
         keep[s] = False
-        own = pt([f"{name}."])[0]
-        assert torch.equal(row[keep], own[: keep.sum()])
+        without = torch.cat([whole[:start], whole[start + 4 :]])  # the tokenizer's row minus the context
+        assert torch.equal(row[keep], without)
         if start:
             assert row[0] == pt.sos_id
         if position == "front":
             assert s.tolist() == list(range(start + c, start + c + 4))
     if position == "end":
-        phrase = pt.encode("a photo of a")
-        ids, _ = prompt_ids(pt, "end", phrase, names)
+        ids, _ = prompt_ids(pt, "end", "a photo of a", names)
         assert torch.equal(ids, pt([f"a photo of a {n}." for n in names]))
+
+
+def test_a_name_after_the_context_is_tokenised_as_in_the_text(tmp_path):
+    """Gemma-like: "dog" alone is not "▁dog" as it stands in the prompt; the prompt has the latter."""
+    pt = PromptTokenizer(load_tokenizer("ViT-B-16-SigLIP2", gemma_like(tmp_path / "gemma")))
+    assert pt.encode("dog") != pt.encode("a dog")[1:]
+    ids, _ = prompt_ids(pt, "front", "a photo of a", ["dog"])
+    dog = pt.encode("a dog")[1:]
+    assert ids[0, : len(dog)].tolist() == dog
 
 
 def test_prompt_too_long_counts_the_tokenizers_specials(tmp_path):
@@ -179,9 +219,9 @@ def test_prompt_too_long_counts_the_tokenizers_specials(tmp_path):
     pt = PromptTokenizer(load_tokenizer("ViT-L-14-CLIPA", wordpiece(tmp_path / "bert")))
     ok = " ".join(["x"] * 28)
     assert len(pt.encode(ok + " dog.")) == 30
-    prompt_ids(pt, "end", pt.encode(ok), ["dog"])
+    prompt_ids(pt, "end", ok, ["dog"])
     with pytest.raises(PromptError, match="needs 33 tokens, more than 32"):
-        prompt_ids(pt, "end", pt.encode(ok + " x"), ["dog"])
+        prompt_ids(pt, "end", ok + " x", ["dog"])
 
 
 @pytest.fixture

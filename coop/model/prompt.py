@@ -66,22 +66,40 @@ def context_slots(position: str, n_ctx: int, name_lens: list[int], start: int = 
 
 
 def prompt_ids(
-    tok: PromptTokenizer, position: str, ctx_ids: list[int], names: list[str], template: str = "{}."
+    tok: PromptTokenizer,
+    position: str,
+    context: str,
+    names: list[str],
+    template: str = "{}.",
+    block: list[int] | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Every class's prompt as token ids before the context is learned: (n_cls, context_length),
     and the class names' token counts.
 
-    A row is the tokenizer's own layout of "{context} {template with the name}" ([SOS] only where
-    the tokenizer has one, its [EOS] and padding), with the context block `ctx_ids` moved to the
-    position. The text after the context is tokenised whole, with the tokenizer's cleaning; as in
-    CoOp, [CLASS] is its first C tokens, C the count of the name tokenised alone (they differ
-    where the name's last token joins what follows: "crane (bird)" + "." ends in ")." in CLIP's BPE).
+    A row is the tokenizer's own row for "{context} {template with the name}" ([SOS] only where
+    the tokenizer has one, its [EOS] and padding), with the context's tokens moved to the
+    position. What follows the context is tokenised as it stands in that text (a tokenizer that
+    marks a word's leading space, as Gemma's does, gives "▁dog" there and "dog" alone); as in
+    CoOp, [CLASS] is its first C tokens, C the token count of the name in the same place (the two
+    differ where the name's last token joins what follows: "crane (bird)" + "." ends in ")." in
+    CLIP's BPE).
+
+    Args:
+        tok: the model's tokenizer.
+        position: "end", "middle" or "front".
+        context: the text of the context slots: "X X X X", or the `ctx_init` phrase.
+        names: class names as they enter the prompt.
+        template: what follows the context, "{}" standing for the name.
+        block: the ids the context slots hold (default: `context`'s own); placeholders for a
+            tokenizer in which "X" is not one token.
     """
+    ctx_ids = tok.encode(context)
+    block = ctx_ids if block is None else list(block)
     rows, name_lens = [], []
-    limit, n_ctx = tok.context_length, len(ctx_ids)
+    limit, n_ctx = tok.context_length, len(block)
     for name in names:
-        text_ids = tok.encode(template.format(name))  # [CLASS][.]
-        c = len(tok.encode(name))
+        text_ids = _after_context(tok, context, ctx_ids, template.format(name))  # [CLASS][.]
+        c = len(_after_context(tok, context, ctx_ids, name))
         needed = tok.n_special + n_ctx + len(text_ids)
         if needed > limit:
             raise PromptError(
@@ -89,15 +107,26 @@ def prompt_ids(
                 f"(n_ctx={n_ctx}, class name {c} tokens)"
             )
         if position == "end":
-            content = ctx_ids + text_ids
+            content = block + text_ids
         elif position == "middle":
             half = n_ctx // 2
-            content = ctx_ids[:half] + text_ids[:c] + ctx_ids[half:] + text_ids[c:]
+            content = block[:half] + text_ids[:c] + block[half:] + text_ids[c:]
         else:  # front
-            content = text_ids[:c] + ctx_ids + text_ids[c:]
+            content = text_ids[:c] + block + text_ids[c:]
         rows.append(tok.wrap(content))
         name_lens.append(c)
     return torch.stack(rows), name_lens
+
+
+def _after_context(tok: PromptTokenizer, context: str, ctx_ids: list[int], text: str) -> list[int]:
+    """The ids of `text` where it follows `context` in "{context} {text}"."""
+    ids = tok.encode(f"{context} {text}")
+    if ids[: len(ctx_ids)] != ctx_ids:
+        raise PromptError(
+            f"the tokenizer joins the context '{context}' with the text after it in '{context} {text}', "
+            "so the context's tokens cannot be told apart"
+        )
+    return ids[len(ctx_ids) :]
 
 
 def _warn_if_coop_differs(ctx_init: str, n_tokens: int) -> None:
@@ -209,21 +238,23 @@ class PromptLearner(nn.Module):
                     f"prompt.position=middle is not defined for n_ctx={n_ctx} below the {n_phrase} tokens "
                     f"of ctx_init '{ctx_init}' (use end or front, or n_ctx={n_phrase})"
                 )
-            ctx_ids = init_ids
+            context, block = ctx_init, None
         else:
             n_ctx = int(n_ctx)
             if n_ctx < 1:
                 raise PromptError(f"n_ctx must be >= 1, got {n_ctx}")
             n_phrase = n_ctx
-            ctx_ids = tok.encode(" ".join(["X"] * n_ctx))  # placeholders, as CoOp's "X X X X"
-            if len(ctx_ids) != n_ctx:  # "X" is not one token here: any id will do, it is replaced
-                ctx_ids = [tok.pad_id] * n_ctx
+            context, block = " ".join(["X"] * n_ctx), None  # placeholders, as CoOp's "X X X X"
+            if len(tok.encode(context)) != n_ctx:  # "X" is not one token here: any id will do
+                block = [tok.pad_id] * n_ctx
         self.n_ctx = n_ctx
         self.n_phrase = n_phrase  # context block length: M learnable + P - M frozen phrase tokens
         self.ctx_init = ctx_init or None
 
         self.n_sos = int(tok.sos_id is not None)  # where the text begins: after [SOS], or at 0
-        ids, name_lens = prompt_ids(tok, self.position, ctx_ids, self.classnames, template)  # (n_cls, 77)
+        ids, name_lens = prompt_ids(
+            tok, self.position, context, self.classnames, template, block
+        )  # (n_cls, 77)
         eos = ids.argmax(dim=-1)
         length = int(eos.max()) + 1
         ids = ids[:, :length]

@@ -13,6 +13,7 @@ tokenizer (`HFTokenizer`). A row is `lead + text + trail`, padded on the right t
 
     CLIP BPE (CLIP, EVA, PE-Core, MobileCLIP, CoCa)   [SOS] text [EOS] 0 0 ..
     T5 / mT5 SentencePiece (SigLIP, MetaCLIP 2 mT5)   text </s> <pad> ..      no [SOS]
+    Gemma (SigLIP2)                                   text <eos> <pad> ..     no [SOS]
     BERT WordPiece (CLIPA, strip_sep_token)           [CLS] text 0 0 ..       [SEP] replaced by 0
 
 A Hugging Face tokenizer comes from the local Hugging Face cache, the hub, or a directory given
