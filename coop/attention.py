@@ -23,7 +23,6 @@ from coop.analysis import readable_token
 from coop.model.clip import CLIP
 from coop.model.prompt import PromptLearner
 from coop.model.text_encoder import TextTransformer
-from coop.model.tokenizer import prompt_tokenizer
 
 
 @torch.no_grad()
@@ -96,11 +95,11 @@ def token_roles(learner: PromptLearner, tokenizer) -> list[dict]:
     """
     words = getattr(tokenizer, "decoder", None) or {}
     out = []
-    for c, name in enumerate(learner.classnames):
+    for c in range(learner.n_cls):
         eos = int(learner.eos[c])
         ids = learner.token_ids[c, : eos + 1].tolist()
         ctx = learner.slots[c].tolist()
-        n_name = len(prompt_tokenizer(tokenizer).encode(name))
+        n_name = learner.name_lens[c]
         frozen = range(
             ctx[-1] + 1, ctx[-1] + 1 + learner.n_phrase - learner.n_ctx
         )  # "of a" of "[V1][V2] of a"

@@ -259,6 +259,7 @@ class PromptLearner(nn.Module):
         length = int(eos.max()) + 1
         ids = ids[:, :length]
         slots = context_slots(self.position, n_ctx, name_lens, self.n_sos)  # (n_cls, M)
+        self.name_lens = name_lens  # C per class: [CLASS]'s tokens in the prompt
         device = embedding.weight.device
         with torch.no_grad():
             token_embeds = embedding(ids.to(device))  # (n_cls, L, W)
