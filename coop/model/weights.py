@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import warnings
 import zipfile
 from pathlib import Path
@@ -26,11 +25,11 @@ from torch import nn
 
 from coop.io import refused_unpickling
 from coop.model.clip import CLIP, ModelError
+from coop.model.tokenizer import hub_reachable as _hub_reachable
 from coop.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-HUB_HOST = "huggingface.co"
 NO_WEIGHTS = (None, "", "none", "None")
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 # Entries of OpenAI's TorchScript state dict that are sizes, not weights (OpenAI's build_model drops them).
@@ -256,13 +255,3 @@ def _cached_or_download(model_name: str, tag: str, tag_cfg: dict) -> str:
     if not path:
         raise WeightsUnavailableError(f"could not download open_clip weights '{tag}' for {model_name}")
     return path
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    try:
-        socket.create_connection((HUB_HOST, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
