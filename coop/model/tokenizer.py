@@ -87,11 +87,13 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
         ) from None
     if directory is not None:
         return _from_directory(model_name, hub_name, Path(directory).expanduser())
-    cached = _cached(hub_name)
-    if not cached and not hub_reachable():
+    cache, online = _cache_holding(hub_name), hub_reachable()
+    if cache is None and not online:
         raise TokenizerError(_unavailable(model_name, hub_name))
-    try:  # cached but offline: read the cache without asking the hub (no minute of retries)
-        return open_clip.get_tokenizer(model_name, **({} if not cached else {"local_files_only": True}))
+    # offline: read the cache without asking the hub (its retries would take a minute)
+    kwargs = {} if online else {"cache_dir": cache, "local_files_only": True}
+    try:
+        return open_clip.get_tokenizer(model_name, **kwargs)
     except OSError as e:
         raise TokenizerError(f"{_unavailable(model_name, hub_name)} ({_first_line(e)})") from None
 
@@ -117,11 +119,12 @@ def _from_directory(model_name: str, hub_name: str, path: Path):
         ) from None
 
 
-def _cached(hub_name: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
+def _cache_holding(hub_name: str) -> str | None:
+    """The Hugging Face cache directory if it holds the tokenizer `hub_name`, else None."""
+    from huggingface_hub import constants, try_to_load_from_cache
 
-    path = try_to_load_from_cache(hub_name, "tokenizer_config.json")
-    return isinstance(path, str) and os.path.isfile(path)
+    path = try_to_load_from_cache(hub_name, "tokenizer_config.json", cache_dir=constants.HF_HUB_CACHE)
+    return constants.HF_HUB_CACHE if isinstance(path, str) and os.path.isfile(path) else None
 
 
 def _unavailable(model_name: str, hub_name: str) -> str:
