@@ -16,9 +16,11 @@ import sys
 import open_clip
 import pytest
 import torch
+from conftest import REPO, TINY_CONFIG, run_tool_in_process, tiny_args
 from open_clip.tokenizer import SigLipTokenizer, SimpleTokenizer
 
 import coop
+from coop.checkpoint import load_trained
 from coop.config import load_config
 from coop.model.prompt import PromptError, PromptLearner, prompt_ids
 from coop.model.tokenizer import PromptTokenizer, TokenizerError, load_tokenizer
@@ -304,3 +306,29 @@ def test_methods_that_need_sos_refuse_a_tokenizer_without(no_sos_clip, method):
     cfg = load_config(None, [f"method={method}", "tcp.layer=2", "mmrl.layers=[1]", "mmrl.vision_layers=[1]"])
     with pytest.raises(ValueError, match="needs a tokenizer with a start token; model tiny-t5's has none"):
         coop.methods.build_method(no_sos_clip, CLASSES, cfg)
+
+
+def test_a_run_reads_model_tokenizer_and_records_it(image_folder, tmp_path, monkeypatch):
+    """tools/train.py on a tiny CLIP-tower model whose config names a Hugging Face tokenizer: without
+    model.tokenizer, offline, one line; with it, the run trains, records the directory by absolute
+    path, and its checkpoint rebuilds the same prompts, all without the network."""
+    cfg = json.loads(TINY_CONFIG.read_text())
+    cfg["text_cfg"]["hf_tokenizer_name"] = "example/tiny-t5"  # not on any hub, nor in any cache
+    model = tmp_path / "coop-tiny-t5.json"
+    model.write_text(json.dumps(cfg))
+    directory = unigram(tmp_path / "t5", eos_last=True)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    res = run_tool_in_process(
+        REPO / "tools" / "train.py", tiny_args(image_folder, out, **{"model.name": model})
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "'example/tiny-t5'" in res.stderr and "model.tokenizer=DIR" in res.stderr
+    out = tmp_path / "run2"
+    args = tiny_args(image_folder, out, **{"model.name": model, "model.tokenizer": "t5", "train.epochs": 2})
+    res = run_tool_in_process(REPO / "tools" / "train.py", args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert load_config(str(out / "config.yaml")).model.tokenizer == str(directory)
+    monkeypatch.chdir(REPO)
+    clip, learner, _ = load_trained(out / "checkpoint.pt")
+    assert learner.n_sos == 0 and clip.tokenizer([" dog"])[0, 1] == len(clip.tokenizer.tokenizer) - 1  # </s>
