@@ -252,9 +252,8 @@ class PromptLearner(nn.Module):
         self.ctx_init = ctx_init or None
 
         self.n_sos = int(tok.sos_id is not None)  # where the text begins: after [SOS], or at 0
-        ids, name_lens = prompt_ids(
-            tok, self.position, context, self.classnames, template, block
-        )  # (n_cls, 77)
+        # (n_cls, context length) ids and each class name's token count
+        ids, name_lens = prompt_ids(tok, self.position, context, self.classnames, template, block)
         eos = ids.argmax(dim=-1)
         length = int(eos.max()) + 1
         ids = ids[:, :length]
