@@ -332,3 +332,20 @@ def test_a_run_reads_model_tokenizer_and_records_it(image_folder, tmp_path, monk
     monkeypatch.chdir(REPO)
     clip, learner, _ = load_trained(out / "checkpoint.pt")
     assert learner.n_sos == 0 and clip.tokenizer([" dog"])[0, 1] == len(clip.tokenizer.tokenizer) - 1  # </s>
+
+
+def test_clip_lora_with_nothing_shared(no_sos_clip, monkeypatch):
+    """Without [SOS], prompts that start with the class share no prefix: they run whole."""
+    import coop.methods.clip_lora as clip_lora
+
+    monkeypatch.setattr(clip_lora, "CLIP_LORA_TEMPLATE", "{}.")
+    method = coop.methods.build_method(
+        no_sos_clip, CLASSES, load_config(None, ["method=clip_lora", "lora.dropout=0"])
+    )
+    assert method.prefix == 0
+    with torch.no_grad():
+        ours = method.encode_classes()
+        whole = no_sos_clip.text.encode_embeddings(
+            no_sos_clip.text.token_embedding(method.token_ids), method.eos
+        )
+    torch.testing.assert_close(ours, whole)
