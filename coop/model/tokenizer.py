@@ -23,7 +23,6 @@ is a one-line `TokenizerError` that says so. Nothing here downloads when the hub
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from pathlib import Path
@@ -31,8 +30,6 @@ from pathlib import Path
 import open_clip
 import torch
 from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH, SimpleTokenizer, basic_clean, canonicalize_text
-
-log = logging.getLogger(__name__)
 
 HUB_HOST = "huggingface.co"
 HF_EXTRA = "pip install 'coop[hf]'"
@@ -185,7 +182,7 @@ class PromptTokenizer:
             raise TokenizerError(f"unsupported tokenizer {name} (expected one of open_clip's)")
         if len(lead) > 1 or len(trail) > 1:
             raise TokenizerError(
-                f"{name} adds {lead} before and {trail} after a text; prompts expect one each"
+                f"{name} adds {lead} before and {trail} after a text; prompts expect at most one each"
             )
         self.lead, self.trail = lead, trail
         self.sos_id = lead[0] if lead else None
