@@ -245,7 +245,7 @@ def test_ctx_init_word_count_differs_from_coop(tiny_clip, caplog):
     assert learner.n_ctx == 7 and learner.ctx.shape == (7, tiny_clip.width)
     lines = [r.getMessage() for r in caplog.records if r.name == "coop.model.prompt"]
     assert len(lines) == 1 and caplog.records[-1].levelno == logging.WARNING
-    assert "5 words but 7 BPE tokens" in lines[0]
+    assert "5 words but 7 tokens" in lines[0]
     assert "M=5 context vectors" in lines[0] and "other 2 tokens frozen" in lines[0]
     assert "all 7 tokens are learned" in lines[0]
     caplog.clear()

@@ -307,7 +307,9 @@ def test_attention_roles_follow_the_causal_mask(tiny_clip):
     for pos, lrn in layouts.items():
         assert torch.equal(lrn.ctx, learner.ctx)
         _, attn = attention_maps.attention_maps(tiny_clip.text, lrn)
-        mass[pos] = attention_maps.attention_to_roles(attn, attention_maps.token_roles(lrn, tiny_clip.tokenizer))
+        mass[pos] = attention_maps.attention_to_roles(
+            attn, attention_maps.token_roles(lrn, tiny_clip.tokenizer)
+        )
     assert mass["end"]["ctx->cls"].abs().max() == 0 and mass["middle"]["ctx->cls"].min() > 0
     assert mass["front"]["cls->ctx"].abs().max() == 0 and mass["end"]["cls->ctx"].min() > 0
     roles = attention_maps.token_roles(layouts["middle"], tiny_clip.tokenizer)[1]

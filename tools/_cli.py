@@ -62,6 +62,7 @@ BAD_INPUT = (
     ("coop.methods", "TransferError"),
     ("coop.model.clip", "ModelError"),
     ("coop.model.weights", "WeightsUnavailableError"),
+    ("coop.model.tokenizer", "TokenizerError"),
     ("coop.model.prompt", "PromptError"),
     ("coop.interop", "InteropError"),
 )

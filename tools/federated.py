@@ -28,7 +28,7 @@ from _cli import run_cli, setup_logging  # noqa: E402
 from coop import distributed  # noqa: E402
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
-from coop.model.weights import absolute_model_files  # noqa: E402
+from coop.model.weights import absolute_model_files, absolute_tokenizer_dir  # noqa: E402
 from coop.train.lock import run_lock  # noqa: E402
 
 
@@ -66,6 +66,7 @@ def main() -> int:
 
     cfg = load_config(args.config, args.overrides, base=task.FEDERATED_BASE)
     cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
+    cfg.model.tokenizer = absolute_tokenizer_dir(cfg.model.tokenizer)
 
     try:
         task.check_config(cfg)

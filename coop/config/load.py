@@ -31,6 +31,7 @@ RESULT_FREE_KEYS = frozenset(
     {
         "device",
         "output_dir",
+        "model.tokenizer",  # where the model's own tokenizer is read from (a local copy of the hub's)
         "data.root",
         "data.num_workers",
         "train.eval_batch_size",

@@ -35,6 +35,7 @@ METHODS = tuple(
 class ModelConfig:
     name: str = "ViT-B-16"  # an OpenCLIP model name or a model-config .json
     pretrained: str | None = "openai"  # an OpenCLIP tag, a weights file, or none
+    tokenizer: str | None = None  # a saved Hugging Face tokenizer's directory, instead of the hub's
 
 
 @dataclass

@@ -150,7 +150,7 @@ def client_data(cfg: DictConfig, pid: int) -> ClientData:
         if len(_CACHE) >= 32:
             _CACHE.clear()
         device = resolve_device(cfg.device)
-        clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
+        clip = load_clip(cfg.model.name, cfg.model.pretrained, device, cfg.model.tokenizer)
         ds = load_data(cfg)
         part = client_partition(cfg, ds)
         if not 0 <= pid < len(part.clients):

@@ -168,7 +168,7 @@ class ServerRun:
         self.cfg, self.folder = cfg, folder
         self.config = OmegaConf.to_container(cfg, resolve=True)
         self.device = task.resolve_device(cfg.device)
-        clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=self.device)
+        clip = load_clip(cfg.model.name, cfg.model.pretrained, self.device, cfg.model.tokenizer)
         self.ds = task.load_data(cfg)
         self.part = task.client_partition(cfg, self.ds)
         self.method = task.build_method(clip, self.ds.classnames, cfg).to(self.device)

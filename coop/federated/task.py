@@ -110,7 +110,9 @@ def check_model(cfg: DictConfig) -> None:
     (FedOTP) and the model's image tower is not our ViT (e.g. RN50)."""
     if getattr(FL_METHODS[cfg.fl.method], "image_tokens", False):
         try:
-            load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device="cpu").require_vision_prompts()
+            load_clip(
+                cfg.model.name, cfg.model.pretrained, "cpu", cfg.model.tokenizer
+            ).require_vision_prompts()
         except ModelError as e:
             raise ModelError(
                 f"fl.method={cfg.fl.method} reads patch tokens from our ViT tower: {e}"

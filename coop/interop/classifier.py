@@ -118,7 +118,7 @@ def load_classifier(
     cfg = load_config(None, [], base=config)
     device = resolve_device(str(device))
     weights = cfg.model.pretrained if pretrained == "config" else pretrained
-    clip = load_clip(cfg.model.name, pretrained=weights, device=device)
+    clip = load_clip(cfg.model.name, weights, device, cfg.model.tokenizer)
     names = list(trained if classnames is None else classnames)
     torch.manual_seed(int(cfg.data.seed))  # any tensor the method does not load starts as in training
     if fl_method is None:

@@ -32,7 +32,7 @@ from coop.interop.names import implied_overrides, map_names
 from coop.io import atomic_write, write_json
 from coop.methods import build_method
 from coop.model.clip import CLIP
-from coop.model.weights import absolute_model_files, load_clip
+from coop.model.weights import absolute_model_files, absolute_tokenizer_dir, load_clip
 from coop.train.checkpoint import save_checkpoint
 from coop.train.evaluation import evaluate_on, evaluate_targets
 from coop.train.lock import require_run_folder, run_lock
@@ -134,13 +134,16 @@ def import_checkpoint(
     cfg = load_config(None, [f"method={method}", *implied_overrides(tensors), *overrides])
     cfg.output_dir = str(folder)
     cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
+    cfg.model.tokenizer = absolute_tokenizer_dir(cfg.model.tokenizer)
     if (folder / "checkpoint.pt").is_file():
         raise InteropError(f"{folder} already holds a run (checkpoint.pt); use another --out")
     data = cfg.data
     dataset = build_dataset(data.name, data.root, shots=0, seed=int(data.seed), split_file=data.split_file)
     classnames = list(subsample_classes(dataset, data.subsample_classes).classnames)
     if clip is None:
-        clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained if evaluate else None)
+        clip = load_clip(
+            cfg.model.name, cfg.model.pretrained if evaluate else None, tokenizer=cfg.model.tokenizer
+        )
     with torch.random.fork_rng(devices=[]):  # the method's own initialisation is thrown away
         expected = build_method(clip.float(), classnames, cfg).learnable()
     problems = shape_problems(tensors, expected, origin, model_tag(cfg.model.name))

@@ -143,7 +143,7 @@ class CLIPLoRA(Method):
         the text adapters draw dropout masks (then every class computes its own prefix)."""
         text = self.clip.text
         x = text.token_embedding(self.token_ids)  # (n_cls, L, W)
-        if self.adapters.draws_masks("text"):  # a mask for every token of every class
+        if self.adapters.draws_masks("text") or not self.prefix:  # a mask per token; or nothing shared
             return text.encode_embeddings(x, self.eos)
         p = self.prefix
         return text.encode_with_shared_prefix(x[:1, :p], x[:, p:], self.eos)

@@ -121,13 +121,15 @@ class CoCoOp(Method):
         shift = self.meta_net(img.to(self.meta_net.linear1.weight.dtype))  # (B, W)
         view = (len(shift),) + (1,) * (pl.ctx.dim() - 1) + (shift.shape[-1],)
         ctx = (pl.ctx.unsqueeze(0) + shift.view(view)).to(pl.token_embeds.dtype)  # (B, [n_cls,] M, W)
-        start = pl.shared_prefix
-        if start > 1:  # image b's [SOS][ctx_b..] is shared by all its classes
-            sos = pl.token_embeds[:1, :1].expand(len(ctx), -1, -1)  # (B, 1, W)
-            prefix = torch.cat([sos, ctx[:, : start - 1]], dim=1)  # (B, P, W)
+        start, n_sos = pl.shared_prefix, pl.n_sos
+        if start > n_sos:  # image b's [SOS][ctx_b..] is shared by all its classes
+            sos = pl.token_embeds[:1, :n_sos].expand(len(ctx), -1, -1)  # (B, 1 or 0, W)
+            prefix = torch.cat([sos, ctx[:, : start - n_sos]], dim=1)  # (B, P, W)
             kv = text.prefix_keys_values(prefix, self._deep(), pl.slots)
-        else:  # only [SOS] is shared, by every prompt
+        elif n_sos:  # only [SOS] is shared, by every prompt
             kv = text.prefix_keys_values(pl.token_embeds[:1, :1], self._deep(), pl.slots)
+        else:  # a tokenizer without [SOS]: nothing is shared
+            kv = None
         n_img, n_cls = len(ctx), pl.n_cls
         chunked = not torch.is_grad_enabled() or text.grad_checkpointing
         per_img, per_cls = n_img, n_cls
@@ -138,7 +140,7 @@ class CoCoOp(Method):
         rows = []
         for i in range(0, n_img, per_img):
             images = slice(i, i + per_img)
-            block_kv = [(k[images], v[images]) for k, v in kv] if start > 1 else kv
+            block_kv = [(k[images], v[images]) for k, v in kv] if start > n_sos else kv
             cols = []
             for c in range(0, n_cls, per_cls):
                 args = (head, block_kv, ctx[images], image_features[images], c, min(c + per_cls, n_cls))
@@ -160,15 +162,15 @@ class CoCoOp(Method):
         """`head` of the text features of images `ctx` (b, [n_cls,] M, W) x classes c0..c1-1."""
         pl, text = self.prompt_learner, self.clip.text
         b, n, width = len(ctx), c1 - c0, ctx.shape[-1]
-        start = pl.shared_prefix
+        start, n_sos = pl.shared_prefix, pl.n_sos
         embeds, slots, eos = pl.token_embeds[c0:c1], pl.slots[c0:c1], pl.eos[c0:c1]
         deep = self._deep()
-        if start > 1:
+        if start > n_sos:
             x = embeds[:, start:].unsqueeze(0)  # (1, c, L-P, W): the same for every image at the end
-            in_suffix = slots[:, start - 1 :] - start  # (c, M-h) slots after the prefix (middle)
+            in_suffix = slots[:, start - n_sos :] - start  # (c, M-h) slots after the prefix (middle)
             if in_suffix.shape[1]:
                 index = in_suffix.unsqueeze(0).unsqueeze(-1).expand(b, -1, -1, width)  # (b, c, M-h, W)
-                src = ctx[:, None, start - 1 :].expand(-1, n, -1, -1)  # (b, c, M-h, W)
+                src = ctx[:, None, start - n_sos :].expand(-1, n, -1, -1)  # (b, c, M-h, W)
                 x = x.expand(b, -1, -1, -1).scatter(2, index, src)  # (b, c, L-P, W)
             feats = text.encode_after_prefixes(kv, x, eos, deep, slots if deep is not None else None)
         else:
@@ -177,7 +179,10 @@ class CoCoOp(Method):
             prompts = embeds.unsqueeze(0).expand(b, -1, -1, -1).scatter(2, index, ctx)  # (b, c, L, W)
             if deep is not None and pl.csc:
                 deep = deep[:, c0:c1].repeat(1, b, 1, 1)  # (J-1, b c, M, W), image-major like the rows
-            x = prompts[:, :, 1:].reshape(1, b * n, -1, width)  # (1, b c, L-1, W)
+            x = prompts[:, :, n_sos:].reshape(1, b * n, -1, width)  # (1, b c, L-1, W)
             rows_slots = slots.repeat(b, 1) if deep is not None else None
-            feats = text.encode_after_prefixes(kv, x, eos.repeat(b), deep, rows_slots).view(b, n, -1)
+            if kv is None:
+                feats = text.encode_embeddings(x[0], eos.repeat(b), deep, rows_slots).view(b, n, -1)
+            else:
+                feats = text.encode_after_prefixes(kv, x, eos.repeat(b), deep, rows_slots).view(b, n, -1)
         return head(feats, img)  # feats: (b, c, E)

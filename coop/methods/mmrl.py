@@ -47,8 +47,9 @@ from coop.methods.base import TowerLayers
 from coop.methods.promptsrc import frozen_text_features
 from coop.methods.vpt import VisionPromptMethod
 from coop.methods.zeroshot import resolve_templates
-from coop.model.clip import CLIP
+from coop.model.clip import CLIP, ModelError
 from coop.model.inserted import InsertedTokens
+from coop.model.tokenizer import prompt_tokenizer
 
 
 def block_indices(layers, n_blocks: int, key: str) -> list[int]:
@@ -143,6 +144,8 @@ class MMRL(VisionPromptMethod):
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
+        if prompt_tokenizer(clip.tokenizer).sos_id is None:  # its tokens are inserted after [SOS]
+            raise ModelError(f"MMRL needs a tokenizer with a start token; model {clip.name}'s has none")
         m = cfg.mmrl
         self.n_tokens, self.rep_dim = int(m.n_tokens), int(m.rep_dim)
         self.alpha, self.reg_weight = float(m.alpha), float(m.reg_weight)

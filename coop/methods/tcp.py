@@ -147,6 +147,8 @@ class TCP(Method):
             clip, classnames, n_ctx=n_ctx, ctx_init=p.ctx_init, template=prompt_suffix(self.prompt_template)
         )
         pl = self.prompt_learner
+        if not pl.n_sos:  # the class tokens replace slots 1..M of a prefix that starts with [SOS]
+            raise PromptError(f"TCP needs a tokenizer with a start token; model {clip.name}'s has none")
         self.meta_net = ClassTokenNet(clip.embed_dim, pl.n_ctx, clip.width).to(pl.ctx.device)
         self._teacher: torch.Tensor | None = None  # (n_cls, E), normalised, once per run
 

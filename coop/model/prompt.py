@@ -1,15 +1,17 @@
 """Learnable prompts (CoOp) and the cosine-similarity classifier built on them.
 
-Prompt layouts, as in CoOp, for a class whose name has C BPE tokens ([CLASS]) and M context
-vectors v1..vM; [SOS] and [EOS] are CLIP's start and end tokens, [.] the full stop of every prompt:
+Prompt layouts, as in CoOp, for a class whose name has C tokens ([CLASS]) and M context vectors
+v1..vM; [SOS] and [EOS] are the tokenizer's start and end tokens ([SOS] only where it has one, as
+CLIP's BPE does and T5's SentencePiece does not), [.] the full stop of every prompt:
 
     end:    [SOS][v1 .. vM][CLASS][.][EOS]
     middle: [SOS][v1 .. v(M//2)][CLASS][v(M//2+1) .. vM][.][EOS]
     front:  [SOS][CLASS][v1 .. vM][.][EOS]
 
-Every layout is the token sequence of "X X .. X {classname}." with its first 1+M+C tokens
-permuted, so the frozen embeddings of all non-context tokens are computed once (a buffer) and the
-context vectors are scattered into their slots on each forward pass.
+Every layout is the model's tokenizer's sequence of "X X .. X {classname}." with its context and
+class-name tokens permuted (`prompt_ids`; `coop.model.tokenizer` gives the ids, the start and end
+tokens and the padding), so the frozen embeddings of all non-context tokens are computed once (a
+buffer) and the context vectors are scattered into their slots on each forward pass.
 
 With a phrase (`ctx_init`) and an explicit M below its token count P, the phrase stays in the
 prompt and only its first M tokens are learnable (MaPLe's and IVLP's `[V1][V2] of a {class}.` for
@@ -30,6 +32,7 @@ from torch import nn
 
 from coop.config.checks import check_depth
 from coop.model.clip import CLIP, cosine_logits
+from coop.model.tokenizer import PromptTokenizer, prompt_tokenizer
 
 log = logging.getLogger(__name__)
 POSITIONS = {"end": "end", "middle": "middle", "mid": "middle", "front": "front"}
@@ -46,23 +49,88 @@ class _DefaultInt(int):
 N_CTX_DEFAULT = _DefaultInt(4)
 
 
-def context_slots(position: str, n_ctx: int, name_lens: list[int]) -> torch.Tensor:
-    """Indices of the M context slots in each class's prompt: (n_cls, M)."""
+def context_slots(position: str, n_ctx: int, name_lens: list[int], start: int = 1) -> torch.Tensor:
+    """Indices of the M context slots in each class's prompt: (n_cls, M); `start` is where the
+    prompt's text begins (1 after [SOS], 0 for a tokenizer without one)."""
     half = n_ctx // 2
     slots = []
     for c in name_lens:
         if position == "end":
-            idx = list(range(1, 1 + n_ctx))
+            idx = list(range(start, start + n_ctx))
         elif position == "middle":
-            idx = list(range(1, 1 + half)) + list(range(1 + half + c, 1 + n_ctx + c))
+            idx = list(range(start, start + half)) + list(range(start + half + c, start + n_ctx + c))
         else:  # front
-            idx = list(range(1 + c, 1 + c + n_ctx))
+            idx = list(range(start + c, start + c + n_ctx))
         slots.append(idx)
     return torch.tensor(slots, dtype=torch.long)
 
 
+def prompt_ids(
+    tok: PromptTokenizer,
+    position: str,
+    context: str,
+    names: list[str],
+    template: str = "{}.",
+    block: list[int] | None = None,
+) -> tuple[torch.Tensor, list[int]]:
+    """Every class's prompt as token ids before the context is learned: (n_cls, context_length),
+    and the class names' token counts.
+
+    A row is the tokenizer's own row for "{context} {template with the name}" ([SOS] only where
+    the tokenizer has one, its [EOS] and padding), with the context's tokens moved to the
+    position. What follows the context is tokenised as it stands in that text (a tokenizer that
+    marks a word's leading space, as Gemma's does, gives "▁dog" there and "dog" alone); as in
+    CoOp, [CLASS] is its first C tokens, C the token count of the name in the same place (the two
+    differ where the name's last token joins what follows: "crane (bird)" + "." ends in ")." in
+    CLIP's BPE).
+
+    Args:
+        tok: the model's tokenizer.
+        position: "end", "middle" or "front".
+        context: the text of the context slots: "X X X X", or the `ctx_init` phrase.
+        names: class names as they enter the prompt.
+        template: what follows the context, "{}" standing for the name.
+        block: the ids the context slots hold (default: `context`'s own); placeholders for a
+            tokenizer in which "X" is not one token.
+    """
+    ctx_ids = tok.encode(context)
+    block = ctx_ids if block is None else list(block)
+    rows, name_lens = [], []
+    limit, n_ctx = tok.context_length, len(block)
+    for name in names:
+        text_ids = _after_context(tok, context, ctx_ids, template.format(name))  # [CLASS][.]
+        c = len(_after_context(tok, context, ctx_ids, name))
+        needed = tok.n_special + n_ctx + len(text_ids)
+        if needed > limit:
+            raise PromptError(
+                f"prompt for class '{name}' needs {needed} tokens, more than {limit} "
+                f"(n_ctx={n_ctx}, class name {c} tokens)"
+            )
+        if position == "end":
+            content = block + text_ids
+        elif position == "middle":
+            half = n_ctx // 2
+            content = block[:half] + text_ids[:c] + block[half:] + text_ids[c:]
+        else:  # front
+            content = text_ids[:c] + block + text_ids[c:]
+        rows.append(tok.wrap(content))
+        name_lens.append(c)
+    return torch.stack(rows), name_lens
+
+
+def _after_context(tok: PromptTokenizer, context: str, ctx_ids: list[int], text: str) -> list[int]:
+    """The ids of `text` where it follows `context` in "{context} {text}"."""
+    ids = tok.encode(f"{context} {text}")
+    if ids[: len(ctx_ids)] != ctx_ids:
+        raise PromptError(
+            f"the tokenizer joins the context '{context}' with the text after it in '{context} {text}', "
+            "so the context's tokens cannot be told apart"
+        )
+    return ids[len(ctx_ids) :]
+
+
 def _warn_if_coop_differs(ctx_init: str, n_tokens: int) -> None:
-    """CoOp counts the words of `ctx_init`, we count its BPE tokens; say so when they differ."""
+    """CoOp counts the words of `ctx_init`, we count its tokens; say so when they differ."""
     n_words = len(ctx_init.split(" "))  # CoOp's rule, empty strings from double spaces included
     if n_words == n_tokens:
         return
@@ -76,7 +144,7 @@ def _warn_if_coop_differs(ctx_init: str, n_tokens: int) -> None:
             f"learn M={n_words} vectors, taken from the phrase's tokens and the [EOS]/padding after them"
         )
     log.warning(
-        "ctx_init '%s' has %d words but %d BPE tokens: CoOp would %s; here all %d tokens are learned (n_ctx=%d)",
+        "ctx_init '%s' has %d words but %d tokens: CoOp would %s; here all %d tokens are learned (n_ctx=%d)",
         ctx_init,
         n_words,
         n_tokens,
@@ -93,10 +161,11 @@ class PromptLearner(nn.Module):
         clip: a `coop.CLIP`.
         classnames: class names; `_` is read as a space.
         n_ctx: number of context vectors M (default 4). With `ctx_init` and M unset it is the
-            phrase's BPE token count P; an explicit M < P learns the phrase's first M tokens and
-            keeps the rest as frozen text (see the module docstring); M > P is an error.
+            phrase's token count P (in the model's tokenizer); an explicit M < P learns the
+            phrase's first M tokens and keeps the rest as frozen text (see the module docstring);
+            M > P is an error.
         ctx_init: optional phrase ("a photo of a") whose token embeddings initialise `ctx`. With M
-            unset every BPE token of the phrase becomes a learnable vector. CoOp instead takes M =
+            unset every token of the phrase becomes a learnable vector. CoOp instead takes M =
             the phrase's word count (`len(ctx_init.split(" "))`) and learns the first M tokens; a
             phrase with more tokens than words ("a close-up photo of a": 5 words, 7 tokens) keeps
             its last tokens frozen there, and we learn all 7 (a warning says so; an explicit
@@ -139,7 +208,7 @@ class PromptLearner(nn.Module):
         self.csc = bool(csc)
         self.depth = int(depth)
         self.classnames = [name.replace("_", " ") for name in classnames]
-        tokenizer = clip.tokenizer
+        tok = prompt_tokenizer(clip.tokenizer)
         width = clip.width
         embedding = clip.text.token_embedding
 
@@ -154,7 +223,7 @@ class PromptLearner(nn.Module):
             ctx_init = None
         if ctx_init:
             ctx_init = ctx_init.replace("_", " ")
-            init_ids = tokenizer.encode(ctx_init)
+            init_ids = tok.encode(ctx_init)
             n_phrase = len(init_ids)  # P: the phrase's tokens, the first M of them learnable
             if not explicit:
                 n_ctx = n_phrase
@@ -169,47 +238,27 @@ class PromptLearner(nn.Module):
                     f"prompt.position=middle is not defined for n_ctx={n_ctx} below the {n_phrase} tokens "
                     f"of ctx_init '{ctx_init}' (use end or front, or n_ctx={n_phrase})"
                 )
-            prefix_text = ctx_init
+            context, block = ctx_init, None
         else:
             n_ctx = int(n_ctx)
             if n_ctx < 1:
                 raise PromptError(f"n_ctx must be >= 1, got {n_ctx}")
             n_phrase = n_ctx
-            prefix_text = " ".join(["X"] * n_ctx)
+            context, block = " ".join(["X"] * n_ctx), None  # placeholders, as CoOp's "X X X X"
+            if len(tok.encode(context)) != n_ctx:  # "X" is not one token here: any id will do
+                block = [tok.pad_id] * n_ctx
         self.n_ctx = n_ctx
         self.n_phrase = n_phrase  # context block length: M learnable + P - M frozen phrase tokens
         self.ctx_init = ctx_init or None
 
-        name_lens = [len(tokenizer.encode(name)) for name in self.classnames]
-        limit = clip.context_length
-        texts = [template.format(name) for name in self.classnames]  # "name." by default
-        for name, c, text in zip(self.classnames, name_lens, texts, strict=True):
-            needed = 1 + n_phrase + len(tokenizer.encode(text)) + 1  # [SOS] ctx class [.] [EOS]
-            if needed > limit:
-                raise PromptError(
-                    f"prompt for class '{name}' needs {needed} tokens, more than {limit} "
-                    f"(n_ctx={n_phrase}, class name {c} tokens)"
-                )
-        ids = tokenizer([f"{prefix_text} {text}" for text in texts])  # (n_cls, 77)
+        self.n_sos = int(tok.sos_id is not None)  # where the text begins: after [SOS], or at 0
+        # (n_cls, context length) ids and each class name's token count
+        ids, name_lens = prompt_ids(tok, self.position, context, self.classnames, template, block)
         eos = ids.argmax(dim=-1)
         length = int(eos.max()) + 1
         ids = ids[:, :length]
-        slots = context_slots(self.position, n_ctx, name_lens)  # (n_cls, M)
-        # Rearrange "[SOS] X..X [CLASS] rest" into the chosen layout (the ctx ids are placeholders;
-        # a phrase's frozen tokens M+1..P follow the learnable ones).
-        order = torch.arange(length).repeat(len(self.classnames), 1)  # (n_cls, L)
-        for row, c in enumerate(name_lens):
-            ctx_src = list(range(1, 1 + n_phrase))
-            cls_src = list(range(1 + n_phrase, 1 + n_phrase + c))
-            if self.position == "end":
-                new = ctx_src + cls_src
-            elif self.position == "middle":
-                half = n_ctx // 2
-                new = ctx_src[:half] + cls_src + ctx_src[half:]
-            else:
-                new = cls_src + ctx_src
-            order[row, 1 : 1 + n_phrase + c] = torch.tensor(new)
-        ids = ids.gather(1, order)
+        slots = context_slots(self.position, n_ctx, name_lens, self.n_sos)  # (n_cls, M)
+        self.name_lens = name_lens  # C per class: [CLASS]'s tokens in the prompt
         device = embedding.weight.device
         with torch.no_grad():
             token_embeds = embedding(ids.to(device))  # (n_cls, L, W)
@@ -240,10 +289,11 @@ class PromptLearner(nn.Module):
     @property
     def shared_prefix(self) -> int:
         """How many leading tokens every prompt shares: [SOS][v1..vM] (end) or [SOS][v1..vM/2]
-        (middle) with shared context; 1 ([SOS] alone) otherwise."""
+        (middle) with shared context; [SOS] alone otherwise ([SOS] counts 0 for a tokenizer
+        without one)."""
         if self.csc or self.position == "front":
-            return 1
-        return 1 + (self.n_ctx if self.position == "end" else self.n_ctx // 2)
+            return self.n_sos
+        return self.n_sos + (self.n_ctx if self.position == "end" else self.n_ctx // 2)
 
     def forward(self, ctx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompt embeddings (n_cls, L, W) and deep prompts (J-1, n_cls or 1, M, W) or None.
@@ -280,6 +330,8 @@ class PromptClassifier(nn.Module):
         pl, text = self.prompt_learner, self.clip.text
         slots = pl.slots if deep is not None else None
         start = pl.shared_prefix  # [SOS] or [SOS][v1..]: the same for every class, computed once
+        if start == 0:  # no [SOS] and nothing else shared
+            return text.encode_embeddings(prompts, pl.eos, deep, slots)
         return text.encode_with_shared_prefix(prompts[:1, :start], prompts[:, start:], pl.eos, deep, slots)
 
     def logits(self, image_features: torch.Tensor, text_features: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import warnings
 import zipfile
 from pathlib import Path
@@ -26,10 +25,11 @@ from torch import nn
 
 from coop.io import refused_unpickling
 from coop.model.clip import CLIP, ModelError
+from coop.model.tokenizer import hub_reachable as _hub_reachable
+from coop.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-HUB_HOST = "huggingface.co"
 NO_WEIGHTS = (None, "", "none", "None")
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 # Entries of OpenAI's TorchScript state dict that are sizes, not weights (OpenAI's build_model drops them).
@@ -66,7 +66,17 @@ def absolute_model_files(name: str, pretrained: str | None) -> tuple[str, str | 
     return name, pretrained
 
 
-def load_clip(name: str, pretrained: str | None = None, device: str | torch.device = "cpu") -> CLIP:
+def absolute_tokenizer_dir(directory: str | None) -> str | None:
+    """`model.tokenizer` as an absolute path when it names an existing directory (recorded so, as
+    `absolute_model_files` records the model's files); anything else stays as given."""
+    if directory is not None and os.path.isdir(os.path.expanduser(str(directory))):
+        return str(Path(str(directory)).expanduser().resolve())
+    return directory
+
+
+def load_clip(
+    name: str, pretrained: str | None = None, device: str | torch.device = "cpu", tokenizer: str | None = None
+) -> CLIP:
     """Build a CLIP by OpenCLIP model name (or config JSON path) and wrap it.
 
     Args:
@@ -79,13 +89,17 @@ def load_clip(name: str, pretrained: str | None = None, device: str | torch.devi
             has a `-quickgelu` twin a log line says which one is in use.
             Random weights are drawn with seed 0, so every process builds the same model.
         device: where the model lives.
+        tokenizer: a saved Hugging Face tokenizer's directory for a model whose tokenizer is one
+            (`model.tokenizer`); None: open_clip's (from the Hugging Face cache or hub for those).
 
     Raises:
         ModelError: unknown model name or tag, weights that do not fit the model, an unsupported tower.
         FileNotFoundError: `pretrained` names a file that does not exist.
         WeightsUnavailableError: a tag's weights are not cached and cannot be downloaded.
+        TokenizerError: the tokenizer cannot be loaded here (`coop.model.tokenizer.load_tokenizer`).
     """
     model_name = resolve_model_name(name)
+    text_tokenizer = load_tokenizer(model_name, tokenizer)  # before the weights: a quick refusal
     kwargs, weights, local = {}, None, False
     if pretrained in NO_WEIGHTS:
         pass
@@ -117,8 +131,7 @@ def load_clip(name: str, pretrained: str | None = None, device: str | torch.devi
         root.removeFilter(quiet)
     if weights is not None:
         _load_weights(model, weights, model_name, openai_archive)
-    tokenizer = open_clip.get_tokenizer(model_name)
-    clip = CLIP.from_openclip(model, tokenizer=tokenizer, name=model_name).to(device)
+    clip = CLIP.from_openclip(model, tokenizer=text_tokenizer, name=model_name).to(device)
     if local and not openai_archive:
         _say_activation(clip, model_name)
     return clip
@@ -242,13 +255,3 @@ def _cached_or_download(model_name: str, tag: str, tag_cfg: dict) -> str:
     if not path:
         raise WeightsUnavailableError(f"could not download open_clip weights '{tag}' for {model_name}")
     return path
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    try:
-        socket.create_connection((HUB_HOST, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False

@@ -95,17 +95,19 @@ def token_roles(learner: PromptLearner, tokenizer) -> list[dict]:
     """
     words = getattr(tokenizer, "decoder", None) or {}
     out = []
-    for c, name in enumerate(learner.classnames):
+    for c in range(learner.n_cls):
         eos = int(learner.eos[c])
         ids = learner.token_ids[c, : eos + 1].tolist()
         ctx = learner.slots[c].tolist()
-        n_name = len(tokenizer.encode(name))
+        n_name = learner.name_lens[c]
         frozen = range(
             ctx[-1] + 1, ctx[-1] + 1 + learner.n_phrase - learner.n_ctx
         )  # "of a" of "[V1][V2] of a"
-        first = [p for p in range(1, eos) if p not in ctx and p not in frozen]  # class tokens, then "."
+        first = [p for p in range(learner.n_sos, eos) if p not in ctx and p not in frozen]  # class, "."
         labels = [readable_token(tokenizer, words[t]) if t in words else str(t) for t in ids]
-        labels[0], labels[eos] = "[SOS]", "[EOS]"
+        if learner.n_sos:
+            labels[0] = "[SOS]"
+        labels[eos] = "[EOS]"
         for m, p in enumerate(ctx):
             labels[p] = f"v{m + 1}"
         out.append({"labels": labels, "ctx": ctx, "cls": first[:n_name], "eos": eos})

@@ -150,5 +150,5 @@ def load_trained(
     ckpt = load_checkpoint(path, device)
     model = ckpt["config"]["model"]
     weights = model["pretrained"] if pretrained == "config" else pretrained
-    clip = load_clip(model["name"], pretrained=weights, device=device)
+    clip = load_clip(model["name"], weights, device, model.get("tokenizer"))
     return clip, learner_from_checkpoint(clip, ckpt), ckpt

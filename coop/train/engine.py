@@ -145,7 +145,7 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
         batches = global_batches(torch.arange(len(dataset.train)), batch_size, cfg.train.drop_last)
         rank_share(batches[-1], batch_size)  # the smallest: every rank needs a share of each batch
     if clip is None:
-        clip = load_clip(cfg.model.name, pretrained=cfg.model.pretrained, device=device)
+        clip = load_clip(cfg.model.name, cfg.model.pretrained, device, cfg.model.tokenizer)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
     train_tf, test_tf = clip_transforms(clip, cfg.train.crop_scale, bool(cfg.train.augment))
     precision = resolve_precision(cfg.train.precision, device)

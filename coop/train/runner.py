@@ -44,7 +44,7 @@ from coop.config.load import RESULT_FREE_KEYS, flatten, to_yaml
 from coop.config.schema import DEFAULTS
 from coop.data import DataError
 from coop.io import atomic_write, write_json
-from coop.model.weights import absolute_model_files
+from coop.model.weights import absolute_model_files, absolute_tokenizer_dir
 from coop.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from coop.train.engine import (
     NonFiniteLossError,
@@ -114,6 +114,7 @@ def train_run(cfg: DictConfig) -> dict:
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
+    cfg.model.tokenizer = absolute_tokenizer_dir(cfg.model.tokenizer)
     folder = require_run_folder(cfg.output_dir)  # every rank, before it writes or builds anything
     world = distributed.world()  # under torchrun rank 0 alone writes the folder; rank k logs warnings
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,226 @@
+"""A model's tokenizer as prompt assembly sees it, and loading it offline.
+
+    tok = load_tokenizer("ViT-B-16-SigLIP", directory="/data/siglip-tokenizer")  # open_clip's own object
+    pt = PromptTokenizer(tok)
+    pt.encode("a photo of a")        # ids without specials, cleaned as `tok` cleans a text
+    pt.sos_id, pt.eos_id, pt.pad_id  # None where the tokenizer has no such token
+    pt.wrap(ids)                     # one row of `context_length` ids, exactly as `tok` would give it
+    pt(["a photo of a dog."])        # (N, context_length): `tok` itself
+
+open_clip picks the tokenizer from the model config (`open_clip.get_tokenizer`): CLIP's BPE
+(`SimpleTokenizer`, shipped with open_clip) unless `text_cfg.hf_tokenizer_name` names a Hugging Face
+tokenizer (`HFTokenizer`). A row is `lead + text + trail`, padded on the right to the context length:
+
+    CLIP BPE (CLIP, EVA, PE-Core, MobileCLIP, CoCa)   [SOS] text [EOS] 0 0 ..
+    T5 / mT5 SentencePiece (SigLIP, MetaCLIP 2 mT5)   text </s> <pad> ..      no [SOS]
+    Gemma (SigLIP2)                                   text <eos> <pad> ..     no [SOS]
+    BERT WordPiece (CLIPA, strip_sep_token)           [CLS] text 0 0 ..       [SEP] replaced by 0
+
+A Hugging Face tokenizer comes from the local Hugging Face cache, the hub, or a directory given
+as `model.tokenizer` (made with `save_pretrained` where there is network); offline and uncached it
+is a one-line `TokenizerError` that says so. Nothing here downloads when the hub is unreachable.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import open_clip
+import torch
+from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH, SimpleTokenizer, basic_clean, canonicalize_text
+
+HUB_HOST = "huggingface.co"
+HF_EXTRA = "pip install 'coop[hf]'"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded here (offline, transformers missing) or used for prompts."""
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers (never, under HF_HUB_OFFLINE=1)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection((HUB_HOST, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def hub_tokenizer_name(model_name: str) -> str | None:
+    """The Hugging Face tokenizer open_clip uses for `model_name`, or None (CLIP's BPE)."""
+    text_cfg = (open_clip.get_model_config(model_name) or {}).get("text_cfg", {})
+    return text_cfg.get("hf_tokenizer_name") or None
+
+
+def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
+    """open_clip's tokenizer for a model: `open_clip.get_tokenizer`, or the same tokenizer read from
+    `directory` (a saved Hugging Face tokenizer) with the model's context length and options.
+
+    Args:
+        model_name: a registered open_clip model name.
+        directory: `model.tokenizer`; only for models with a Hugging Face tokenizer.
+    Raises:
+        TokenizerError: `directory` for a CLIP-BPE model, or not a tokenizer; transformers missing;
+            the hub tokenizer neither cached nor reachable.
+    """
+    hub_name = hub_tokenizer_name(model_name)
+    if hub_name is None:
+        if directory is not None:
+            raise TokenizerError(
+                f"model.tokenizer={directory}: model {model_name} uses CLIP's BPE tokenizer, which ships with "
+                "open_clip; model.tokenizer is for models with a Hugging Face tokenizer (leave it unset)"
+            )
+        return open_clip.get_tokenizer(model_name)
+    try:
+        import transformers  # noqa: F401  (open_clip's HFTokenizer imports it when built)
+    except ImportError:
+        raise TokenizerError(
+            f"model {model_name} needs the Hugging Face tokenizer '{hub_name}' and transformers is not "
+            f"installed: {HF_EXTRA}"
+        ) from None
+    if directory is not None:
+        return _from_directory(model_name, hub_name, Path(directory).expanduser())
+    cache, online = _cache_holding(hub_name), hub_reachable()
+    if cache is None and not online:
+        raise TokenizerError(_unavailable(model_name, hub_name))
+    # offline: read the cache without asking the hub (its retries would take a minute)
+    kwargs = {} if online else {"cache_dir": cache, "local_files_only": True}
+    try:
+        return open_clip.get_tokenizer(model_name, **kwargs)
+    except OSError as e:
+        raise TokenizerError(f"{_unavailable(model_name, hub_name)} ({_first_line(e)})") from None
+
+
+def _from_directory(model_name: str, hub_name: str, path: Path):
+    """open_clip's `get_tokenizer` for a Hugging Face tokenizer, with `path` in place of the hub name."""
+    if not path.is_dir():
+        raise TokenizerError(
+            f"model.tokenizer={path}: no such directory (expected a saved '{hub_name}' tokenizer)"
+        )
+    text_cfg = open_clip.get_model_config(model_name)["text_cfg"]
+    kwargs = {**text_cfg.get("tokenizer_kwargs", {}), "local_files_only": True}
+    try:
+        return open_clip.tokenizer.HFTokenizer(
+            str(path),
+            context_length=text_cfg.get("context_length", DEFAULT_CONTEXT_LENGTH),
+            tokenizer_mode=text_cfg.get("tokenizer_mode"),
+            **kwargs,
+        )
+    except (OSError, ValueError) as e:
+        raise TokenizerError(
+            f"model.tokenizer={path}: not a Hugging Face tokenizer directory for '{hub_name}' ({_first_line(e)})"
+        ) from None
+
+
+def _cache_holding(hub_name: str) -> str | None:
+    """The Hugging Face cache directory if it holds the tokenizer `hub_name`, else None."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    path = try_to_load_from_cache(hub_name, "tokenizer_config.json", cache_dir=constants.HF_HUB_CACHE)
+    return constants.HF_HUB_CACHE if isinstance(path, str) and os.path.isfile(path) else None
+
+
+def _unavailable(model_name: str, hub_name: str) -> str:
+    return (
+        f"the tokenizer '{hub_name}' of model {model_name} is not in the Hugging Face cache and the hub cannot "
+        f"be reached (offline?): pass model.tokenizer=DIR, a directory made where there is network with "
+        f"transformers.AutoTokenizer.from_pretrained('{hub_name}').save_pretrained(DIR), or copy that "
+        "machine's Hugging Face cache (HF_HOME)"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+class PromptTokenizer:
+    """One interface over open_clip's tokenizers (CLIP's `SimpleTokenizer`, `HFTokenizer`,
+    `SigLipTokenizer`), for assembling prompts from token ids.
+
+    Args:
+        tokenizer: the open_clip tokenizer of the model (`CLIP.tokenizer`).
+
+    Attributes:
+        sos_id: the start token every row begins with ([SOS], [CLS]), or None.
+        eos_id: the end token after the text ([EOS], </s>), or None when the row carries none
+            (CLIPA's stripped [SEP], which reads as 0).
+        pad_id: the id that fills a row after the end.
+        context_length: ids per row.
+        n_special: how many ids a row spends on start and end tokens.
+    """
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+        self.context_length = int(tokenizer.context_length)
+        name = type(tokenizer).__name__
+        stripped = False
+        if isinstance(tokenizer, SimpleTokenizer):
+            if tokenizer.reduction_fn is not None:
+                raise TokenizerError(
+                    f"{name} with a reduction mask (random token dropping) cannot assemble prompts"
+                )
+            self._encode = tokenizer.encode  # cleans, as its __call__ does
+            lead, trail, self.pad_id = [tokenizer.sot_token_id], [tokenizer.eot_token_id], 0
+        elif hasattr(tokenizer, "tokenizer"):  # HFTokenizer, SigLipTokenizer
+            hf = tokenizer.tokenizer
+            if getattr(tokenizer, "tokenizer_mode", ""):
+                raise TokenizerError(f"{name} mode '{tokenizer.tokenizer_mode}' cannot assemble prompts")
+            if hf.padding_side != "right":
+                raise TokenizerError(f"{name} pads on the {hf.padding_side}; prompts need right padding")
+            clean = getattr(tokenizer, "clean_fn", None) or _siglip_clean
+            self._encode = lambda text: hf(clean(text), add_special_tokens=False)["input_ids"]
+            lead, trail = _specials(hf, name)
+            if getattr(tokenizer, "strip_sep_token", False):  # open_clip turns [SEP] into 0 (CLIPA)
+                stripped = hf.sep_token_id in trail
+                trail = [0 if t == hf.sep_token_id else t for t in trail]
+            self.pad_id = hf.pad_token_id
+        else:
+            raise TokenizerError(f"unsupported tokenizer {name} (expected one of open_clip's)")
+        if len(lead) > 1 or len(trail) > 1:
+            raise TokenizerError(
+                f"{name} adds {lead} before and {trail} after a text; prompts expect at most one each"
+            )
+        self.lead, self.trail = lead, trail
+        self.sos_id = lead[0] if lead else None
+        self.eos_id = trail[0] if trail and not stripped else None
+        self.n_special = len(lead) + len(trail)
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text` without start/end tokens, after the tokenizer's own cleaning."""
+        return list(self._encode(text))
+
+    def wrap(self, ids: list[int]) -> torch.Tensor:
+        """(context_length,) ids: start token, `ids`, end token, padding, as the tokenizer lays out a
+        text whose `encode` is `ids`. A ValueError if they do not fit."""
+        row = self.lead + list(ids) + self.trail
+        if len(row) > self.context_length:
+            raise ValueError(f"{len(row)} tokens do not fit the context length {self.context_length}")
+        return torch.tensor(row + [self.pad_id] * (self.context_length - len(row)), dtype=torch.long)
+
+    def __call__(self, texts: str | list[str]) -> torch.Tensor:
+        """(N, context_length) ids: open_clip's tokenizer itself."""
+        return self.inner([texts] if isinstance(texts, str) else list(texts))
+
+
+def prompt_tokenizer(tokenizer) -> PromptTokenizer:
+    """`tokenizer` as a `PromptTokenizer` (itself if it already is one)."""
+    return tokenizer if isinstance(tokenizer, PromptTokenizer) else PromptTokenizer(tokenizer)
+
+
+def _siglip_clean(text: str) -> str:
+    return canonicalize_text(basic_clean(text))  # open_clip's SigLipTokenizer.__call__
+
+
+def _specials(hf, name: str) -> tuple[list[int], list[int]]:
+    """The ids a Hugging Face tokenizer puts before and after a text (found around a probe text)."""
+    probe = "a"
+    content = hf(probe, add_special_tokens=False)["input_ids"]
+    full = hf(probe)["input_ids"]
+    for i in range(len(full) - len(content) + 1):
+        if full[i : i + len(content)] == content:
+            return full[:i], full[i + len(content) :]
+    raise TokenizerError(f"{name}: cannot find the text among its special tokens ({full} around {content})")

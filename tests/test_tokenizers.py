@@ -1,0 +1,351 @@
+"""Tokenizers offline and prompt assembly that does not assume CLIP's BPE (coop.model.tokenizer).
+
+Tiny Hugging Face tokenizers are built here with the `tokenizers` library and saved as directories
+that transformers loads: a T5-like SentencePiece/Unigram one (no start token, </s> at the end), a
+BERT-like WordPiece one ([CLS] text [SEP]). They are loaded through `model.tokenizer` into open_clip's
+HFTokenizer for real open_clip model names of each family, and compared with open_clip's own
+`get_tokenizer` reading the same directory. Nothing may reach the network.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import open_clip
+import pytest
+import torch
+from conftest import REPO, TINY_CONFIG, run_tool_in_process, tiny_args
+from open_clip.tokenizer import SigLipTokenizer, SimpleTokenizer
+
+import coop
+from coop.config.load import load_config
+from coop.model.prompt import PromptError, PromptLearner, prompt_ids
+from coop.model.tokenizer import PromptTokenizer, TokenizerError, load_tokenizer
+from coop.model.weights import load_clip
+from coop.train.checkpoint import load_trained
+
+pytest.importorskip("transformers")
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+WORDS = "a photo of the dog cat golden retriever st bernard crane bird airliner long class name x".split()
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789.,()-'"
+TEXTS = ["a photo of a dog.", "A photo of a St. Bernard (dog).", "golden_retriever", "  x  X x. ", "crane"]
+CLASSES = ["dog", "golden_retriever", "St. Bernard", "crane (bird)", "airliner"]
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Any connection attempt fails the test; the hub is offline for huggingface_hub too."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a test tried to reach the network: {args[:2]}")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def unigram(path, pad="<pad>", eos_last=False):
+    """A T5-like tokenizer: SentencePiece pieces ("▁word"), no start token, "$A </s>".
+
+    Specials <pad> 0, </s> 1, <unk> 2 (mT5's); `pad="</s>"` pads with </s> (open_clip's SigLIP);
+    `eos_last` puts </s> at the largest id instead, as CLIP's [EOS] is, for today's argmax pooling."""
+    specials = ["<pad>", "<unk>"] if eos_last else ["<pad>", "</s>", "<unk>"]
+    pieces = dict.fromkeys([*specials, *("▁" + w for w in WORDS), "▁", *CHARS, *("▁" + c for c in CHARS)])
+    vocab = [(p, 0.0 if p in specials else -2.0 if p[1:] in WORDS else -6.0) for p in pieces]
+    if eos_last:
+        vocab.append(("</s>", 0.0))
+    ids = [p for p, _ in vocab]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=ids.index("<unk>")))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", ids.index("</s>"))]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token=pad, unk_token="<unk>")
+    fast.save_pretrained(path)
+    return path
+
+
+def wordpiece(path):
+    """A BERT-like tokenizer: lower-cased WordPiece, "[CLS] $A [SEP]", [PAD] 0."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *CHARS, *("##" + c for c in CHARS[:26])]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(dict.fromkeys(vocab))}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+def gemma_like(path):
+    """A Gemma-like tokenizer (SigLIP2's): BPE on the raw text with spaces as "▁", no dummy prefix
+    ("dog" alone, "▁dog" after a word), "$A <eos>" (no <bos>, as open_clip asks), <pad> 0, <eos> 1."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab, merges = dict.fromkeys([*specials, "▁", *CHARS]), []
+    for word in [*WORDS, *("▁" + w for w in WORDS)]:
+        for i in range(2, len(word) + 1):
+            if word[:i] not in vocab:
+                vocab[word[:i]] = None
+                merges.append((word[: i - 1], word[i - 1]))
+    ids = {t: i for i, t in enumerate(vocab)}
+    tok = Tokenizer(models.BPE(ids, merges, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Replace("▁", " ")
+    tok.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+# family: (open_clip model, tokenizer builder, expected (sos, eos, pad) ids)
+FAMILIES = {
+    "siglip": ("ViT-B-16-SigLIP", lambda p: unigram(p, pad="</s>"), (None, 1, 1)),
+    "siglip2": ("ViT-B-16-SigLIP2", gemma_like, (None, 1, 0)),
+    "metaclip2-mt5": ("ViT-L-14-worldwide", unigram, (None, 1, 0)),
+    "clipa": ("ViT-L-14-CLIPA", wordpiece, (2, None, 0)),  # [SEP] stripped to 0 (strip_sep_token)
+}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request, tmp_path):
+    model, build, specials = FAMILIES[request.param]
+    return model, build(tmp_path / "tok"), specials
+
+
+def open_clips_own(model: str, directory):
+    """open_clip's get_tokenizer on the same tokenizer files (its 'local-dir:' schema)."""
+    (directory / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": open_clip.get_model_config(model)})
+    )
+    return open_clip.get_tokenizer(f"local-dir:{directory}")
+
+
+def test_model_tokenizer_loads_the_family_tokenizer_as_open_clip_does(family):
+    model, directory, (sos, eos, pad) = family
+    ours = load_tokenizer(model, directory)
+    assert type(ours) is open_clip.tokenizer.HFTokenizer
+    reference = open_clips_own(model, directory)
+    assert torch.equal(ours(TEXTS), reference(TEXTS))
+    pt = PromptTokenizer(ours)
+    assert (pt.sos_id, pt.eos_id, pt.pad_id) == (sos, eos, pad)
+    assert pt.context_length == open_clip.get_model_config(model)["text_cfg"]["context_length"]
+
+
+def test_a_row_is_the_tokenizers_own(family):
+    """wrap(encode(text)) is open_clip's row for `text`: specials, cleaning, padding, for every family."""
+    model, directory, _ = family
+    pt = PromptTokenizer(load_tokenizer(model, directory))
+    for text in TEXTS:
+        assert torch.equal(pt.wrap(pt.encode(text)), pt([text])[0]), text
+
+
+def test_clip_bpe_interface():
+    pt = PromptTokenizer(open_clip.get_tokenizer("ViT-B-16"))
+    assert (pt.sos_id, pt.eos_id, pt.pad_id, pt.context_length) == (49406, 49407, 0, 77)
+    for text in TEXTS:
+        assert torch.equal(pt.wrap(pt.encode(text)), SimpleTokenizer()([text])[0])
+
+
+def test_siglip_tokenizer_cleaning(tmp_path):
+    """open_clip's SigLipTokenizer (it canonicalises: lower case, no punctuation) around a tiny T5."""
+    tok = SigLipTokenizer.__new__(SigLipTokenizer)  # its constructor reads a SentencePiece file
+    tok.tokenizer = PreTrainedTokenizerFast.from_pretrained(unigram(tmp_path / "t5"))
+    tok.context_length = 64
+    pt = PromptTokenizer(tok)
+    assert pt.encode("A Dog.") == pt.encode("a dog")
+    for text in TEXTS:
+        assert torch.equal(pt.wrap(pt.encode(text)), tok([text])[0])
+
+
+@pytest.fixture(params=["clip", *sorted(FAMILIES)])
+def any_tokenizer(request, tmp_path):
+    """CLIP's BPE, or a family's tiny tokenizer loaded through model.tokenizer."""
+    if request.param == "clip":
+        return PromptTokenizer(load_tokenizer("ViT-B-16"))
+    model, build, _ = FAMILIES[request.param]
+    return PromptTokenizer(load_tokenizer(model, build(tmp_path / "tok")))
+
+
+@pytest.mark.parametrize("position", ["end", "middle", "front"])
+def test_prompt_layout_against_the_tokenizers_text(any_tokenizer, position):
+    """Every class's ids are the tokenizer's own row for "x x x x {name}." with the context's
+    tokens moved to the layout's slots; with ctx_init at the end, its row for the whole prompt."""
+    pt = any_tokenizer
+    names = [c.replace("_", " ") for c in CLASSES]
+    ids, name_lens = prompt_ids(pt, position, "x x x x", names)
+    start = int(pt.sos_id is not None)
+    slots = coop.model.prompt.context_slots(position, 4, name_lens, start)
+    for row, name, c, s in zip(ids, names, name_lens, slots, strict=True):
+        whole = pt([f"x x x x {name}."])[0]
+        ctx = whole[start : start + 4]
+        assert len(pt.encode(f"x x x x {name}")) == 4 + c
+        assert torch.equal(row[s], ctx)
+        keep = torch.ones(len(row), dtype=torch.bool)
+        keep[s] = False
+        without = torch.cat([whole[:start], whole[start + 4 :]])  # the tokenizer's row minus the context
+        assert torch.equal(row[keep], without)
+        if start:
+            assert row[0] == pt.sos_id
+        if position == "front":
+            assert s.tolist() == list(range(start + c, start + c + 4))
+    if position == "end":
+        ids, _ = prompt_ids(pt, "end", "a photo of a", names)
+        assert torch.equal(ids, pt([f"a photo of a {n}." for n in names]))
+
+
+def test_a_name_after_the_context_is_tokenised_as_in_the_text(tmp_path):
+    """Gemma-like: "dog" alone is not "▁dog" as it stands in the prompt; the prompt has the latter."""
+    pt = PromptTokenizer(load_tokenizer("ViT-B-16-SigLIP2", gemma_like(tmp_path / "gemma")))
+    assert pt.encode("dog") != pt.encode("a dog")[1:]
+    ids, _ = prompt_ids(pt, "front", "a photo of a", ["dog"])
+    dog = pt.encode("a dog")[1:]
+    assert ids[0, : len(dog)].tolist() == dog
+
+
+def test_prompt_too_long_counts_the_tokenizers_specials(tmp_path):
+    """CLIPA-like: context 32 = [CLS] + 30 + [SEP]; one token more is refused."""
+    pt = PromptTokenizer(load_tokenizer("ViT-L-14-CLIPA", wordpiece(tmp_path / "bert")))
+    ok = " ".join(["x"] * 28)
+    assert len(pt.encode(ok + " dog.")) == 30
+    prompt_ids(pt, "end", ok, ["dog"])
+    with pytest.raises(PromptError, match="needs 33 tokens, more than 32"):
+        prompt_ids(pt, "end", ok + " x", ["dog"])
+
+
+@pytest.fixture
+def no_sos_clip(tiny_openclip, tmp_path):
+    """The tiny CLIP-BPE tower with a T5-like tokenizer (no [SOS]) whose </s> is its largest id,
+    so that the tower's argmax pooling finds it; the ids fit the tower's vocabulary."""
+    hf = open_clip.tokenizer.HFTokenizer(str(unigram(tmp_path / "t5", eos_last=True)), context_length=77)
+    return coop.CLIP.from_openclip(tiny_openclip, tokenizer=hf, name="tiny-t5")
+
+
+def test_learner_without_sos_matches_the_plain_prompt(no_sos_clip):
+    """ctx_init="a photo of a" at the end: the learner's features are the model's own for the text."""
+    clip = no_sos_clip
+    learner = PromptLearner(clip, CLASSES, ctx_init="a photo of a")
+    assert learner.n_sos == 0 and learner.slots[0].tolist() == [0, 1, 2, 3] and learner.shared_prefix == 4
+    texts = [f"a photo of a {c.replace('_', ' ')}." for c in CLASSES]
+    with torch.no_grad():
+        ours = coop.PromptClassifier(clip, learner).text_features()
+        plain = clip.encode_text(clip.tokenize(texts))
+    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position,csc", [("end", False), ("middle", False), ("front", False), ("end", True)])
+def test_learner_without_sos_shared_prefix_equals_full_pass(no_sos_clip, position, csc):
+    """[v1..vM] (no [SOS]) as the shared prefix, or nothing shared: the same as every row run whole."""
+    learner = PromptLearner(no_sos_clip, CLASSES, n_ctx=4, position=position, csc=csc)
+    with torch.no_grad():
+        learner.ctx.normal_()
+        ours = coop.PromptClassifier(no_sos_clip, learner).text_features()
+        prompts, _ = learner()
+        full = no_sos_clip.text.encode_embeddings(prompts, learner.eos)
+    torch.testing.assert_close(ours, full, rtol=1e-5, atol=1e-5)
+    assert learner.shared_prefix == (0 if csc or position == "front" else 4 if position == "end" else 2)
+
+
+@pytest.mark.parametrize("position", ["end", "front"])
+def test_cocoop_without_sos(no_sos_clip, position):
+    """CoCoOp's per-image prefix [ctx_b] (no [SOS]), or no shared prefix at all (front): each
+    image's prompts give the features of running them whole."""
+    cfg = load_config(None, ["method=cocoop", "prompt.n_ctx=4", f"prompt.position={position}"])
+    method = coop.methods.build_method(no_sos_clip, CLASSES, cfg)
+    img = torch.randn(2, no_sos_clip.embed_dim)
+    with torch.no_grad():
+        ours = method.text_features(img)  # (B, n_cls, E)
+        pl = method.prompt_learner
+        shift = method.meta_net(torch.nn.functional.normalize(img, dim=-1))  # (B, W)
+        for b in range(2):
+            prompts, _ = pl(pl.ctx + shift[b])
+            ref = no_sos_clip.text.encode_embeddings(prompts, pl.eos)
+            torch.testing.assert_close(ours[b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_offline_without_cache_says_how_to_provide_the_tokenizer(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(TokenizerError) as e:
+        load_clip("ViT-B-16-SigLIP", pretrained=None)  # refused before the model is built
+    message = str(e.value)
+    assert "\n" not in message
+    assert "'timm/ViT-B-16-SigLIP'" in message and "model.tokenizer=DIR" in message
+    assert "save_pretrained" in message
+
+
+def test_tokenizer_key_errors(tmp_path, monkeypatch):
+    assert load_config(None, [f"model.tokenizer={tmp_path}"]).model.tokenizer == str(tmp_path)
+    with pytest.raises(TokenizerError, match="uses CLIP's BPE tokenizer"):
+        load_tokenizer("ViT-B-16", tmp_path)
+    with pytest.raises(TokenizerError, match="no such directory"):
+        load_tokenizer("ViT-B-16-SigLIP", tmp_path / "missing")
+    with pytest.raises(TokenizerError, match="not a Hugging Face tokenizer directory"):
+        load_tokenizer("ViT-B-16-SigLIP", tmp_path)  # empty
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    with pytest.raises(TokenizerError, match=r"pip install 'coop\[hf\]'"):
+        load_tokenizer("ViT-B-16-SigLIP", tmp_path)
+
+
+@pytest.mark.parametrize("method", ["tcp", "mmrl"])
+def test_methods_that_need_sos_refuse_a_tokenizer_without(no_sos_clip, method):
+    cfg = load_config(None, [f"method={method}", "tcp.layer=2", "mmrl.layers=[1]", "mmrl.vision_layers=[1]"])
+    with pytest.raises(ValueError, match="needs a tokenizer with a start token; model tiny-t5's has none"):
+        coop.methods.build_method(no_sos_clip, CLASSES, cfg)
+
+
+def test_a_run_reads_model_tokenizer_and_records_it(image_folder, tmp_path, monkeypatch):
+    """tools/train.py on a tiny CLIP-tower model whose config names a Hugging Face tokenizer: without
+    model.tokenizer, offline, one line; with it, the run trains, records the directory by absolute
+    path, and its checkpoint rebuilds the same prompts, all without the network."""
+    cfg = json.loads(TINY_CONFIG.read_text())
+    cfg["text_cfg"]["hf_tokenizer_name"] = "example/tiny-t5"  # not on any hub, nor in any cache
+    model = tmp_path / "coop-tiny-t5.json"
+    model.write_text(json.dumps(cfg))
+    directory = unigram(tmp_path / "t5", eos_last=True)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    res = run_tool_in_process(
+        REPO / "tools" / "train.py", tiny_args(image_folder, out, **{"model.name": model})
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "'example/tiny-t5'" in res.stderr and "model.tokenizer=DIR" in res.stderr
+    out = tmp_path / "run2"
+    args = tiny_args(image_folder, out, **{"model.name": model, "model.tokenizer": "t5", "train.epochs": 2})
+    res = run_tool_in_process(REPO / "tools" / "train.py", args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert load_config(str(out / "config.yaml")).model.tokenizer == str(directory)
+    monkeypatch.chdir(REPO)
+    clip, learner, _ = load_trained(out / "checkpoint.pt")
+    assert learner.n_sos == 0 and clip.tokenizer([" dog"])[0, 1] == len(clip.tokenizer.tokenizer) - 1  # </s>
+
+
+def test_clip_lora_with_nothing_shared(no_sos_clip, monkeypatch):
+    """Without [SOS], prompts that start with the class share no prefix: they run whole."""
+    import coop.methods.clip_lora as clip_lora
+
+    monkeypatch.setattr(clip_lora, "CLIP_LORA_TEMPLATE", "{}.")
+    method = coop.methods.build_method(
+        no_sos_clip, CLASSES, load_config(None, ["method=clip_lora", "lora.dropout=0"])
+    )
+    assert method.prefix == 0
+    with torch.no_grad():
+        ours = method.encode_classes()
+        whole = no_sos_clip.text.encode_embeddings(
+            no_sos_clip.text.token_embedding(method.token_ids), method.eos
+        )
+    torch.testing.assert_close(ours, whole)
