@@ -1,13 +1,20 @@
-"""CLIP's causal text Transformer, re-implemented so that prompts can enter anywhere.
+"""open_clip's text Transformer (`TextTransformer`), re-implemented so that prompts can enter anywhere.
 
-The module mirrors OpenCLIP's standard text tower parameter for parameter (the state-dict keys
-are identical), but it is our own forward code:
+The module mirrors open_clip's text tower parameter for parameter (the state-dict keys are
+identical), but it is our own forward code:
 
     x = token_embedding(ids) + positional_embedding          # (N, L, W)
-    for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))     (causal mask)
-    feats = ln_final(x)[arange(N), eos] @ text_projection     # (N, E)
+    for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))     (causal mask or none)
+    feats = ln_final(x)[arange(N), pooled] @ text_projection  # (N, E)
 
-Prompts run through one packed pass (`coop.model.packing`), exact, with three savings:
+What varies between open_clip's text towers is read off the model into `TextConfig`
+(`coop.model.text_support`): the causal mask or none, the pooled token (`pool_positions`: the
+highest id, the first [EOS] id, the last or the first position), CoCa's class token appended after
+the text (pooled, with open_clip's padding mask), the activation, the LayerNorm eps and the
+projection (a matrix, a linear layer with or without bias, or none).
+
+Causal towers pooled at [EOS] (`cuts`: CLIP's, EVA, PE-Core, MetaCLIP 2, MobileCLIP-B) run prompts
+through one packed pass (`coop.model.packing`), exact, with three savings:
   * positions after a row's [EOS] never influence its [EOS] under a causal mask, so each row
     computes `eos + 1` tokens instead of 77;
   * a prefix that every row shares ([SOS], or [SOS][v1..] with shared context) is computed once
@@ -30,6 +37,11 @@ Attention runs through `F.scaled_dot_product_attention`, which returns no weight
 need them (`coop.attention`) call `encode_with_attention`: the full-sequence blocks, with each
 attention module asked (`need_weights=True`) to form softmax(q k^T / sqrt(Dh) + causal mask)
 explicitly. Only that call pays for the explicit (L, L) matrices.
+
+Every other tower (not causal: SigLIP, CLIPA, MobileCLIP-S*; or CoCa's class token) sees every
+token, padding included, so every row runs the whole context through the full-sequence blocks
+(`_encode_full`), with the same deep prompts and inserted tokens; a shared prefix is not computed
+once there (its tokens see the rows), and `prefix_keys_values` refuses.
 """
 
 from __future__ import annotations
@@ -46,8 +58,13 @@ from coop.model.inserted import InsertedTokens
 from coop.model.packing import Packing, pack, tiles
 
 
+POOLS = ("argmax", "eos", "last", "first")  # open_clip's `pool_type`s that give one token
+
+
 @dataclass(frozen=True)
 class TextConfig:
+    """The text tower's sizes and what varies between open_clip's towers (defaults: CLIP's)."""
+
     vocab_size: int = 49408
     context_length: int = 77
     width: int = 512
@@ -59,6 +76,12 @@ class TextConfig:
     gelu_approximate: str = "none"
     ln_eps: float = 1e-5
     proj_bias: bool | None = None  # None: projection is a (W, E) matrix; bool: an nn.Linear
+    projection: bool = True  # False: no projection, the features are the pooled (W,) states
+    causal: bool = True  # False: every token sees every token (SigLIP, CLIPA, MobileCLIP-S*)
+    pool: str = "argmax"  # one of POOLS: the highest id, the first `eos_id`, the last or first position
+    eos_id: int | None = None  # the id `pool="eos"` looks for (MetaCLIP 2 worldwide)
+    embed_cls: bool = False  # CoCa: a class token after the text is pooled, ln_final after pooling
+    pad_id: int = 0  # with `embed_cls`: padding keys are hidden (open_clip's mask, see `_keys`)
 
 
 def deep_by_block(deep_prompts) -> dict:
@@ -78,16 +101,22 @@ def deep_by_block(deep_prompts) -> dict:
 
 
 class TextTransformer(nn.Module):
-    """CLIP's text encoder; `state_dict()` keys equal OpenCLIP's text-tower keys."""
+    """open_clip's text encoder; `state_dict()` keys equal open_clip's text-tower keys."""
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
+        if cfg.pool not in POOLS:
+            raise ValueError(f"text pooling must be one of {POOLS}, got '{cfg.pool}'")
         self.cfg = cfg
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length, cfg.width))
-        self.transformer = Resblocks(cfg)
+        # CoCa's class token takes the position after the context
+        self.cls_emb = nn.Parameter(torch.empty(cfg.width)) if cfg.embed_cls else None
+        self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length + cfg.embed_cls, cfg.width))
+        self.transformer = Resblocks(cfg, causal=cfg.causal)
         self.ln_final = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
-        if cfg.proj_bias is None:
+        if not cfg.projection:
+            self.text_projection = None
+        elif cfg.proj_bias is None:
             self.text_projection = nn.Parameter(torch.empty(cfg.width, cfg.embed_dim))
         else:
             self.text_projection = nn.Linear(cfg.width, cfg.embed_dim, bias=cfg.proj_bias)
@@ -97,9 +126,33 @@ class TextTransformer(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.transformer.resblocks
 
+    @property
+    def cuts(self) -> bool:
+        """Whether the exact fast paths hold: the cut after each row's pooled token, the prefix
+        computed once and the packed pass. They need a causal mask (no token sees a later one) and
+        pooling at an [EOS] (argmax or eos_id); a class token after the text (CoCa) runs in full."""
+        return self.cfg.causal and self.cfg.pool in ("argmax", "eos") and not self.cfg.embed_cls
+
+    def pool_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each row's pooled position, (N,), from its token ids (N, L), as open_clip pools.
+
+        argmax: the highest id ([EOS] in CLIP's vocabulary); eos: the first `eos_id` (0 if none);
+        last: L - 1; first: 0. With CoCa's class token (pooled after the text) this is the [EOS]
+        (argmax), which bounds the keys that token sees (`_keys`).
+        """
+        n, length = ids.shape
+        if self.cfg.pool == "argmax" or self.cfg.embed_cls:
+            return ids.argmax(dim=-1)
+        if self.cfg.pool == "eos":
+            return (ids == self.cfg.eos_id).int().argmax(dim=-1)
+        at = length - 1 if self.cfg.pool == "last" else 0
+        return torch.full((n,), at, dtype=torch.long, device=ids.device)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Encode token ids (N, 77) into unnormalised text features (N, E)."""
-        eos = ids.argmax(dim=-1)  # [EOS] has the largest id
+        """Encode token ids (N, L) (L: the context length) into unnormalised text features (N, E)."""
+        eos = self.pool_positions(ids)
+        if not self.cuts:
+            return self._encode_full(self.token_embedding(ids), eos, keys=ids != self.cfg.pad_id)
         length = int(eos.max()) + 1
         x = self.token_embedding(ids[:, :length])  # (N, L, W)
         return self.encode_embeddings(x, eos)
@@ -115,13 +168,16 @@ class TextTransformer(nn.Module):
 
         Args:
             x: token embeddings, (N, L, W) with L > max(eos); rows past a row's [EOS] are ignored.
-            eos: (N,) index of each row's [EOS] token.
+                A tower without the cut (`cuts` False) needs the whole context, L = context length.
+            eos: (N,) each row's pooled position (`pool_positions`), its [EOS] in a causal tower.
             deep_prompts: optional (J-1, N or 1, M, W) tokens that replace the hidden states at
                 `slots` before blocks 1..J-1, or {block: (N or 1, M, W)} (`deep_by_block`).
             slots: (N, M) positions of the context slots; required with `deep_prompts`.
         Returns:
             (N, E) projected [EOS] features, in row order.
         """
+        if not self.cuts:
+            return self._encode_full(self._whole(x), eos, deep_prompts, slots)
         return self._encode_packed(None, x.unsqueeze(0), eos, 0, deep_prompts, slots, self._recompute())[0]
 
     def encode_with_shared_prefix(
@@ -151,8 +207,12 @@ class TextTransformer(nn.Module):
             slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
             inserted: tokens that join the prefix after [SOS] at a block (`prefix_keys_values`).
 
-        Blocks are recomputed in the backward pass under `grad_checkpointing`.
+        Blocks are recomputed in the backward pass under `grad_checkpointing`. A tower without
+        the cut (`cuts` False) runs every row, prefix included, in full (`_encode_full`).
         """
+        if not self.cuts:
+            x = torch.cat([prefix.expand(len(x), -1, -1), x], dim=1)  # (N, L, W)
+            return self._encode_full(self._whole(x), eos, deep_prompts, slots, inserted)
         kv = self.prefix_keys_values(prefix, deep_prompts, slots, inserted)
         start = prefix.shape[1]
         return self._encode_packed(kv, x.unsqueeze(0), eos, start, deep_prompts, slots, self._recompute())[0]
@@ -175,7 +235,13 @@ class TextTransformer(nn.Module):
                 only [SOS] and each other, so they are prefix too, and P grows to P+K there.
         Returns:
             Per block, the prefix's (keys, values), each (G, H, P, Dh) (P+K from the insertion on).
+        Raises:
+            ValueError: the tower has no exact cut (`cuts`): its prefix sees the rows after it.
         """
+        if not self.cuts:
+            raise ValueError(
+                f"{self.describe()}: a prefix computed once needs a causal text tower pooled at [EOS]"
+            )
         start = prefix.shape[1]
         deep = deep_by_block(deep_prompts)
         in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
@@ -307,31 +373,100 @@ class TextTransformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode_embeddings` that also returns every layer's attention probabilities.
 
-        All rows run at one length, max(eos) + 1, through the full-sequence blocks: under the
-        causal mask a row's [EOS] never sees the tokens after it, so the features equal those of
-        the packed pass.
+        All rows run at one length through the full-sequence blocks: max(eos) + 1 where the tower
+        cuts (under the causal mask a row's [EOS] never sees the tokens after it, so the features
+        equal those of the packed pass), the whole context otherwise.
 
         Args:
             x, eos, deep_prompts, slots: as in `encode_embeddings`.
         Returns:
             (N, E) features and (layers, N, H, L, L) weights: [l, n, h, t, s] is the probability
-            that query t puts on key s in head h of block l (0 for s > t).
+            that query t puts on key s in head h of block l (0 for a key the query does not see).
         """
-        n, width = x.shape[0], x.shape[-1]
-        x = x[:, : int(eos.max()) + 1] + self.positional_embedding[: int(eos.max()) + 1]  # (N, L, W)
+        x = x[:, : int(eos.max()) + 1] if self.cuts else self._whole(x)
+        return self._encode_full(x, eos, deep_prompts, slots, need_weights=True)
+
+    def _encode_full(self, x, eos, deep_prompts=None, slots=None, inserted=None, keys=None, need_weights=False):
+        """Every token of every row through the full-sequence blocks: the forward of towers without
+        the cut (`cuts`), and of `encode_with_attention`.
+
+        Args:
+            x: (N, L, W) token embeddings of positions 0..L-1, without positions.
+            eos: (N,) pooled positions (`pool_positions`).
+            deep_prompts, slots: as in `encode_embeddings`; inserted: as in `encode_with_shared_prefix`.
+            keys: (N, L) bool, False at padding (CoCa's mask, `_keys`); default: the tokens after [EOS].
+            need_weights: also return every block's attention probabilities.
+        Returns:
+            (N, E) features; with `need_weights` also the (layers, N, H, L', L') probabilities.
+        """
+        n, length, width = x.shape
+        x = x + self.positional_embedding[:length]  # (N, L, W)
+        mask = None
+        if self.cls_emb is not None:
+            if inserted is not None:
+                raise ValueError(f"{self.describe()}: inserted tokens do not fit CoCa's class token")
+            cls = (self.cls_emb + self.positional_embedding[length]).to(x.dtype)  # (W,)
+            x = torch.cat([x, cls.expand(n, 1, -1)], dim=1)  # (N, L+1, W)
+            mask = self._keys(eos, keys, length)
         deep = deep_by_block(deep_prompts)
+        recompute = self._recompute() and not need_weights
         weights = []
         for i, block in enumerate(self.blocks):
+            if inserted is not None:
+                x = inserted.before(i, x)  # (N, L+K, W) from its first block on
             if i in deep:
+                at = slots + (x.shape[1] - length - self.cfg.embed_cls)  # (N, M), moved right by K
                 tokens = deep[i].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
-                x = x.scatter(1, slots.unsqueeze(-1).expand(-1, -1, width), tokens)
-            x, w = block(x, need_weights=True)
-            weights.append(w)
-        return self._project(x[torch.arange(n, device=x.device), eos]), torch.stack(weights)
+                x = x.scatter(1, at.unsqueeze(-1).expand(-1, -1, width), tokens)
+            if need_weights:
+                x, w = block(x, need_weights=True, mask=mask)
+                weights.append(w)
+            elif recompute:
+                x = checkpoint(block, x, False, mask, use_reentrant=False)
+            else:
+                x = block(x, mask=mask)
+        if self.cls_emb is not None:
+            pooled = x[:, -1]  # (N, W) the class token
+        else:
+            at = eos if self.cfg.pool == "first" else eos + (x.shape[1] - length)  # inserted tokens: +K
+            pooled = x[torch.arange(n, device=x.device), at]  # (N, W)
+        feats = self._project(pooled)
+        return (feats, torch.stack(weights)) if need_weights else feats
+
+    def _keys(self, eos: torch.Tensor, keys: torch.Tensor | None, length: int) -> torch.Tensor:
+        """CoCa's attention mask, (N, 1, L+1, L+1), True where a query sees a key: causal, and a key
+        hidden where the text token one place to its left is padding (open_clip's mask, which
+        CoCa's weights were trained with, lists the class token's entry first, so every text
+        entry lands one place to the right); key 0 is always seen, and the class token sees itself
+        only when the text fills the context. Without `keys` (prompt embeddings), padding is
+        every position after [EOS], as the tokenizer writes it."""
+        if keys is None:
+            keys = torch.arange(length, device=eos.device) <= eos[:, None]  # (N, L)
+        keys = torch.cat([keys.new_ones(len(keys), 1), keys], dim=1)  # (N, L+1), one place right
+        causal = torch.ones(length + 1, length + 1, dtype=torch.bool, device=keys.device).tril()
+        return (causal & keys[:, None, :]).unsqueeze(1)  # (N, 1, L+1, L+1)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, L, W) unchanged, once L is checked to be the whole context (towers without the cut)."""
+        if x.shape[1] != self.cfg.context_length:
+            raise ValueError(
+                f"{self.describe()} sees every token: prompts must hold all {self.cfg.context_length} "
+                f"positions, got {x.shape[1]}"
+            )
+        return x
+
+    def describe(self) -> str:
+        """The tower in words, for messages: 'text tower (not causal, pooled at last)'."""
+        cfg = self.cfg
+        mask = "causal" if cfg.causal else "not causal"
+        pooled = "CoCa's class token" if cfg.embed_cls else cfg.pool
+        return f"text tower ({mask}, pooled at {pooled})"
 
     def _project(self, pooled: torch.Tensor) -> torch.Tensor:
-        """(..., W) hidden states at [EOS] -> (..., E) features."""
+        """(..., W) hidden states at the pooled token -> (..., E) features."""
         pooled = self.ln_final(pooled)
+        if self.text_projection is None:
+            return pooled
         if isinstance(self.text_projection, nn.Linear):
             return self.text_projection(pooled)
         return pooled @ self.text_projection
