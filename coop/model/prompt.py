@@ -191,8 +191,8 @@ class PromptLearner(nn.Module):
                     f"(n_ctx={n_phrase}, class name {c} tokens)"
                 )
         ids = tokenizer([f"{prefix_text} {text}" for text in texts])  # (n_cls, 77)
-        eos = ids.argmax(dim=-1)
-        length = int(eos.max()) + 1
+        eos = clip.text.pool_positions(ids)  # each prompt's pooled token: [EOS] in CLIP's tower
+        length = int(eos.max()) + 1 if clip.text.cuts else ids.shape[1]  # no cut: the whole context
         ids = ids[:, :length]
         slots = context_slots(self.position, n_ctx, name_lens)  # (n_cls, M)
         # Rearrange "[SOS] X..X [CLASS] rest" into the chosen layout (the ctx ids are placeholders;
