@@ -38,16 +38,18 @@ def family(name: str) -> str:
     return f"{causal}-{pool}" + (f"-{t['eos_id']}" if pool == "eos" else "")
 
 
-def shrunk(name: str, seed: int = 0) -> torch.nn.Module:
+def shrunk(name: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
     """open_clip's model for `name` with its text tower shrunk and a tiny image tower."""
     cfg = copy.deepcopy(open_clip.get_model_config(name))
-    cfg["text_cfg"].update(layers=2, width=64, heads=2, vocab_size=VOCAB)
+    cfg["text_cfg"].update(layers=2, width=64, heads=2, vocab_size=vocab)
     vision = {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16}
     vision.update({k: v for k, v in cfg["vision_cfg"].items() if k in ("output_tokens",)})
-    args = dict(embed_dim=32, vision_cfg=vision, text_cfg=cfg["text_cfg"], quick_gelu=cfg.get("quick_gelu", False))
+    args = dict(
+        embed_dim=32, vision_cfg=vision, text_cfg=cfg["text_cfg"], quick_gelu=cfg.get("quick_gelu", False)
+    )
     torch.manual_seed(seed)
     if "multimodal_cfg" in cfg:
-        mm = {**cfg["multimodal_cfg"], "width": 64, "heads": 2, "layers": 1, "vocab_size": VOCAB}
+        mm = {**cfg["multimodal_cfg"], "width": 64, "heads": 2, "layers": 1, "vocab_size": vocab}
         model = open_clip.CoCa(multimodal_cfg=mm, **args)
     elif cfg.get("custom_text"):
         model = open_clip.CustomTextCLIP(**args)
@@ -137,6 +139,25 @@ def test_prompt_paths_equal_open_clip(fam):
             text.prefix_keys_values(x[:1, :3])
 
 
+@pytest.mark.parametrize("fam", ["bidirectional-argmax", "bidirectional-last", "coca"])
+def test_prompt_learner_on_towers_without_the_cut(fam):
+    """CoOp's check on every tower that runs the whole context: with ctx_init "a photo of a" at the
+    end, the initial prompt features equal open_clip's features of "a photo of a {name}.", and
+    deep prompts reach the output (CLIP's tokenizer, the family's context length)."""
+    oc = shrunk(FAMILIES[fam], vocab=49408)
+    clip = coop.CLIP.from_openclip(oc)
+    names = ["dog", "great white shark", "St. Bernard"]
+    learner = coop.PromptLearner(clip, names, ctx_init="a photo of a")
+    assert learner.token_ids.shape[1] == clip.context_length  # no cut
+    classifier = coop.PromptClassifier(clip, learner)
+    with torch.no_grad():
+        ours = classifier.text_features()
+        ref = oc.encode_text(clip.tokenize([f"a photo of a {n}." for n in names]), normalize=False)
+        assert relative_error(ours, ref) < 1e-5
+        deep = coop.PromptClassifier(clip, coop.PromptLearner(clip, names, ctx_init="a photo of a", depth=2))
+        assert relative_error(deep.text_features(), ref) > 1e-3
+
+
 def test_attention_weights_follow_the_mask():
     """`encode_with_attention` on a bidirectional tower: the whole context, every key seen."""
     oc = shrunk(FAMILIES["bidirectional-last"])
@@ -167,7 +188,9 @@ def test_hf_tower_model_is_refused_when_built():
         vision_cfg={"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},
         text_cfg={"width": 32, "heads": 2, "layers": 1},
     )
-    model.text = HFTextEncoder("roberta-base", 32, config=config, pooler_type="mean_pooler", proj_type="linear")
+    model.text = HFTextEncoder(
+        "roberta-base", 32, config=config, pooler_type="mean_pooler", proj_type="linear"
+    )
     with pytest.raises(ModelError, match="model my-roberta's text tower is the Hugging Face") as err:
         coop.CLIP.from_openclip(model, name="my-roberta")
     assert "\n" not in str(err.value)

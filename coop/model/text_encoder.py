@@ -57,7 +57,6 @@ from coop.model.blocks import Resblocks
 from coop.model.inserted import InsertedTokens
 from coop.model.packing import Packing, pack, tiles
 
-
 POOLS = ("argmax", "eos", "last", "first")  # open_clip's `pool_type`s that give one token
 
 
@@ -386,7 +385,9 @@ class TextTransformer(nn.Module):
         x = x[:, : int(eos.max()) + 1] if self.cuts else self._whole(x)
         return self._encode_full(x, eos, deep_prompts, slots, need_weights=True)
 
-    def _encode_full(self, x, eos, deep_prompts=None, slots=None, inserted=None, keys=None, need_weights=False):
+    def _encode_full(
+        self, x, eos, deep_prompts=None, slots=None, inserted=None, keys=None, need_weights=False
+    ):
         """Every token of every row through the full-sequence blocks: the forward of towers without
         the cut (`cuts`), and of `encode_with_attention`.
 

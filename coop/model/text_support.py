@@ -27,7 +27,14 @@ from coop.model.image_encoder import ModelError
 from coop.model.text_encoder import POOLS, TextConfig
 
 # State-dict keys of open_clip's text tower (on `open_clip.CLIP` they sit at the model's root).
-TEXT_KEYS = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.", "text_projection", "cls_emb")
+TEXT_KEYS = (
+    "token_embedding.",
+    "positional_embedding",
+    "transformer.",
+    "ln_final.",
+    "text_projection",
+    "cls_emb",
+)
 
 
 def hf_refusal(name: str, hf_model_name: str) -> str:
@@ -96,7 +103,13 @@ def _view(tower: nn.Module, inline: bool) -> SimpleNamespace:
         pool = getattr(tower, "text_pool_type", None) or getattr(tower, "pool_type", "argmax")
         eos_id = getattr(tower, "text_eos_id", None) if hasattr(tower, "text_eos_id") else tower.eos_id
         return SimpleNamespace(
-            tower=tower, pool=pool, eos_id=eos_id, cls_emb=None, pad_mask=False, correct_cls_mask=False, pad_id=0
+            tower=tower,
+            pool=pool,
+            eos_id=eos_id,
+            cls_emb=None,
+            pad_mask=False,
+            correct_cls_mask=False,
+            pad_id=0,
         )
     return SimpleNamespace(
         tower=tower,
@@ -124,7 +137,9 @@ def _config(view: SimpleNamespace, name: str) -> TextConfig:
         problems.append("a class token without the causal mask")
     for block in blocks:
         if type(block) is not ResidualAttentionBlock:
-            problems.append(f"custom attention block {type(block).__name__} (qk norm, cosine attention, head scales)")
+            problems.append(
+                f"custom attention block {type(block).__name__} (qk norm, cosine attention, head scales)"
+            )
             break
         if not (isinstance(block.ls_1, nn.Identity) and isinstance(block.ls_2, nn.Identity)):
             problems.append("layer scale")
@@ -147,7 +162,11 @@ def _config(view: SimpleNamespace, name: str) -> TextConfig:
         heads=blocks[0].attn.num_heads,
         layers=len(blocks),
         mlp_width=blocks[0].mlp.c_fc.out_features,
-        embed_dim=width if proj is None else proj.out_features if isinstance(proj, nn.Linear) else proj.shape[1],
+        embed_dim=width
+        if proj is None
+        else proj.out_features
+        if isinstance(proj, nn.Linear)
+        else proj.shape[1],
         quick_gelu=quick,
         gelu_approximate="none" if quick else act.approximate,
         ln_eps=t.ln_final.eps,
