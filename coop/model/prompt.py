@@ -192,7 +192,7 @@ class PromptLearner(nn.Module):
                 )
         ids = tokenizer([f"{prefix_text} {text}" for text in texts])  # (n_cls, 77)
         eos = clip.text.pool_positions(ids)  # each prompt's pooled token: [EOS] in CLIP's tower
-        length = int(eos.max()) + 1 if clip.text.cuts else ids.shape[1]  # no cut: the whole context
+        length = clip.text.cut_length(eos, ids.shape[1])  # through [EOS] where the tower cuts, else all
         ids = ids[:, :length]
         slots = context_slots(self.position, n_ctx, name_lens)  # (n_cls, M)
         # Rearrange "[SOS] X..X [CLASS] rest" into the chosen layout (the ctx ids are placeholders;
