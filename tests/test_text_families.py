@@ -59,20 +59,20 @@ def shrunk(name: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
 
 
 def family_ids(text: coop.model.text_encoder.TextTransformer, seed: int = 0) -> torch.Tensor:
-    """(6, context) ids with the family's [EOS]/padding layout: lengths 1..context, one row full,
-    one row with the padding id inside its text (CoCa's mask reads ids), one without [EOS]
-    when [EOS] is an id (`pool="eos"`: pooled at 0)."""
+    """(7, context) ids with the family's [EOS]/padding layout: lengths 1..context, one row full and
+    one a token short of it, one row with the padding id inside its text (CoCa's mask reads ids),
+    one without [EOS] when [EOS] is an id (`pool="eos"`: pooled at 0)."""
     cfg = text.cfg
     ctx, gen = cfg.context_length, torch.Generator().manual_seed(seed)
     eos, pad = (cfg.eos_id, 1 if cfg.eos_id != 1 else 0) if cfg.pool == "eos" else (VOCAB - 1, 0)
-    ids = torch.randint(3, VOCAB - 2, (6, ctx), generator=gen)
+    ids = torch.randint(3, VOCAB - 2, (7, ctx), generator=gen)
     ids[:, 0] = VOCAB - 2  # [SOS]
-    for row, n in enumerate([1, 3, 7, ctx // 2, ctx - 1, 5]):  # [EOS] positions
+    for row, n in enumerate([1, 3, 7, ctx // 2, ctx - 2, ctx - 1, 5]):  # [EOS] positions
         ids[row, n] = eos
         ids[row, n + 1 :] = pad
-    ids[5, 2] = pad  # a padding id inside the text
+    ids[6, 2] = pad  # a padding id inside the text
     if cfg.pool == "eos":
-        ids[5, 5] = pad  # no [EOS] at all
+        ids[6, 5] = pad  # no [EOS] at all
     return ids
 
 
@@ -123,8 +123,9 @@ def test_prompt_paths_equal_open_clip(fam):
         ids = ids[(ids[:, 1:3] != 0).all(1)]  # from embeddings, CoCa's padding is what follows [EOS]
     ids[:, 1:3] = ids[0, 1:3]  # a shared prefix [SOS] t1 t2
     eos = text.pool_positions(ids)
-    assert text.cuts == (fam.startswith("causal") and fam != "coca") and len(ids) >= 3
-    length = int(eos.max()) + 1 if text.cuts else ids.shape[1]
+    assert text.cuts == (fam.startswith("causal") or fam == "coca") and len(ids) >= 3
+    length = text.cut_length(eos, ids.shape[1])
+    assert text.cuts or length == ids.shape[1]
     x = text.token_embedding(ids[:, :length])
     with torch.no_grad():
         ref = oc.encode_text(ids, normalize=False)
@@ -139,36 +140,80 @@ def test_prompt_paths_equal_open_clip(fam):
             text.prefix_keys_values(x[:1, :3])
 
 
-@pytest.mark.parametrize("fam", ["bidirectional-argmax", "bidirectional-last", "coca"])
-def test_prompt_learner_on_towers_without_the_cut(fam):
-    """CoOp's check on every tower that runs the whole context: with ctx_init "a photo of a" at the
-    end, the initial prompt features equal open_clip's features of "a photo of a {name}.", and
-    deep prompts reach the output (CLIP's tokenizer, the family's context length)."""
+def text_rows(text, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """The rows of `ids` whose pooled token lies at `first` or later (and, for CoCa, whose text
+    holds no padding id: from embeddings, CoCa's padding is what follows [EOS])."""
+    ids = ids[text.pool_positions(ids) >= first]
+    if text.cfg.embed_cls:
+        ids = ids[(ids[:, 1:first] != text.cfg.pad_id).all(1)]
+    return ids
+
+
+@pytest.mark.parametrize("fam", ["causal-argmax", "bidirectional-argmax", "bidirectional-last", "coca"])
+def test_prompt_learner_on_every_family(fam):
+    """CoOp's check on each family that CLIP's tokenizer fits: with ctx_init "a photo of a" at the
+    end, the initial prompt features equal open_clip's features of "a photo of a {name}.";
+    towers without the cut keep the whole context."""
     oc = shrunk(FAMILIES[fam], vocab=49408)
     clip = coop.CLIP.from_openclip(oc)
     names = ["dog", "great white shark", "St. Bernard"]
     learner = coop.PromptLearner(clip, names, ctx_init="a photo of a")
-    assert learner.token_ids.shape[1] == clip.context_length  # no cut
-    classifier = coop.PromptClassifier(clip, learner)
+    cut = learner.token_ids.shape[1] < clip.context_length
+    assert cut == clip.text.cuts
     with torch.no_grad():
-        ours = classifier.text_features()
+        ours = coop.PromptClassifier(clip, learner).text_features()
         ref = oc.encode_text(clip.tokenize([f"a photo of a {n}." for n in names]), normalize=False)
-        assert relative_error(ours, ref) < 1e-5
-        deep = coop.PromptClassifier(clip, coop.PromptLearner(clip, names, ctx_init="a photo of a", depth=2))
-        assert relative_error(deep.text_features(), ref) > 1e-3
+    assert relative_error(ours, ref) < 1e-5
 
 
-def test_attention_weights_follow_the_mask():
-    """`encode_with_attention` on a bidirectional tower: the whole context, every key seen."""
-    oc = shrunk(FAMILIES["bidirectional-last"])
+@pytest.mark.parametrize("fam", ["causal-argmax", "coca", "bidirectional-last"])
+def test_deep_tokens_packed_equal_the_full_pass(fam):
+    """Deep tokens at context slots 1..3, inside a shared 4-token prefix: shared ones, and per-row
+    ones (TCP's) that end the sharing at their block (`_unshare_prefix`); the packed pass equals
+    the full-sequence blocks (`encode_with_attention`)."""
+    text = coop.CLIP.from_openclip(shrunk(FAMILIES[fam])).text
+    ids = text_rows(text, family_ids(text), 5)
+    ids[:, 1:5] = ids[0, 1:5]
+    eos = text.pool_positions(ids)
+    x = text.token_embedding(ids[:, : text.cut_length(eos, ids.shape[1])])
+    n, width = len(ids), text.cfg.width
+    slots = torch.tensor([[1, 2, 3]]).expand(n, -1)
+    gen = torch.Generator().manual_seed(1)
+    for deep in ({1: torch.randn(n, 3, width, generator=gen)}, torch.randn(1, 1, 3, width, generator=gen)):
+        with torch.no_grad():
+            packed = text.encode_with_shared_prefix(x[:1, :4], x[:, 4:], eos, deep, slots)
+            full = text.encode_with_attention(x, eos, deep, slots)[0]
+            plain = text.encode_embeddings(x, eos)
+        assert relative_error(packed, full) < 1e-5
+        assert relative_error(packed, plain) > 1e-3  # the tokens count
+
+
+@pytest.mark.parametrize("fam", ["causal-argmax", "coca", "bidirectional-last"])
+def test_attention_weights_follow_the_mask(fam):
+    """`encode_with_attention`: open_clip's features, and weights that are 0 exactly where the
+    tower's mask hides a key (causal; CoCa's class token; none)."""
+    oc = shrunk(FAMILIES[fam])
     text = coop.CLIP.from_openclip(oc).text
-    ids = family_ids(text)
+    ids = text_rows(text, family_ids(text), 3)
+    eos = text.pool_positions(ids)
+    x = text.token_embedding(ids[:, : text.cut_length(eos, ids.shape[1])])
     with torch.no_grad():
-        feats, weights = text.encode_with_attention(text.token_embedding(ids), text.pool_positions(ids))
+        feats, weights = text.encode_with_attention(x, eos)
         ref = oc.encode_text(ids, normalize=False)
     assert relative_error(feats, ref) < 1e-5
-    assert weights.shape == (2, 6, 2, text.cfg.context_length, text.cfg.context_length)
-    assert bool((weights > 0).all())  # no causal mask: every query sees every key
+    length = x.shape[1] + text.cfg.embed_cls
+    assert weights.shape == (2, len(ids), 2, length, length)
+    seen = weights[0, :, 0] > 0  # (N, L, L) in block 0, head 0
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    if fam == "bidirectional-last":
+        assert bool(seen.all())
+    elif fam == "causal-argmax":
+        assert torch.equal(seen, causal.expand_as(seen))
+    else:  # CoCa: a key is seen through the token after [EOS]; the class token sees itself only when full
+        for row in range(len(ids)):
+            keys = torch.arange(length) <= eos[row] + 1
+            keys[-1] = bool(eos[row] == text.cfg.context_length - 1)
+            assert torch.equal(seen[row], causal & keys)
 
 
 @pytest.mark.parametrize("name", HF)

@@ -129,8 +129,20 @@ class TextTransformer(nn.Module):
     def cuts(self) -> bool:
         """Whether the exact fast paths hold: the cut after each row's pooled token, the prefix
         computed once and the packed pass. They need a causal mask (no token sees a later one) and
-        pooling at an [EOS] (argmax or eos_id); a class token after the text (CoCa) runs in full."""
-        return self.cfg.causal and self.cfg.pool in ("argmax", "eos") and not self.cfg.embed_cls
+        pooling at an [EOS] (argmax or eos_id) or at CoCa's class token, which sees the text
+        through the token after [EOS] (`_ends`)."""
+        return self.cfg.causal and (self.cfg.pool in ("argmax", "eos") or self.cfg.embed_cls)
+
+    def cut_length(self, eos: torch.Tensor, length: int) -> int:
+        """How many leading tokens of rows whose pooled positions are `eos` (N,) the tower reads,
+        out of `length`: through the last one the pooled token sees (`_ends`) where it `cuts`,
+        else all of them."""
+        return min(int(self._ends(eos).max()) + 1, length) if self.cuts else length
+
+    def _ends(self, eos: torch.Tensor) -> torch.Tensor:
+        """(N,) each row's last text token that its pooled token sees: the [EOS]; with CoCa's
+        class token the token after it (open_clip's mask is one place to the right, `_keys`)."""
+        return (eos + 1).clamp(max=self.cfg.context_length - 1) if self.cfg.embed_cls else eos
 
     def pool_positions(self, ids: torch.Tensor) -> torch.Tensor:
         """Each row's pooled position, (N,), from its token ids (N, L), as open_clip pools.
@@ -150,10 +162,11 @@ class TextTransformer(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Encode token ids (N, L) (L: the context length) into unnormalised text features (N, E)."""
         eos = self.pool_positions(ids)
-        if not self.cuts:
+        text = torch.arange(ids.shape[1], device=ids.device) <= eos[:, None]  # (N, L) up to [EOS]
+        if not self.cuts or (self.cfg.embed_cls and bool((text & (ids == self.cfg.pad_id)).any())):
+            # CoCa hides the padding id wherever it is: in the text too, so that row runs in full
             return self._encode_full(self.token_embedding(ids), eos, keys=ids != self.cfg.pad_id)
-        length = int(eos.max()) + 1
-        x = self.token_embedding(ids[:, :length])  # (N, L, W)
+        x = self.token_embedding(ids[:, : self.cut_length(eos, ids.shape[1])])  # (N, L', W)
         return self.encode_embeddings(x, eos)
 
     def encode_embeddings(
@@ -304,6 +317,11 @@ class TextTransformer(nn.Module):
         g = 1 if kv is None else kv[0][0].shape[0]
         deep = deep_by_block(deep_prompts)
         per_row = {i for i, tokens in deep.items() if len(tokens) > 1}  # else (1, M, W), shared
+        if x.shape[2] + start < self.cut_length(eos, self.cfg.context_length):
+            raise ValueError(
+                f"{self.describe()} reads {self.cut_length(eos, self.cfg.context_length)} tokens of these rows, "
+                f"got {x.shape[2] + start}"
+            )
         feats = [
             self._encode_tile(
                 kv,
@@ -315,7 +333,7 @@ class TextTransformer(nn.Module):
                 None if slots is None else slots[rows],
                 recompute,
             )
-            for rows in tiles(eos + 1 - start, g)
+            for rows in tiles(self._ends(eos) + 1 + self.cfg.embed_cls - start, g)
         ]
         return feats[0] if len(feats) == 1 else torch.cat(feats, 1)  # (G, N, E)
 
@@ -324,8 +342,12 @@ class TextTransformer(nn.Module):
         `per_row` the blocks whose tokens are one set per row."""
         g = 1 if kv is None else kv[0][0].shape[0]
         width = x.shape[-1]
-        packing = pack(eos + 1 - start, start, g)
-        h = x[:, packing.row, packing.pos] + self.positional_embedding[start + packing.pos]  # (G|1, T, W)
+        packing = self._pack(eos, start, g)
+        own = x[:, packing.row, packing.pos.clamp(max=x.shape[2] - 1)]  # (G|1, T, W)
+        h = own + self.positional_embedding[start + packing.pos]
+        if self.cls_emb is not None:  # CoCa: each row's last token is the class token
+            cls = self.cls_emb + self.positional_embedding[self.cfg.context_length]  # (W,)
+            h = h.index_copy(1, packing.last, cls.to(h.dtype).expand(len(h), len(eos), -1))
         h = h.expand(g, -1, -1)  # (G, T, W)
         in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
         last = len(self.blocks) - 1
@@ -349,8 +371,15 @@ class TextTransformer(nn.Module):
                 h = block.forward_packed(h, packing, k, v, last=i == last)
         return self._project(h)  # h: (G, N, W) at each row's [EOS]
 
-    @staticmethod
-    def _unshare_prefix(h, packing: Packing, eos, start: int, in_prefix: int, g: int):
+    def _pack(self, eos: torch.Tensor, start: int, g: int) -> Packing:
+        """The packed layout of rows of tokens start..`_ends` (and CoCa's class token, which sees
+        itself only when the text fills the context: open_clip's mask)."""
+        ends = self._ends(eos)
+        if self.cls_emb is None:
+            return pack(ends + 1 - start, start, g)
+        return pack(ends + 2 - start, start, g, blind=eos < self.cfg.context_length - 1)
+
+    def _unshare_prefix(self, h, packing: Packing, eos, start: int, in_prefix: int, g: int):
         """Re-pack rows that shared [SOS][v1..vh] so that only [SOS] stays shared.
 
         Returns (G, T', W) packed tokens 1..eos of every row (the old own tokens moved, the h slot
@@ -358,9 +387,9 @@ class TextTransformer(nn.Module):
         """
         if start != 1 + in_prefix:
             raise ValueError(f"a shared prefix of {start} tokens must be [SOS] and {in_prefix} context slots")
-        packed = pack(eos, 1, g)  # rows of eos tokens after [SOS]
+        packed = self._pack(eos, 1, g)  # rows of their own tokens after [SOS]
         moved = packed.offsets[packing.row] + packing.pos + start - 1  # (T,) old token -> new index
-        out = h.new_zeros(g, int(eos.sum()), h.shape[-1]).index_copy(1, moved, h)  # (G, T', W)
+        out = h.new_zeros(g, len(packed.row), h.shape[-1]).index_copy(1, moved, h)  # (G, T', W)
         return out, packed, 1
 
     def encode_with_attention(
@@ -382,7 +411,7 @@ class TextTransformer(nn.Module):
             (N, E) features and (layers, N, H, L, L) weights: [l, n, h, t, s] is the probability
             that query t puts on key s in head h of block l (0 for a key the query does not see).
         """
-        x = x[:, : int(eos.max()) + 1] if self.cuts else self._whole(x)
+        x = x[:, : self.cut_length(eos, x.shape[1])] if self.cuts else self._whole(x)
         return self._encode_full(x, eos, deep_prompts, slots, need_weights=True)
 
     def _encode_full(
@@ -406,7 +435,7 @@ class TextTransformer(nn.Module):
         if self.cls_emb is not None:
             if inserted is not None:
                 raise ValueError(f"{self.describe()}: inserted tokens do not fit CoCa's class token")
-            cls = (self.cls_emb + self.positional_embedding[length]).to(x.dtype)  # (W,)
+            cls = (self.cls_emb + self.positional_embedding[self.cfg.context_length]).to(x.dtype)  # (W,)
             x = torch.cat([x, cls.expand(n, 1, -1)], dim=1)  # (N, L+1, W)
             mask = self._keys(eos, keys, length)
         deep = deep_by_block(deep_prompts)
