@@ -43,8 +43,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import alternate, build_models, imagenet_prompts, max_rel_diff, text_bound, text_steps  # noqa: E402
+from _bench import alternate, build_models, imagenet_prompts, max_rel_diff, text_steps  # noqa: E402
 from _bench_families import build_family_models, clip_shaped, family_steps  # noqa: E402
+
+from coop.model.weights import resolve_model_name  # noqa: E402
 
 
 def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
@@ -52,13 +54,12 @@ def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
     learner, classifier = imagenet_prompts(
         clip, args.classes, n_ctx, position, csc=args.csc, depth=args.depth
     )
-    context = clip.context_length
-    if clip.text.cuts:
-        bound = text_bound(learner, context)
-        lengths = learner.eos + 1
-    else:  # every token seen: the whole context, nothing shared
-        bound = {"prefix": 0, "tokens": float(context), "own": float(context), "bound": 1.0}
-        lengths = torch.full_like(learner.eos, context)
+    text = clip.text
+    context = text.cfg.context_length + text.cfg.embed_cls  # what the reference computes per prompt
+    lengths = text.row_lengths(learner.eos)  # what ours computes per prompt
+    prefix = learner.shared_prefix if text.cuts else 0  # towers without the cut share nothing
+    tokens = float(lengths.float().mean())
+    bound = {"prefix": prefix, "tokens": tokens, "own": tokens - prefix, "bound": context / (tokens - prefix)}
     print(f"\n== n_ctx {n_ctx}, position {position}{', csc' if args.csc else ''}, depth {args.depth}")
     print(
         f"{clip.text.describe()}, context {context}: tokens per prompt: mean {bound['tokens']:.2f}, "
@@ -138,9 +139,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    args.clip_shaped = args.model.endswith(".json") or clip_shaped(args.model)
-    build = build_models if args.clip_shaped else build_family_models
-    oc, clip = build(args.model, torch.device(args.device))
+    name = resolve_model_name(args.model)  # a config JSON is registered under its file stem
+    args.clip_shaped = clip_shaped(name)
+    oc, clip = (build_models if args.clip_shaped else build_family_models)(name, torch.device(args.device))
     if args.memory:
         print(f"model {args.model}, {args.classes} ImageNet classes, fp32, one forward + backward of ours")
         for m in args.n_ctx:

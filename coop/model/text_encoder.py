@@ -13,10 +13,12 @@ highest id, the first [EOS] id, the last or the first position), CoCa's class to
 the text (pooled, with open_clip's padding mask), the activation, the LayerNorm eps and the
 projection (a matrix, a linear layer with or without bias, or none).
 
-Causal towers pooled at [EOS] (`cuts`: CLIP's, EVA, PE-Core, MetaCLIP 2, MobileCLIP-B) run prompts
-through one packed pass (`coop.model.packing`), exact, with three savings:
+Causal towers pooled at [EOS] or at CoCa's class token (`cuts`: CLIP's, EVA, PE-Core, MetaCLIP 2,
+MobileCLIP-B, CoCa) run prompts through one packed pass (`coop.model.packing`), exact, with three
+savings:
   * positions after a row's [EOS] never influence its [EOS] under a causal mask, so each row
-    computes `eos + 1` tokens instead of 77;
+    computes `eos + 1` tokens instead of 77 (CoCa: through the padding token after [EOS], which
+    its mask shows the class token, then the class token: `cut_length`, `row_lengths`);
   * a prefix that every row shares ([SOS], or [SOS][v1..] with shared context) is computed once
     (`prefix_keys_values`) and only attended to;
   * the rows' own tokens are packed into one sequence, so every block is one matrix multiply
@@ -38,15 +40,13 @@ need them (`coop.attention`) call `encode_with_attention`: the full-sequence blo
 attention module asked (`need_weights=True`) to form softmax(q k^T / sqrt(Dh) + causal mask)
 explicitly. Only that call pays for the explicit (L, L) matrices.
 
-Every other tower (not causal: SigLIP, CLIPA, MobileCLIP-S*; or CoCa's class token) sees every
-token, padding included, so every row runs the whole context through the full-sequence blocks
-(`_encode_full`), with the same deep prompts and inserted tokens; a shared prefix is not computed
-once there (its tokens see the rows), and `prefix_keys_values` refuses.
+Towers without the causal mask (SigLIP, CLIPA, MobileCLIP-S*) see every token, padding included,
+so every row runs the whole context through the full-sequence blocks (`coop.model.text_full`),
+with the same deep prompts and inserted tokens; a shared prefix is not computed once there (its
+tokens see the rows), and `prefix_keys_values` refuses.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,47 +56,8 @@ from torch.utils.checkpoint import checkpoint
 from coop.model.blocks import Resblocks
 from coop.model.inserted import InsertedTokens
 from coop.model.packing import Packing, pack, tiles
-
-POOLS = ("argmax", "eos", "last", "first")  # open_clip's `pool_type`s that give one token
-
-
-@dataclass(frozen=True)
-class TextConfig:
-    """The text tower's sizes and what varies between open_clip's towers (defaults: CLIP's)."""
-
-    vocab_size: int = 49408
-    context_length: int = 77
-    width: int = 512
-    heads: int = 8
-    layers: int = 12
-    mlp_width: int = 2048
-    embed_dim: int = 512
-    quick_gelu: bool = False
-    gelu_approximate: str = "none"
-    ln_eps: float = 1e-5
-    proj_bias: bool | None = None  # None: projection is a (W, E) matrix; bool: an nn.Linear
-    projection: bool = True  # False: no projection, the features are the pooled (W,) states
-    causal: bool = True  # False: every token sees every token (SigLIP, CLIPA, MobileCLIP-S*)
-    pool: str = "argmax"  # one of POOLS: the highest id, the first `eos_id`, the last or first position
-    eos_id: int | None = None  # the id `pool="eos"` looks for (MetaCLIP 2 worldwide)
-    embed_cls: bool = False  # CoCa: a class token after the text is pooled, ln_final after pooling
-    pad_id: int = 0  # with `embed_cls`: padding keys are hidden (open_clip's mask, see `_keys`)
-
-
-def deep_by_block(deep_prompts) -> dict:
-    """Deep tokens keyed by the block whose input they replace at the context slots.
-
-    Args:
-        deep_prompts: None; a tensor (J-1, N or 1, M, W) for blocks 1..J-1 (deep prompts); or a
-            dict {block index >= 1: (N or 1, M, W)} (TCP: one block's class-aware tokens).
-    """
-    if deep_prompts is None:
-        return {}
-    if isinstance(deep_prompts, dict):
-        if any(i < 1 for i in deep_prompts):
-            raise ValueError(f"deep tokens enter blocks >= 1, got blocks {sorted(deep_prompts)}")
-        return deep_prompts
-    return {i + 1: tokens for i, tokens in enumerate(deep_prompts)}  # tokens: (N or 1, M, W)
+from coop.model.text_full import deep_by_block, encode_full
+from coop.model.text_support import POOLS, TextConfig
 
 
 class TextTransformer(nn.Module):
@@ -139,9 +100,16 @@ class TextTransformer(nn.Module):
         else all of them."""
         return min(int(self._ends(eos).max()) + 1, length) if self.cuts else length
 
+    def row_lengths(self, eos: torch.Tensor) -> torch.Tensor:
+        """(N,) tokens each row computes from its pooled positions `eos`: through the pooled token
+        where the tower cuts (CoCa's class token included), else the whole context."""
+        if not self.cuts:
+            return torch.full_like(eos, self.cfg.context_length + self.cfg.embed_cls)
+        return self._ends(eos) + 1 + self.cfg.embed_cls
+
     def _ends(self, eos: torch.Tensor) -> torch.Tensor:
         """(N,) each row's last text token that its pooled token sees: the [EOS]; with CoCa's
-        class token the token after it (open_clip's mask is one place to the right, `_keys`)."""
+        class token the token after it (open_clip's mask is one place to the right, `coop.model.text_full.coca_mask`)."""
         return (eos + 1).clamp(max=self.cfg.context_length - 1) if self.cfg.embed_cls else eos
 
     def pool_positions(self, ids: torch.Tensor) -> torch.Tensor:
@@ -149,7 +117,7 @@ class TextTransformer(nn.Module):
 
         argmax: the highest id ([EOS] in CLIP's vocabulary); eos: the first `eos_id` (0 if none);
         last: L - 1; first: 0. With CoCa's class token (pooled after the text) this is the [EOS]
-        (argmax), which bounds the keys that token sees (`_keys`).
+        (argmax), which bounds the keys that token sees (`coop.model.text_full.coca_mask`).
         """
         n, length = ids.shape
         if self.cfg.pool == "argmax" or self.cfg.embed_cls:
@@ -165,7 +133,7 @@ class TextTransformer(nn.Module):
         text = torch.arange(ids.shape[1], device=ids.device) <= eos[:, None]  # (N, L) up to [EOS]
         if not self.cuts or (self.cfg.embed_cls and bool((text & (ids == self.cfg.pad_id)).any())):
             # CoCa hides the padding id wherever it is: in the text too, so that row runs in full
-            return self._encode_full(self.token_embedding(ids), eos, keys=ids != self.cfg.pad_id)
+            return encode_full(self, self.token_embedding(ids), eos, keys=ids != self.cfg.pad_id)
         x = self.token_embedding(ids[:, : self.cut_length(eos, ids.shape[1])])  # (N, L', W)
         return self.encode_embeddings(x, eos)
 
@@ -189,7 +157,7 @@ class TextTransformer(nn.Module):
             (N, E) projected [EOS] features, in row order.
         """
         if not self.cuts:
-            return self._encode_full(self._whole(x), eos, deep_prompts, slots)
+            return encode_full(self, self._whole(x), eos, deep_prompts, slots)
         return self._encode_packed(None, x.unsqueeze(0), eos, 0, deep_prompts, slots, self._recompute())[0]
 
     def encode_with_shared_prefix(
@@ -220,11 +188,11 @@ class TextTransformer(nn.Module):
             inserted: tokens that join the prefix after [SOS] at a block (`prefix_keys_values`).
 
         Blocks are recomputed in the backward pass under `grad_checkpointing`. A tower without
-        the cut (`cuts` False) runs every row, prefix included, in full (`_encode_full`).
+        the cut (`cuts` False) runs every row, prefix included, in full (`coop.model.text_full`).
         """
         if not self.cuts:
             x = torch.cat([prefix.expand(len(x), -1, -1), x], dim=1)  # (N, L, W)
-            return self._encode_full(self._whole(x), eos, deep_prompts, slots, inserted)
+            return encode_full(self, self._whole(x), eos, deep_prompts, slots, inserted)
         kv = self.prefix_keys_values(prefix, deep_prompts, slots, inserted)
         start = prefix.shape[1]
         return self._encode_packed(kv, x.unsqueeze(0), eos, start, deep_prompts, slots, self._recompute())[0]
@@ -412,69 +380,7 @@ class TextTransformer(nn.Module):
             that query t puts on key s in head h of block l (0 for a key the query does not see).
         """
         x = x[:, : self.cut_length(eos, x.shape[1])] if self.cuts else self._whole(x)
-        return self._encode_full(x, eos, deep_prompts, slots, need_weights=True)
-
-    def _encode_full(
-        self, x, eos, deep_prompts=None, slots=None, inserted=None, keys=None, need_weights=False
-    ):
-        """Every token of every row through the full-sequence blocks: the forward of towers without
-        the cut (`cuts`), and of `encode_with_attention`.
-
-        Args:
-            x: (N, L, W) token embeddings of positions 0..L-1, without positions.
-            eos: (N,) pooled positions (`pool_positions`).
-            deep_prompts, slots: as in `encode_embeddings`; inserted: as in `encode_with_shared_prefix`.
-            keys: (N, L) bool, False at padding (CoCa's mask, `_keys`); default: the tokens after [EOS].
-            need_weights: also return every block's attention probabilities.
-        Returns:
-            (N, E) features; with `need_weights` also the (layers, N, H, L', L') probabilities.
-        """
-        n, length, width = x.shape
-        x = x + self.positional_embedding[:length]  # (N, L, W)
-        mask = None
-        if self.cls_emb is not None:
-            if inserted is not None:
-                raise ValueError(f"{self.describe()}: inserted tokens do not fit CoCa's class token")
-            cls = (self.cls_emb + self.positional_embedding[self.cfg.context_length]).to(x.dtype)  # (W,)
-            x = torch.cat([x, cls.expand(n, 1, -1)], dim=1)  # (N, L+1, W)
-            mask = self._keys(eos, keys, length)
-        deep = deep_by_block(deep_prompts)
-        recompute = self._recompute() and not need_weights
-        weights = []
-        for i, block in enumerate(self.blocks):
-            if inserted is not None:
-                x = inserted.before(i, x)  # (N, L+K, W) from its first block on
-            if i in deep:
-                at = slots + (x.shape[1] - length - self.cfg.embed_cls)  # (N, M), moved right by K
-                tokens = deep[i].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
-                x = x.scatter(1, at.unsqueeze(-1).expand(-1, -1, width), tokens)
-            if need_weights:
-                x, w = block(x, need_weights=True, mask=mask)
-                weights.append(w)
-            elif recompute:
-                x = checkpoint(block, x, False, mask, use_reentrant=False)
-            else:
-                x = block(x, mask=mask)
-        if self.cls_emb is not None:
-            pooled = x[:, -1]  # (N, W) the class token
-        else:
-            at = eos if self.cfg.pool == "first" else eos + (x.shape[1] - length)  # inserted tokens: +K
-            pooled = x[torch.arange(n, device=x.device), at]  # (N, W)
-        feats = self._project(pooled)
-        return (feats, torch.stack(weights)) if need_weights else feats
-
-    def _keys(self, eos: torch.Tensor, keys: torch.Tensor | None, length: int) -> torch.Tensor:
-        """CoCa's attention mask, (N, 1, L+1, L+1), True where a query sees a key: causal, and a key
-        hidden where the text token one place to its left is padding (open_clip's mask, which
-        CoCa's weights were trained with, lists the class token's entry first, so every text
-        entry lands one place to the right); key 0 is always seen, and the class token sees itself
-        only when the text fills the context. Without `keys` (prompt embeddings), padding is
-        every position after [EOS], as the tokenizer writes it."""
-        if keys is None:
-            keys = torch.arange(length, device=eos.device) <= eos[:, None]  # (N, L)
-        keys = torch.cat([keys.new_ones(len(keys), 1), keys], dim=1)  # (N, L+1), one place right
-        causal = torch.ones(length + 1, length + 1, dtype=torch.bool, device=keys.device).tril()
-        return (causal & keys[:, None, :]).unsqueeze(1)  # (N, 1, L+1, L+1)
+        return encode_full(self, x, eos, deep_prompts, slots, need_weights=True)
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, L, W) unchanged, once L is checked to be the whole context (towers without the cut)."""

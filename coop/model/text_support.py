@@ -14,6 +14,7 @@ model name is judged by building its text tower on the meta device (no memory, n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import open_clip
@@ -24,7 +25,32 @@ from open_clip.transformer import QuickGELU, ResidualAttentionBlock, TextTransfo
 from torch import nn
 
 from coop.model.image_encoder import ModelError
-from coop.model.text_encoder import POOLS, TextConfig
+
+POOLS = ("argmax", "eos", "last", "first")  # open_clip's `pool_type`s that give one token
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The text tower's sizes and what varies between open_clip's towers (defaults: CLIP's)."""
+
+    vocab_size: int = 49408
+    context_length: int = 77
+    width: int = 512
+    heads: int = 8
+    layers: int = 12
+    mlp_width: int = 2048
+    embed_dim: int = 512
+    quick_gelu: bool = False
+    gelu_approximate: str = "none"
+    ln_eps: float = 1e-5
+    proj_bias: bool | None = None  # None: projection is a (W, E) matrix; bool: an nn.Linear
+    projection: bool = True  # False: no projection, the features are the pooled (W,) states
+    causal: bool = True  # False: every token sees every token (SigLIP, CLIPA, MobileCLIP-S*)
+    pool: str = "argmax"  # one of POOLS: the highest id, the first `eos_id`, the last or first position
+    eos_id: int | None = None  # the id `pool="eos"` looks for (MetaCLIP 2 worldwide)
+    embed_cls: bool = False  # CoCa: a class token after the text is pooled, ln_final after pooling
+    pad_id: int = 0  # with `embed_cls`: padding keys are hidden (open_clip's mask, see `_keys`)
+
 
 # State-dict keys of open_clip's text tower (on `open_clip.CLIP` they sit at the model's root).
 TEXT_KEYS = (
