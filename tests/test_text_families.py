@@ -20,6 +20,7 @@ from open_clip.hf_model import HFTextEncoder
 
 import coop
 from coop.model.image_encoder import ModelError
+from coop.model.text_full import encode_full
 from coop.model.text_support import text_support
 
 VOCAB = 1000
@@ -266,3 +267,20 @@ def test_towers_we_do_not_reproduce_are_refused(text_cfg, reason, tmp_path):
     path.write_text(__import__("json").dumps(cfg))
     open_clip.add_model_config(path)
     assert text_support("odd-tower") == str(err.value).replace("model odd's", "model odd-tower's")
+
+
+@pytest.mark.parametrize("fam", ["bidirectional-argmax", "bidirectional-last", "coca"])
+def test_one_query_last_block_equals_the_full_block(fam):
+    """The full-sequence pass computes only the pooled token in its last block (`Block.forward_at`):
+    the features and the gradients equal those of the whole last block."""
+    text = coop.CLIP.from_openclip(shrunk(FAMILIES[fam])).text
+    ids = family_ids(text)
+    eos, keys = text.pool_positions(ids), ids != text.cfg.pad_id
+    x = text.token_embedding(ids).detach().requires_grad_(True)
+    outs = []
+    for one_query in (True, False):
+        out = encode_full(text, x, eos, keys=keys, one_query=one_query)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        outs.append((out.detach(), grad))
+    assert relative_error(outs[0][0], outs[1][0]) < 1e-5
+    assert relative_error(outs[0][1], outs[1][1]) < 1e-5

@@ -142,6 +142,21 @@ class Block(nn.Module):
         x = x + y
         return x + self.mlp(self.ln_2(x)), weights
 
+    def forward_at(self, x: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output at one token per row: (N, L, W), at (N,) -> (N, W). Every token gives
+        keys and values; only token `at` queries, and only it goes through the MLP (the last block
+        of a tower that reads one token). `mask`: as in `forward` (default: causal or none)."""
+        rows = torch.arange(len(x), device=x.device)
+        q, k, v = self.attn.qkv(self.ln_1(x))  # (N, H, L, Dh) each
+        q = q[rows, :, at].unsqueeze(2)  # (N, H, 1, Dh)
+        if mask is not None:
+            mask = mask[rows, :, at].unsqueeze(2)  # (N, 1, 1, L)
+        elif self.attn.causal:
+            mask = (torch.arange(x.shape[1], device=x.device) <= at[:, None])[:, None, None]  # (N, 1, 1, L)
+        y = self.attn.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # (N, 1, W)
+        x = x[rows, at] + y[:, 0]  # (N, W)
+        return x + self.mlp(self.ln_2(x))
+
     def forward_packed(self, x: torch.Tensor, packing: Packing, k_prefix=None, v_prefix=None, last=False):
         """(G, T, W) packed rows after a prefix -> (G, T, W), or (G, N, W) at each row's last
         token with `last` (the only one read after the last block; keys still come from all)."""

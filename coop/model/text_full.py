@@ -33,7 +33,9 @@ def deep_by_block(deep_prompts) -> dict:
     return {i + 1: tokens for i, tokens in enumerate(deep_prompts)}  # tokens: (N or 1, M, W)
 
 
-def encode_full(text, x, eos, deep_prompts=None, slots=None, inserted=None, keys=None, need_weights=False):
+def encode_full(
+    text, x, eos, deep_prompts=None, slots=None, inserted=None, keys=None, need_weights=False, one_query=True
+):
     """Every token of every row through the full-sequence blocks of `text` (a `TextTransformer`):
     the forward of towers without the cut (`cuts`), and of `encode_with_attention`.
 
@@ -43,6 +45,9 @@ def encode_full(text, x, eos, deep_prompts=None, slots=None, inserted=None, keys
         deep_prompts, slots: as in `encode_embeddings`; inserted: as in `encode_with_shared_prefix`.
         keys: (N, L) bool, False at padding (CoCa's mask, `coca_mask`); default: the tokens after [EOS].
         need_weights: also return every block's attention probabilities.
+        one_query: the last block computes the pooled token's output only (`Block.forward_at`):
+            the same features up to the order of floating-point sums, ~1/layers of the work less
+            (docs/text_speed.md); False runs it on every token.
     Returns:
         (N, E) features; with `need_weights` also the (layers, N, H, L', L') probabilities.
     """
@@ -58,27 +63,35 @@ def encode_full(text, x, eos, deep_prompts=None, slots=None, inserted=None, keys
     deep = deep_by_block(deep_prompts)
     recompute = text._recompute() and not need_weights
     weights = []
+    last = len(text.blocks) - 1
     for i, block in enumerate(text.blocks):
         if inserted is not None:
             x = inserted.before(i, x)  # (N, L+K, W) from its first block on
+        grown = x.shape[1] - length - text.cfg.embed_cls  # K inserted tokens, 0 before
         if i in deep:
-            at = slots + (x.shape[1] - length - text.cfg.embed_cls)  # (N, M), moved right by K
             tokens = deep[i].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
-            x = x.scatter(1, at.unsqueeze(-1).expand(-1, -1, width), tokens)
+            x = x.scatter(1, (slots + grown).unsqueeze(-1).expand(-1, -1, width), tokens)
         if need_weights:
             x, w = block(x, need_weights=True, mask=mask)
             weights.append(w)
+        elif i == last and one_query:  # only the pooled token's output is read
+            at = _pooled(text, eos, x, grown)
+            return text._project(block.forward_at(x, at, mask))
         elif recompute:
             x = checkpoint(block, x, False, mask, use_reentrant=False)
         else:
             x = block(x, mask=mask)
-    if text.cls_emb is not None:
-        pooled = x[:, -1]  # (N, W) the class token
-    else:
-        at = eos if text.cfg.pool == "first" else eos + (x.shape[1] - length)  # inserted tokens: +K
-        pooled = x[torch.arange(n, device=x.device), at]  # (N, W)
+    pooled = x[torch.arange(n, device=x.device), _pooled(text, eos, x, grown)]  # (N, W)
     feats = text._project(pooled)
     return (feats, torch.stack(weights)) if need_weights else feats
+
+
+def _pooled(text, eos: torch.Tensor, x: torch.Tensor, grown: int) -> torch.Tensor:
+    """(N,) the pooled token's index in x (N, L', W): CoCa's class token is the last one; K
+    inserted tokens after the first move every later position K to the right."""
+    if text.cls_emb is not None:
+        return torch.full_like(eos, x.shape[1] - 1)
+    return eos if text.cfg.pool == "first" else eos + grown
 
 
 def coca_mask(eos: torch.Tensor, keys: torch.Tensor | None, length: int) -> torch.Tensor:
