@@ -76,7 +76,8 @@ def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
         f"reference CoOp ({context} tokens): {ref['wall'] * 1000:9.1f} ms  (CPU time {ref['cpu'] * 1000:9.1f} ms)"
     )
     print(
-        f"coop (packed, shared prefix): {ours['wall'] * 1000:7.1f} ms  (CPU time {ours['cpu'] * 1000:9.1f} ms)"
+        f"coop ({'packed, shared prefix' if text.cuts else 'whole context'}): {ours['wall'] * 1000:7.1f} ms  "
+        f"(CPU time {ours['cpu'] * 1000:9.1f} ms)"
     )
     print(
         f"speed-up: {wall:.2f}x wall = {wall / bound['bound']:.0%} of the bound, {cpu:.2f}x CPU time = "
