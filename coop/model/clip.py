@@ -114,7 +114,7 @@ class CLIP(nn.Module):
         """
         name = name or type(model).__name__
         cfg, src = text_config_from_openclip(model, name)
-        text = TextTransformer(cfg)
+        text = TextTransformer(cfg, name)
         load_checked(text, src, "text")
         text.to(next(model.parameters()).device)
         if tokenizer is None:

@@ -63,8 +63,9 @@ from coop.model.text_support import POOLS, TextConfig
 class TextTransformer(nn.Module):
     """open_clip's text encoder; `state_dict()` keys equal open_clip's text-tower keys."""
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, name: str | None = None):
         super().__init__()
+        self.name = name  # the model's, for messages
         if cfg.pool not in POOLS:
             raise ValueError(f"text pooling must be one of {POOLS}, got '{cfg.pool}'")
         self.cfg = cfg
@@ -392,11 +393,12 @@ class TextTransformer(nn.Module):
         return x
 
     def describe(self) -> str:
-        """The tower in words, for messages: 'text tower (not causal, pooled at last)'."""
+        """The tower in words, for messages: "model X's text tower (not causal, pooled at last)"."""
         cfg = self.cfg
         mask = "causal" if cfg.causal else "not causal"
         pooled = "CoCa's class token" if cfg.embed_cls else cfg.pool
-        return f"text tower ({mask}, pooled at {pooled})"
+        owner = f"model {self.name}'s " if self.name else ""
+        return f"{owner}text tower ({mask}, pooled at {pooled})"
 
     def _project(self, pooled: torch.Tensor) -> torch.Tensor:
         """(..., W) hidden states at the pooled token -> (..., E) features."""
