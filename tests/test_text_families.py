@@ -231,7 +231,6 @@ def test_hf_tower_model_is_refused_when_built():
     config = transformers.RobertaConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
     )
-    model = shrunk("ViT-B-32")
     model = open_clip.CustomTextCLIP(
         embed_dim=32,
         vision_cfg={"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},

@@ -110,7 +110,8 @@ class TextTransformer(nn.Module):
 
     def _ends(self, eos: torch.Tensor) -> torch.Tensor:
         """(N,) each row's last text token that its pooled token sees: the [EOS]; with CoCa's
-        class token the token after it (open_clip's mask is one place to the right, `coop.model.text_full.coca_mask`)."""
+        class token the token after it (open_clip's mask is one place to the right:
+        `coop.model.text_full.coca_mask`)."""
         return (eos + 1).clamp(max=self.cfg.context_length - 1) if self.cfg.embed_cls else eos
 
     def pool_positions(self, ids: torch.Tensor) -> torch.Tensor:
@@ -133,7 +134,7 @@ class TextTransformer(nn.Module):
         eos = self.pool_positions(ids)
         text = torch.arange(ids.shape[1], device=ids.device) <= eos[:, None]  # (N, L) up to [EOS]
         if not self.cuts or (self.cfg.embed_cls and bool((text & (ids == self.cfg.pad_id)).any())):
-            # CoCa hides the padding id wherever it is: in the text too, so that row runs in full
+            # CoCa hides its padding id wherever it is, in the text too: such a batch runs in full
             return encode_full(self, self.token_embedding(ids), eos, keys=ids != self.cfg.pad_id)
         x = self.token_embedding(ids[:, : self.cut_length(eos, ids.shape[1])])  # (N, L', W)
         return self.encode_embeddings(x, eos)
@@ -286,10 +287,10 @@ class TextTransformer(nn.Module):
         g = 1 if kv is None else kv[0][0].shape[0]
         deep = deep_by_block(deep_prompts)
         per_row = {i for i, tokens in deep.items() if len(tokens) > 1}  # else (1, M, W), shared
-        if x.shape[2] + start < self.cut_length(eos, self.cfg.context_length):
+        needed = self.cut_length(eos, self.cfg.context_length)
+        if x.shape[2] + start < needed:
             raise ValueError(
-                f"{self.describe()} reads {self.cut_length(eos, self.cfg.context_length)} tokens of these rows, "
-                f"got {x.shape[2] + start}"
+                f"{self.describe()} reads {needed} tokens of these rows, got {x.shape[2] + start}"
             )
         feats = [
             self._encode_tile(
@@ -302,7 +303,7 @@ class TextTransformer(nn.Module):
                 None if slots is None else slots[rows],
                 recompute,
             )
-            for rows in tiles(self._ends(eos) + 1 + self.cfg.embed_cls - start, g)
+            for rows in tiles(self.row_lengths(eos) - start, g)
         ]
         return feats[0] if len(feats) == 1 else torch.cat(feats, 1)  # (G, N, E)
 
@@ -343,10 +344,8 @@ class TextTransformer(nn.Module):
     def _pack(self, eos: torch.Tensor, start: int, g: int) -> Packing:
         """The packed layout of rows of tokens start..`_ends` (and CoCa's class token, which sees
         itself only when the text fills the context: open_clip's mask)."""
-        ends = self._ends(eos)
-        if self.cls_emb is None:
-            return pack(ends + 1 - start, start, g)
-        return pack(ends + 2 - start, start, g, blind=eos < self.cfg.context_length - 1)
+        blind = eos < self.cfg.context_length - 1 if self.cls_emb is not None else None
+        return pack(self.row_lengths(eos) - start, start, g, blind=blind)
 
     def _unshare_prefix(self, h, packing: Packing, eos, start: int, in_prefix: int, g: int):
         """Re-pack rows that shared [SOS][v1..vh] so that only [SOS] stays shared.
