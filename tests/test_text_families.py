@@ -300,3 +300,19 @@ def test_grad_checkpointing_of_the_full_pass():
         grads.append(grad)
     text.grad_checkpointing = False
     assert relative_error(grads[1], grads[0]) < 1e-6
+
+
+@pytest.mark.parametrize("fam", ["causal-eos-2", "coca"])
+def test_rows_after_several_prefixes(fam):
+    """CoCoOp's path: G prefixes computed once (`prefix_keys_values`), the same rows after each
+    (`encode_after_prefixes`), equal to each group's prompts run on their own."""
+    text = coop.CLIP.from_openclip(shrunk(FAMILIES[fam])).text
+    ids = text_rows(text, family_ids(text), 4)
+    eos = text.pool_positions(ids)
+    x = text.token_embedding(ids[:, : text.cut_length(eos, ids.shape[1])])  # (N, L, W)
+    prefixes = torch.randn(3, 3, text.cfg.width, generator=torch.Generator().manual_seed(2))  # (G, P, W)
+    with torch.no_grad():
+        ours = text.encode_after_prefixes(text.prefix_keys_values(prefixes), x[None, :, 3:], eos)  # (G, N, E)
+        for g in range(3):
+            rows = torch.cat([prefixes[g].expand(len(x), -1, -1), x[:, 3:]], dim=1)
+            assert relative_error(ours[g], text.encode_embeddings(rows, eos)) < 1e-5
