@@ -225,6 +225,9 @@ def test_hf_towers_are_refused_in_one_line(name):
     reason = text_support(name)
     assert reason is not None and "\n" not in reason
     assert name in reason and "Hugging Face" in reason
+    with pytest.raises(ModelError) as err:  # before open_clip would fetch the HF config
+        coop.load_clip(name)
+    assert str(err.value) == reason
 
 
 def test_hf_tower_model_is_refused_when_built():

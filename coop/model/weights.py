@@ -26,6 +26,7 @@ from torch import nn
 
 from coop.io import refused_unpickling
 from coop.model.clip import CLIP, ModelError
+from coop.model.text_support import text_support
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ def load_clip(name: str, pretrained: str | None = None, device: str | torch.devi
         WeightsUnavailableError: a tag's weights are not cached and cannot be downloaded.
     """
     model_name = resolve_model_name(name)
+    refusal = text_support(model_name)  # before anything is built or downloaded
+    if refusal is not None:
+        raise ModelError(refusal)
     kwargs, weights, local = {}, None, False
     if pretrained in NO_WEIGHTS:
         pass
