@@ -103,6 +103,33 @@ def test_bench_text_compares_both_sides(capsys):
     assert diff < 1e-5
 
 
+@pytest.mark.parametrize(
+    "text_cfg, bound",
+    [
+        ({"no_causal_mask": True, "pool_type": "last", "proj_bias": True}, r"bound 16 / 16\.00 = 1\.00x"),
+        ({"embed_cls": True}, r"bound 17 / [\d.]+ = [\d.]+x"),
+    ],
+)
+def test_bench_text_states_each_family_bound(text_cfg, bound, tmp_path, capsys):
+    """A bidirectional tower (SigLIP's shape) runs its whole context, bound 1x; CoCa's class token
+    keeps the cut: the reference computes context + 1 tokens per prompt."""
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1},
+        "text_cfg": {"context_length": 16, "width": 32, "heads": 2, "layers": 2, **text_cfg},
+        "custom_text": True,
+    }
+    if text_cfg.get("embed_cls"):
+        cfg["multimodal_cfg"] = {"context_length": 16, "width": 32, "heads": 2, "layers": 1}
+    path = tmp_path / f"family-{len(text_cfg)}.json"
+    path.write_text(json.dumps(cfg))
+    args = ["--model", str(path), "--classes", "3", "--repeats", "1", "--warmup", "0"]
+    assert load_tool("bench_text").main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(bound, out), out
+    assert float(re.search(r"max \|diff\| output: (\S+)", out).group(1)) < 1e-5
+
+
 def test_bench_tcp_compares_both_sides_and_states_its_bound(capsys):
     args = ["--model", str(TINY_CONFIG), "--classes", "4", "--layer", "1", "--repeats", "1", "--warmup", "0"]
     assert load_tool("bench_tcp").main(args) == 0

@@ -23,6 +23,13 @@ settings closes the output. `--memory` measures one step of ours instead: the by
 tensors its graph saves for the backward pass and the growth of the process's peak resident
 memory. Small sizes (`--model configs/models/coop-tiny.json --classes 10`)
 run in seconds.
+
+`--model NAME` of any open_clip family whose text tower we reproduce (`coop.model.text_support`)
+prints that family's bound and speed-up: towers built as `tools/_bench_families.py` says (CLIP's
+tokenizer, a tiny image tower), the reference through open_clip's own text modules at the full
+context L. Causal towers pooled at [EOS] (CLIP's, EVA, PE-Core, MetaCLIP 2, MobileCLIP-B) keep
+the bound L / (mean tokens per prompt - P); the others (SigLIP, CLIPA, MobileCLIP-S*, CoCa) see
+every token and run the full context: bound 1x.
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import alternate, build_models, imagenet_prompts, max_rel_diff, text_bound, text_steps  # noqa: E402
+from _bench import alternate, build_models, imagenet_prompts, max_rel_diff, text_steps  # noqa: E402
+from _bench_families import build_family_models, clip_shaped, family_steps  # noqa: E402
+
+from coop.model.weights import resolve_model_name  # noqa: E402
 
 
 def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
@@ -44,21 +54,30 @@ def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
     learner, classifier = imagenet_prompts(
         clip, args.classes, n_ctx, position, csc=args.csc, depth=args.depth
     )
-    bound = text_bound(learner)
-    lengths = learner.eos + 1
+    text = clip.text
+    context = text.cfg.context_length + text.cfg.embed_cls  # what the reference computes per prompt
+    lengths = text.row_lengths(learner.eos)  # what ours computes per prompt
+    prefix = learner.shared_prefix if text.cuts else 0  # towers without the cut share nothing
+    tokens = float(lengths.float().mean())
+    bound = {"prefix": prefix, "tokens": tokens, "own": tokens - prefix, "bound": context / (tokens - prefix)}
     print(f"\n== n_ctx {n_ctx}, position {position}{', csc' if args.csc else ''}, depth {args.depth}")
     print(
-        f"tokens per prompt: mean {bound['tokens']:.2f}, max {int(lengths.max())} (reference: 77); "
-        f"shared prefix {bound['prefix']}; own tokens per prompt {bound['own']:.2f}; "
-        f"bound 77 / {bound['own']:.2f} = {bound['bound']:.2f}x"
+        f"{clip.text.describe()}, context {context}: tokens per prompt: mean {bound['tokens']:.2f}, "
+        f"max {int(lengths.max())} (reference: {context}); shared prefix {bound['prefix']}; own tokens per "
+        f"prompt {bound['own']:.2f}; bound {context} / {bound['own']:.2f} = {bound['bound']:.2f}x"
     )
-    res = alternate(text_steps(oc, classifier, args.reference_chunk), learner.prompt_tensors, torch.device(args.device),
-                    "fp32", args.repeats, args.warmup)  # fmt: skip
+    steps = (text_steps if args.clip_shaped else family_steps)(oc, classifier, args.reference_chunk)
+    res = alternate(
+        steps, learner.prompt_tensors, torch.device(args.device), "fp32", args.repeats, args.warmup
+    )
     ref, ours = res["reference"], res["coop"]
     wall, cpu = ref["wall"] / ours["wall"], ref["cpu"] / ours["cpu"]
-    print(f"reference CoOp (77 tokens): {ref['wall'] * 1000:9.1f} ms  (CPU time {ref['cpu'] * 1000:9.1f} ms)")
     print(
-        f"coop (packed, shared prefix): {ours['wall'] * 1000:7.1f} ms  (CPU time {ours['cpu'] * 1000:9.1f} ms)"
+        f"reference CoOp ({context} tokens): {ref['wall'] * 1000:9.1f} ms  (CPU time {ref['cpu'] * 1000:9.1f} ms)"
+    )
+    print(
+        f"coop ({'packed, shared prefix' if text.cuts else 'whole context'}): {ours['wall'] * 1000:7.1f} ms  "
+        f"(CPU time {ours['cpu'] * 1000:9.1f} ms)"
     )
     print(
         f"speed-up: {wall:.2f}x wall = {wall / bound['bound']:.0%} of the bound, {cpu:.2f}x CPU time = "
@@ -71,7 +90,7 @@ def measure(oc, clip, args, n_ctx: int, position: str) -> dict:
         f"max |diff| output: {out_diff:.2e} (scale {float(ref['result'].abs().max()):.2f}); gradients, "
         f"max |diff| / max |reference|: {', '.join(f'{k} {d:.1e}' for k, d in grads.items())}"
     )
-    return {"n_ctx": n_ctx, "position": position, **bound, "speedup": wall, "speedup_cpu": cpu,
+    return {"n_ctx": n_ctx, "position": position, "context": context, **bound, "speedup": wall, "speedup_cpu": cpu,
             "reference_ms": 1000 * ref["wall"], "coop_ms": 1000 * ours["wall"]}  # fmt: skip
 
 
@@ -121,7 +140,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    oc, clip = build_models(args.model, torch.device(args.device))
+    name = resolve_model_name(args.model)  # a config JSON is registered under its file stem
+    args.clip_shaped = clip_shaped(name)
+    oc, clip = (build_models if args.clip_shaped else build_family_models)(name, torch.device(args.device))
     if args.memory:
         print(f"model {args.model}, {args.classes} ImageNet classes, fp32, one forward + backward of ours")
         for m in args.n_ctx:
@@ -139,7 +160,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| M={r['n_ctx']}, {r['position']} | {r['prefix']} | 77 / ({r['tokens']:.2f} - {r['prefix']}) = "
+            f"| M={r['n_ctx']}, {r['position']} | {r['prefix']} | {r['context']} / ({r['tokens']:.2f} - {r['prefix']}) = "
             f"{r['bound']:.2f}x | {r['reference_ms']:,.0f} ms | {r['coop_ms']:,.0f} ms | {r['speedup']:.2f}x | "
             f"{r['speedup'] / r['bound']:.0%} | {r['speedup_cpu']:.2f}x, {r['speedup_cpu'] / r['bound']:.0%} |"
         )

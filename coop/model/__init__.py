@@ -2,8 +2,10 @@
 
 blocks.py (attention, MLP, residual blocks), packing.py (the packed pass), inserted.py (tokens
 inserted at later blocks), lora.py (low-rank adapters), text_encoder.py and image_encoder.py (the
-towers), clip.py (the CLIP wrapper and cosine logits), weights.py (load_clip), tokenizer.py (the
-tokenizer, offline, as prompts see it), prompt.py (PromptLearner, PromptClassifier).
+towers), text_support.py (which open_clip text towers ours reproduces: TextConfig, text_support),
+text_full.py (the text tower's full-sequence pass), clip.py (the CLIP wrapper and cosine logits),
+weights.py (load_clip), tokenizer.py (the tokenizer, offline, as prompts see it), prompt.py
+(PromptLearner, PromptClassifier).
 
 May import: coop.config and the root modules (coop.io). Imported by: coop.methods,
 coop.reference, coop.train, coop.results, coop.interop, coop.federated and the tools.

@@ -6,7 +6,7 @@
 
 `cfg` is a `coop.model.text_encoder.TextConfig` or a `coop.model.image_encoder.VisionConfig`: the fields the
 blocks read (width, heads, layers, mlp_width, quick_gelu, gelu_approximate, ln_eps) have the same
-names in both. The text tower's blocks are causal; the image tower's (`causal=False`) are not.
+names in both. Most text towers' blocks are causal (`TextConfig.causal`); the image tower's are not.
 Each block has a full-sequence forward and a packed one (`coop.model.packing`, the text tower's rows).
 """
 
@@ -62,23 +62,29 @@ class CausalSelfAttention(nn.Module):
         n, _, length, _ = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(n, length, -1))  # (N, H, L, Dh) -> (N, L, W)
 
-    def forward(self, x: torch.Tensor, need_weights: bool = False):
-        """Causal self-attention of (N, L, W) normalised hidden states.
+    def forward(self, x: torch.Tensor, need_weights: bool = False, mask: torch.Tensor | None = None):
+        """Self-attention of (N, L, W) normalised hidden states (causal unless built otherwise).
 
         Args:
             x: (N, L, W).
             need_weights: also return the attention probabilities, computed explicitly as
-                softmax(q k^T / sqrt(Dh) + causal mask); the default path is fused SDPA.
+                softmax(q k^T / sqrt(Dh) + mask); the default path is fused SDPA.
+            mask: (N, 1, L, L) bool, True where a query sees a key, in place of the causal mask
+                (CoCa's text tower also hides its padding keys).
         Returns:
             (N, L, W), or ((N, L, W), (N, H, L, L) probabilities) with `need_weights`.
         """
         q, k, v = self.qkv(x)
         if not need_weights:
+            if mask is not None:
+                return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
             return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=self.causal))
         length = x.shape[1]
         hidden = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)  # keys after the query
         scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (N, H, L, L)
-        if self.causal:
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif self.causal:
             scores = scores.masked_fill(hidden, float("-inf"))
         weights = scores.softmax(dim=-1)
         return self.merge(weights @ v), weights  # (N, H, L, Dh) -> (N, L, W)
@@ -126,14 +132,30 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, need_weights: bool = False):
-        """(N, L, W) -> (N, L, W); with `need_weights`, also the (N, H, L, L) attention weights."""
+    def forward(self, x: torch.Tensor, need_weights: bool = False, mask: torch.Tensor | None = None):
+        """(N, L, W) -> (N, L, W); with `need_weights`, also the (N, H, L, L) attention weights.
+        `mask`: see `CausalSelfAttention.forward`."""
         if not need_weights:
-            x = x + self.attn(self.ln_1(x))
+            x = x + self.attn(self.ln_1(x), mask=mask)
             return x + self.mlp(self.ln_2(x))
-        y, weights = self.attn(self.ln_1(x), need_weights=True)
+        y, weights = self.attn(self.ln_1(x), need_weights=True, mask=mask)
         x = x + y
         return x + self.mlp(self.ln_2(x)), weights
+
+    def forward_at(self, x: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output at one token per row: (N, L, W), at (N,) -> (N, W). Every token gives
+        keys and values; only token `at` queries, and only it goes through the MLP (the last block
+        of a tower that reads one token). `mask`: as in `forward` (default: causal or none)."""
+        rows = torch.arange(len(x), device=x.device)
+        q, k, v = self.attn.qkv(self.ln_1(x))  # (N, H, L, Dh) each
+        q = q[rows, :, at].unsqueeze(2)  # (N, H, 1, Dh)
+        if mask is not None:
+            mask = mask[rows, :, at].unsqueeze(2)  # (N, 1, 1, L)
+        elif self.attn.causal:
+            mask = (torch.arange(x.shape[1], device=x.device) <= at[:, None])[:, None, None]  # (N, 1, 1, L)
+        y = self.attn.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # (N, 1, W)
+        x = x[rows, at] + y[:, 0]  # (N, W)
+        return x + self.mlp(self.ln_2(x))
 
     def forward_packed(self, x: torch.Tensor, packing: Packing, k_prefix=None, v_prefix=None, last=False):
         """(G, T, W) packed rows after a prefix -> (G, T, W), or (G, N, W) at each row's last

@@ -17,21 +17,17 @@ from __future__ import annotations
 
 import logging
 
-import open_clip
 import torch
 import torch.nn.functional as F
 from open_clip.tokenizer import SimpleTokenizer
-from open_clip.transformer import QuickGELU as OpenClipQuickGELU
-from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
 from coop.model.blocks import load_checked
 from coop.model.image_encoder import ImageTransformer, ModelError, vision_config_from_openclip
-from coop.model.text_encoder import TextConfig, TextTransformer
+from coop.model.text_encoder import TextTransformer
+from coop.model.text_support import TEXT_KEYS, text_config_from_openclip  # noqa: F401 (TEXT_KEYS: tests)
 
 log = logging.getLogger(__name__)
-
-TEXT_KEYS = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.", "text_projection")
 
 
 class CLIP(nn.Module):
@@ -108,17 +104,17 @@ class CLIP(nn.Module):
 
     @classmethod
     def from_openclip(cls, model: nn.Module, tokenizer=None, name: str | None = None) -> CLIP:
-        """Wrap an OpenCLIP `CLIP` model (any weights). The given model is not modified.
+        """Wrap an open_clip `CLIP`, `CustomTextCLIP` or `CoCa` (any weights). The given model is
+        not modified. Its text tower must be one `coop.model.text_support` accepts (ModelError).
 
         Args:
-            model: an OpenCLIP `CLIP`.
+            model: an open_clip model.
             tokenizer: texts -> ids; OpenCLIP's `SimpleTokenizer` when None.
             name: the model's name (e.g. "ViT-B-16"), used in messages; the class name when None.
         """
         name = name or type(model).__name__
-        cfg = text_config_from_openclip(model)
-        text = TextTransformer(cfg)
-        src = {k: v for k, v in model.state_dict().items() if k.startswith(TEXT_KEYS)}
+        cfg, src = text_config_from_openclip(model, name)
+        text = TextTransformer(cfg, name)
         load_checked(text, src, "text")
         text.to(next(model.parameters()).device)
         if tokenizer is None:
@@ -164,54 +160,6 @@ def _image_tower(visual: nn.Module, name: str) -> tuple[nn.Module, str | None]:
     except ModelError as e:
         return visual, str(e)
     return ImageTransformer.from_openclip(visual, name), None
-
-
-def text_config_from_openclip(model: nn.Module) -> TextConfig:
-    """Read the text-tower sizes off an OpenCLIP model; reject towers we do not implement."""
-    name = type(model).__name__
-    if not isinstance(model, open_clip.CLIP) or not hasattr(model, "transformer"):
-        raise ModelError(
-            f"{name} has no standard causal CLIP text tower (HF text towers, CoCa and custom-text models "
-            "are not supported); use an OpenCLIP CLIP model such as RN50, ViT-B-32, ViT-B-16 or ViT-L-14"
-        )
-    blocks = model.transformer.resblocks
-    problems = []
-    if getattr(model, "attn_mask", None) is None:
-        problems.append("no causal mask")
-    if getattr(model, "text_pool_type", "argmax") != "argmax":
-        problems.append(f"pooling '{model.text_pool_type}' instead of [EOS]/argmax")
-    if model.text_projection is None:
-        problems.append("no text projection")
-    for block in blocks:
-        if type(block) is not ResidualAttentionBlock:
-            problems.append(f"custom block {type(block).__name__}")
-            break
-        if not (isinstance(block.ls_1, nn.Identity) and isinstance(block.ls_2, nn.Identity)):
-            problems.append("layer scale")
-            break
-    if problems:
-        raise ModelError(
-            f"{name}'s text tower is not a standard causal CLIP text Transformer: {', '.join(problems)}"
-        )
-    act = blocks[0].mlp.gelu
-    quick = isinstance(act, OpenClipQuickGELU)
-    if not quick and not isinstance(act, nn.GELU):
-        raise ModelError(f"unsupported text MLP activation {type(act).__name__}")
-    proj = model.text_projection
-    width = model.token_embedding.weight.shape[1]
-    return TextConfig(
-        vocab_size=model.token_embedding.weight.shape[0],
-        context_length=model.positional_embedding.shape[0],
-        width=width,
-        heads=blocks[0].attn.num_heads,
-        layers=len(blocks),
-        mlp_width=blocks[0].mlp.c_fc.out_features,
-        embed_dim=proj.out_features if isinstance(proj, nn.Linear) else proj.shape[1],
-        quick_gelu=quick,
-        gelu_approximate="none" if quick else act.approximate,
-        ln_eps=model.ln_final.eps,
-        proj_bias=(proj.bias is not None) if isinstance(proj, nn.Linear) else None,
-    )
 
 
 def cosine_logits(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor):

@@ -183,7 +183,13 @@ def tiles(lengths: torch.Tensor, groups: int = 1, size: int | None = None) -> li
     return out + [slice(start, len(lengths))]
 
 
-def pack(lengths: torch.Tensor, prefix: int, groups: int = 1, chunk: int | None = None) -> Packing:
+def pack(
+    lengths: torch.Tensor,
+    prefix: int,
+    groups: int = 1,
+    chunk: int | None = None,
+    blind: torch.Tensor | None = None,
+) -> Packing:
     """The packed layout of N rows of `lengths` own tokens after a `prefix`-token prefix.
 
     Args:
@@ -192,6 +198,8 @@ def pack(lengths: torch.Tensor, prefix: int, groups: int = 1, chunk: int | None 
         groups: G, how many times the rows repeat, each after its own prefix.
         chunk: slots per attention chunk, raised to the longest row when shorter; default: chosen
             from the lengths (`chunk_size`).
+        blind: (N,) bool, rows whose last token does not see itself (CoCa's class token, whose
+            own key open_clip's mask hides unless the text fills the context).
     """
     device = lengths.device
     sizes = lengths.tolist()
@@ -211,6 +219,9 @@ def pack(lengths: torch.Tensor, prefix: int, groups: int = 1, chunk: int | None 
     pos_at[slot] = pos
     r, p = row_at.view(chunks, size), pos_at.view(chunks, size)
     own = (r[:, :, None] == r[:, None, :]) & (p[:, None, :] <= p[:, :, None])  # (n, C, C), query x key
+    if blind is not None:
+        hidden = slot[(offsets + lengths - 1)[blind]]  # the blind rows' last slots
+        own.view(-1, size)[hidden, hidden % size] = False  # (n C, C): each one's own key
     mask = torch.cat([own.new_ones(chunks, size, prefix), own], 2).unsqueeze(1)  # (n, 1, C, P+C)
     return Packing(
         row=row,

@@ -254,8 +254,8 @@ class PromptLearner(nn.Module):
         self.n_sos = int(tok.sos_id is not None)  # where the text begins: after [SOS], or at 0
         # (n_cls, context length) ids and each class name's token count
         ids, name_lens = prompt_ids(tok, self.position, context, self.classnames, template, block)
-        eos = ids.argmax(dim=-1)
-        length = int(eos.max()) + 1
+        eos = clip.text.pool_positions(ids)  # each prompt's pooled token: [EOS] in CLIP's tower
+        length = clip.text.cut_length(eos, ids.shape[1])  # through [EOS] where the tower cuts, else all
         ids = ids[:, :length]
         slots = context_slots(self.position, n_ctx, name_lens, self.n_sos)  # (n_cls, M)
         self.name_lens = name_lens  # C per class: [CLASS]'s tokens in the prompt

@@ -1,15 +1,24 @@
-"""CLIP's causal text Transformer, re-implemented so that prompts can enter anywhere.
+"""open_clip's text Transformer (`TextTransformer`), re-implemented so that prompts can enter anywhere.
 
-The module mirrors OpenCLIP's standard text tower parameter for parameter (the state-dict keys
-are identical), but it is our own forward code:
+The module mirrors open_clip's text tower parameter for parameter (the state-dict keys are
+identical), but it is our own forward code:
 
     x = token_embedding(ids) + positional_embedding          # (N, L, W)
-    for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))     (causal mask)
-    feats = ln_final(x)[arange(N), eos] @ text_projection     # (N, E)
+    for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))     (causal mask or none)
+    feats = ln_final(x)[arange(N), pooled] @ text_projection  # (N, E)
 
-Prompts run through one packed pass (`coop.model.packing`), exact, with three savings:
+What varies between open_clip's text towers is read off the model into `TextConfig`
+(`coop.model.text_support`): the causal mask or none, the pooled token (`pool_positions`: the
+highest id, the first [EOS] id, the last or the first position), CoCa's class token appended after
+the text (pooled, with open_clip's padding mask), the activation, the LayerNorm eps and the
+projection (a matrix, a linear layer with or without bias, or none).
+
+Causal towers pooled at [EOS] or at CoCa's class token (`cuts`: CLIP's, EVA, PE-Core, MetaCLIP 2,
+MobileCLIP-B, CoCa) run prompts through one packed pass (`coop.model.packing`), exact, with three
+savings:
   * positions after a row's [EOS] never influence its [EOS] under a causal mask, so each row
-    computes `eos + 1` tokens instead of 77;
+    computes `eos + 1` tokens instead of 77 (CoCa: through the padding token after [EOS], which
+    its mask shows the class token, then the class token: `cut_length`, `row_lengths`);
   * a prefix that every row shares ([SOS], or [SOS][v1..] with shared context) is computed once
     (`prefix_keys_values`) and only attended to;
   * the rows' own tokens are packed into one sequence, so every block is one matrix multiply
@@ -30,11 +39,14 @@ Attention runs through `F.scaled_dot_product_attention`, which returns no weight
 need them (`coop.results.attention_maps`) call `encode_with_attention`: the full-sequence blocks, with each
 attention module asked (`need_weights=True`) to form softmax(q k^T / sqrt(Dh) + causal mask)
 explicitly. Only that call pays for the explicit (L, L) matrices.
+
+Towers without the causal mask (SigLIP, CLIPA, MobileCLIP-S*) see every token, padding included,
+so every row runs the whole context through the full-sequence blocks (`coop.model.text_full`),
+with the same deep prompts and inserted tokens; a shared prefix is not computed once there (its
+tokens see the rows), and `prefix_keys_values` refuses.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,50 +56,28 @@ from torch.utils.checkpoint import checkpoint
 from coop.model.blocks import Resblocks
 from coop.model.inserted import InsertedTokens
 from coop.model.packing import Packing, pack, tiles
-
-
-@dataclass(frozen=True)
-class TextConfig:
-    vocab_size: int = 49408
-    context_length: int = 77
-    width: int = 512
-    heads: int = 8
-    layers: int = 12
-    mlp_width: int = 2048
-    embed_dim: int = 512
-    quick_gelu: bool = False
-    gelu_approximate: str = "none"
-    ln_eps: float = 1e-5
-    proj_bias: bool | None = None  # None: projection is a (W, E) matrix; bool: an nn.Linear
-
-
-def deep_by_block(deep_prompts) -> dict:
-    """Deep tokens keyed by the block whose input they replace at the context slots.
-
-    Args:
-        deep_prompts: None; a tensor (J-1, N or 1, M, W) for blocks 1..J-1 (deep prompts); or a
-            dict {block index >= 1: (N or 1, M, W)} (TCP: one block's class-aware tokens).
-    """
-    if deep_prompts is None:
-        return {}
-    if isinstance(deep_prompts, dict):
-        if any(i < 1 for i in deep_prompts):
-            raise ValueError(f"deep tokens enter blocks >= 1, got blocks {sorted(deep_prompts)}")
-        return deep_prompts
-    return {i + 1: tokens for i, tokens in enumerate(deep_prompts)}  # tokens: (N or 1, M, W)
+from coop.model.text_full import deep_by_block, encode_full
+from coop.model.text_support import POOLS, TextConfig
 
 
 class TextTransformer(nn.Module):
-    """CLIP's text encoder; `state_dict()` keys equal OpenCLIP's text-tower keys."""
+    """open_clip's text encoder; `state_dict()` keys equal open_clip's text-tower keys."""
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, name: str | None = None):
         super().__init__()
+        self.name = name  # the model's, for messages
+        if cfg.pool not in POOLS:
+            raise ValueError(f"text pooling must be one of {POOLS}, got '{cfg.pool}'")
         self.cfg = cfg
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length, cfg.width))
-        self.transformer = Resblocks(cfg)
+        # CoCa's class token takes the position after the context
+        self.cls_emb = nn.Parameter(torch.empty(cfg.width)) if cfg.embed_cls else None
+        self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length + cfg.embed_cls, cfg.width))
+        self.transformer = Resblocks(cfg, causal=cfg.causal)
         self.ln_final = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
-        if cfg.proj_bias is None:
+        if not cfg.projection:
+            self.text_projection = None
+        elif cfg.proj_bias is None:
             self.text_projection = nn.Parameter(torch.empty(cfg.width, cfg.embed_dim))
         else:
             self.text_projection = nn.Linear(cfg.width, cfg.embed_dim, bias=cfg.proj_bias)
@@ -97,11 +87,56 @@ class TextTransformer(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.transformer.resblocks
 
+    @property
+    def cuts(self) -> bool:
+        """Whether the exact fast paths hold: the cut after each row's pooled token, the prefix
+        computed once and the packed pass. They need a causal mask (no token sees a later one) and
+        pooling at an [EOS] (argmax or eos_id) or at CoCa's class token, which sees the text
+        through the token after [EOS] (`_ends`)."""
+        return self.cfg.causal and (self.cfg.pool in ("argmax", "eos") or self.cfg.embed_cls)
+
+    def cut_length(self, eos: torch.Tensor, length: int) -> int:
+        """How many leading tokens of rows whose pooled positions are `eos` (N,) the tower reads,
+        out of `length`: through the last one the pooled token sees (`_ends`) where it `cuts`,
+        else all of them."""
+        return min(int(self._ends(eos).max()) + 1, length) if self.cuts else length
+
+    def row_lengths(self, eos: torch.Tensor) -> torch.Tensor:
+        """(N,) tokens each row computes from its pooled positions `eos`: through the pooled token
+        where the tower cuts (CoCa's class token included), else the whole context."""
+        if not self.cuts:
+            return torch.full_like(eos, self.cfg.context_length + self.cfg.embed_cls)
+        return self._ends(eos) + 1 + self.cfg.embed_cls
+
+    def _ends(self, eos: torch.Tensor) -> torch.Tensor:
+        """(N,) each row's last text token that its pooled token sees: the [EOS]; with CoCa's
+        class token the token after it (open_clip's mask is one place to the right:
+        `coop.model.text_full.coca_mask`)."""
+        return (eos + 1).clamp(max=self.cfg.context_length - 1) if self.cfg.embed_cls else eos
+
+    def pool_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each row's pooled position, (N,), from its token ids (N, L), as open_clip pools.
+
+        argmax: the highest id ([EOS] in CLIP's vocabulary); eos: the first `eos_id` (0 if none);
+        last: L - 1; first: 0. With CoCa's class token (pooled after the text) this is the [EOS]
+        (argmax), which bounds the keys that token sees (`coop.model.text_full.coca_mask`).
+        """
+        n, length = ids.shape
+        if self.cfg.pool == "argmax" or self.cfg.embed_cls:
+            return ids.argmax(dim=-1)
+        if self.cfg.pool == "eos":
+            return (ids == self.cfg.eos_id).int().argmax(dim=-1)
+        at = length - 1 if self.cfg.pool == "last" else 0
+        return torch.full((n,), at, dtype=torch.long, device=ids.device)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Encode token ids (N, 77) into unnormalised text features (N, E)."""
-        eos = ids.argmax(dim=-1)  # [EOS] has the largest id
-        length = int(eos.max()) + 1
-        x = self.token_embedding(ids[:, :length])  # (N, L, W)
+        """Encode token ids (N, L) (L: the context length) into unnormalised text features (N, E)."""
+        eos = self.pool_positions(ids)
+        text = torch.arange(ids.shape[1], device=ids.device) <= eos[:, None]  # (N, L) up to [EOS]
+        if not self.cuts or (self.cfg.embed_cls and bool((text & (ids == self.cfg.pad_id)).any())):
+            # CoCa hides its padding id wherever it is, in the text too: such a batch runs in full
+            return encode_full(self, self.token_embedding(ids), eos, keys=ids != self.cfg.pad_id)
+        x = self.token_embedding(ids[:, : self.cut_length(eos, ids.shape[1])])  # (N, L', W)
         return self.encode_embeddings(x, eos)
 
     def encode_embeddings(
@@ -115,13 +150,16 @@ class TextTransformer(nn.Module):
 
         Args:
             x: token embeddings, (N, L, W) with L > max(eos); rows past a row's [EOS] are ignored.
-            eos: (N,) index of each row's [EOS] token.
+                A tower without the cut (`cuts` False) needs the whole context, L = context length.
+            eos: (N,) each row's pooled position (`pool_positions`), its [EOS] in a causal tower.
             deep_prompts: optional (J-1, N or 1, M, W) tokens that replace the hidden states at
                 `slots` before blocks 1..J-1, or {block: (N or 1, M, W)} (`deep_by_block`).
             slots: (N, M) positions of the context slots; required with `deep_prompts`.
         Returns:
             (N, E) projected [EOS] features, in row order.
         """
+        if not self.cuts:
+            return encode_full(self, self._whole(x), eos, deep_prompts, slots)
         return self._encode_packed(None, x.unsqueeze(0), eos, 0, deep_prompts, slots, self._recompute())[0]
 
     def encode_with_shared_prefix(
@@ -151,8 +189,12 @@ class TextTransformer(nn.Module):
             slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
             inserted: tokens that join the prefix after [SOS] at a block (`prefix_keys_values`).
 
-        Blocks are recomputed in the backward pass under `grad_checkpointing`.
+        Blocks are recomputed in the backward pass under `grad_checkpointing`. A tower without
+        the cut (`cuts` False) runs every row, prefix included, in full (`coop.model.text_full`).
         """
+        if not self.cuts:
+            x = torch.cat([prefix.expand(len(x), -1, -1), x], dim=1)  # (N, L, W)
+            return encode_full(self, self._whole(x), eos, deep_prompts, slots, inserted)
         kv = self.prefix_keys_values(prefix, deep_prompts, slots, inserted)
         start = prefix.shape[1]
         return self._encode_packed(kv, x.unsqueeze(0), eos, start, deep_prompts, slots, self._recompute())[0]
@@ -175,7 +217,13 @@ class TextTransformer(nn.Module):
                 only [SOS] and each other, so they are prefix too, and P grows to P+K there.
         Returns:
             Per block, the prefix's (keys, values), each (G, H, P, Dh) (P+K from the insertion on).
+        Raises:
+            ValueError: the tower has no exact cut (`cuts`): its prefix sees the rows after it.
         """
+        if not self.cuts:
+            raise ValueError(
+                f"{self.describe()}: a prefix computed once needs a causal text tower pooled at [EOS]"
+            )
         start = prefix.shape[1]
         deep = deep_by_block(deep_prompts)
         in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
@@ -239,6 +287,11 @@ class TextTransformer(nn.Module):
         g = 1 if kv is None else kv[0][0].shape[0]
         deep = deep_by_block(deep_prompts)
         per_row = {i for i, tokens in deep.items() if len(tokens) > 1}  # else (1, M, W), shared
+        needed = self.cut_length(eos, self.cfg.context_length)
+        if x.shape[2] + start < needed:
+            raise ValueError(
+                f"{self.describe()} reads {needed} tokens of these rows, got {x.shape[2] + start}"
+            )
         feats = [
             self._encode_tile(
                 kv,
@@ -250,7 +303,7 @@ class TextTransformer(nn.Module):
                 None if slots is None else slots[rows],
                 recompute,
             )
-            for rows in tiles(eos + 1 - start, g)
+            for rows in tiles(self.row_lengths(eos) - start, g)
         ]
         return feats[0] if len(feats) == 1 else torch.cat(feats, 1)  # (G, N, E)
 
@@ -259,8 +312,12 @@ class TextTransformer(nn.Module):
         `per_row` the blocks whose tokens are one set per row."""
         g = 1 if kv is None else kv[0][0].shape[0]
         width = x.shape[-1]
-        packing = pack(eos + 1 - start, start, g)
-        h = x[:, packing.row, packing.pos] + self.positional_embedding[start + packing.pos]  # (G|1, T, W)
+        packing = self._pack(eos, start, g)
+        own = x[:, packing.row, packing.pos.clamp(max=x.shape[2] - 1)]  # (G|1, T, W)
+        h = own + self.positional_embedding[start + packing.pos]
+        if self.cls_emb is not None:  # CoCa: each row's last token is the class token
+            cls = self.cls_emb + self.positional_embedding[self.cfg.context_length]  # (W,)
+            h = h.index_copy(1, packing.last, cls.to(h.dtype).expand(len(h), len(eos), -1))
         h = h.expand(g, -1, -1)  # (G, T, W)
         in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
         last = len(self.blocks) - 1
@@ -284,8 +341,13 @@ class TextTransformer(nn.Module):
                 h = block.forward_packed(h, packing, k, v, last=i == last)
         return self._project(h)  # h: (G, N, W) at each row's [EOS]
 
-    @staticmethod
-    def _unshare_prefix(h, packing: Packing, eos, start: int, in_prefix: int, g: int):
+    def _pack(self, eos: torch.Tensor, start: int, g: int) -> Packing:
+        """The packed layout of rows of tokens start..`_ends` (and CoCa's class token, which sees
+        itself only when the text fills the context: open_clip's mask)."""
+        blind = eos < self.cfg.context_length - 1 if self.cls_emb is not None else None
+        return pack(self.row_lengths(eos) - start, start, g, blind=blind)
+
+    def _unshare_prefix(self, h, packing: Packing, eos, start: int, in_prefix: int, g: int):
         """Re-pack rows that shared [SOS][v1..vh] so that only [SOS] stays shared.
 
         Returns (G, T', W) packed tokens 1..eos of every row (the old own tokens moved, the h slot
@@ -293,9 +355,9 @@ class TextTransformer(nn.Module):
         """
         if start != 1 + in_prefix:
             raise ValueError(f"a shared prefix of {start} tokens must be [SOS] and {in_prefix} context slots")
-        packed = pack(eos, 1, g)  # rows of eos tokens after [SOS]
+        packed = self._pack(eos, 1, g)  # rows of their own tokens after [SOS]
         moved = packed.offsets[packing.row] + packing.pos + start - 1  # (T,) old token -> new index
-        out = h.new_zeros(g, int(eos.sum()), h.shape[-1]).index_copy(1, moved, h)  # (G, T', W)
+        out = h.new_zeros(g, len(packed.row), h.shape[-1]).index_copy(1, moved, h)  # (G, T', W)
         return out, packed, 1
 
     def encode_with_attention(
@@ -307,31 +369,41 @@ class TextTransformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode_embeddings` that also returns every layer's attention probabilities.
 
-        All rows run at one length, max(eos) + 1, through the full-sequence blocks: under the
-        causal mask a row's [EOS] never sees the tokens after it, so the features equal those of
-        the packed pass.
+        All rows run at one length through the full-sequence blocks: max(eos) + 1 where the tower
+        cuts (under the causal mask a row's [EOS] never sees the tokens after it, so the features
+        equal those of the packed pass), the whole context otherwise.
 
         Args:
             x, eos, deep_prompts, slots: as in `encode_embeddings`.
         Returns:
             (N, E) features and (layers, N, H, L, L) weights: [l, n, h, t, s] is the probability
-            that query t puts on key s in head h of block l (0 for s > t).
+            that query t puts on key s in head h of block l (0 for a key the query does not see).
         """
-        n, width = x.shape[0], x.shape[-1]
-        x = x[:, : int(eos.max()) + 1] + self.positional_embedding[: int(eos.max()) + 1]  # (N, L, W)
-        deep = deep_by_block(deep_prompts)
-        weights = []
-        for i, block in enumerate(self.blocks):
-            if i in deep:
-                tokens = deep[i].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
-                x = x.scatter(1, slots.unsqueeze(-1).expand(-1, -1, width), tokens)
-            x, w = block(x, need_weights=True)
-            weights.append(w)
-        return self._project(x[torch.arange(n, device=x.device), eos]), torch.stack(weights)
+        x = x[:, : self.cut_length(eos, x.shape[1])] if self.cuts else self._whole(x)
+        return encode_full(self, x, eos, deep_prompts, slots, need_weights=True)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, L, W) unchanged, once L is checked to be the whole context (towers without the cut)."""
+        if x.shape[1] != self.cfg.context_length:
+            raise ValueError(
+                f"{self.describe()} sees every token: prompts must hold all {self.cfg.context_length} "
+                f"positions, got {x.shape[1]}"
+            )
+        return x
+
+    def describe(self) -> str:
+        """The tower in words, for messages: "model X's text tower (not causal, pooled at last)"."""
+        cfg = self.cfg
+        mask = "causal" if cfg.causal else "not causal"
+        pooled = "CoCa's class token" if cfg.embed_cls else cfg.pool
+        owner = f"model {self.name}'s " if self.name else ""
+        return f"{owner}text tower ({mask}, pooled at {pooled})"
 
     def _project(self, pooled: torch.Tensor) -> torch.Tensor:
-        """(..., W) hidden states at [EOS] -> (..., E) features."""
+        """(..., W) hidden states at the pooled token -> (..., E) features."""
         pooled = self.ln_final(pooled)
+        if self.text_projection is None:
+            return pooled
         if isinstance(self.text_projection, nn.Linear):
             return self.text_projection(pooled)
         return pooled @ self.text_projection

@@ -25,6 +25,7 @@ from torch import nn
 
 from coop.io import refused_unpickling
 from coop.model.clip import CLIP, ModelError
+from coop.model.text_support import text_support
 from coop.model.tokenizer import hub_reachable as _hub_reachable
 from coop.model.tokenizer import load_tokenizer
 
@@ -99,6 +100,9 @@ def load_clip(
         TokenizerError: the tokenizer cannot be loaded here (`coop.model.tokenizer.load_tokenizer`).
     """
     model_name = resolve_model_name(name)
+    refusal = text_support(model_name)  # before anything is built or downloaded
+    if refusal is not None:
+        raise ModelError(refusal)
     text_tokenizer = load_tokenizer(model_name, tokenizer)  # before the weights: a quick refusal
     kwargs, weights, local = {}, None, False
     if pretrained in NO_WEIGHTS:
