@@ -114,8 +114,9 @@ class CLIPLoRA(Method):
         self.grad_checkpointing = bool(OmegaConf.select(cfg, "train.grad_checkpointing", default=False))
         texts = [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in self.classnames]
         ids = clip.tokenize(texts).to(self.device)  # (n_cls, 77)
-        eos = ids.argmax(dim=-1)  # [EOS] has the largest id
-        self.register_buffer("token_ids", ids[:, : int(eos.max()) + 1], persistent=False)  # (n_cls, L)
+        eos = clip.text.pool_positions(ids)  # each prompt's pooled token: [EOS] in CLIP's tower
+        length = clip.text.cut_length(eos, ids.shape[1])
+        self.register_buffer("token_ids", ids[:, :length], persistent=False)  # (n_cls, L)
         self.register_buffer("eos", eos, persistent=False)
         self.prefix = shared_prefix_length(self.token_ids, eos)
         self._frozen_text: torch.Tensor | None = None  # lora.towers without text: computed once

@@ -164,8 +164,9 @@ class MMRL(VisionPromptMethod):
         self.proj_rep = nn.Parameter(proj.to(self.device))  # (W_v, E)
         self.template = resolve_templates("coop", cfg.data.name)[0]
         ids = clip.tokenize([self.template.format(c.replace("_", " ")) for c in self.classnames])
-        eos = ids.argmax(-1)  # (n_cls,)
-        self.register_buffer("ids", ids[:, : int(eos.max()) + 1].to(self.device), persistent=False)
+        eos = clip.text.pool_positions(ids)  # (n_cls,) each prompt's pooled token
+        length = clip.text.cut_length(eos, ids.shape[1])
+        self.register_buffer("ids", ids[:, :length].to(self.device), persistent=False)
         self.register_buffer("eos", eos.to(self.device), persistent=False)
         self._t_zs: torch.Tensor | None = None  # (n_cls, E), once per run, never checkpointed
 
