@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from _bench import imagenet_method
 
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
-from coop.reference import ivlp_logits, maple_logits, promptsrc_fixed_embeddings, promptsrc_loss, vpt_logits
+from coop.reference import (
+    ivlp_logits,
+    maple_logits,
+    promptsrc_fixed_embeddings,
+    promptsrc_loss,
+    reference_inputs,
+    vpt_logits,
+)
 from coop.reference.clip_lora import clip_lora_logits
 from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
 
@@ -34,17 +41,20 @@ def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, e
     return built
 
 
-def reference_loss(name: str, oc, method, inputs, terms: dict):
+def reference_loss(name: str, oc, method, terms: dict):
     """The official computation's training loss as a function of (images, labels).
 
+    What it prepares once is prepared here, untimed: the tokenised 77-token prompts
+    (`coop.reference.reference_inputs`), MMRL's ids and t_zs (`mmrl_inputs`).
     PromptSRC: its whole loss (`coop.reference.promptsrc_loss`: full 77-token prompts, the frozen
     image tower on the same images every step), with the fixed text embeddings of its templates
     computed once here, untimed, as its code does at build time; the unweighted terms go into
-    `terms`. MMRL: its whole loss (`mmrl_step`), t_zs computed once beforehand (`inputs`). The
-    other methods: cross-entropy on `reference_step`'s logits.
+    `terms`. MMRL: its whole loss (`mmrl_step`). The other methods: cross-entropy on
+    `reference_step`'s logits.
     """
     if name == "mmrl":
-        return mmrl_reference(oc, method, *inputs)
+        return mmrl_reference(oc, method, *mmrl_inputs(oc, method))
+    inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
     if name != "promptsrc":
         logits = reference_step(name, oc, method, inputs)
         return lambda images, labels: F.cross_entropy(logits(images).float(), labels)

@@ -54,9 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import build_models, max_rel_diff, sync  # noqa: E402
-from _bench_vl import METHODS, build, mmrl_inputs, reference_loss, token_bound  # noqa: E402
-
-from coop.reference import reference_inputs  # noqa: E402
+from _bench_vl import METHODS, build, reference_loss, token_bound  # noqa: E402
 
 
 def timed(step, method, device) -> tuple[float, float, float, dict]:
@@ -115,12 +113,8 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
         print(
             f"reference skipped: its graph needs about {need:.0f} GiB, more than this {device.type} has free"
         )
-    if name == "mmrl":
-        inputs = mmrl_inputs(oc, method)
-    else:  # once, untimed
-        inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
     ref_terms = {}
-    reference = reference_loss(name, oc, method, inputs, ref_terms)
+    reference = reference_loss(name, oc, method, ref_terms)  # its inputs once, untimed
     sides = {"coop": lambda: method.loss(images, labels)[0]}
     if fits:
         sides = {"reference": lambda: reference(images, labels), **sides}
@@ -171,8 +165,7 @@ def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = Fal
     oc, clip = build_models(args.model, device)
     method = build(name, clip, args.memory_classes, grad_checkpointing, args.set)
     if reference:
-        inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
-        official = reference_loss(name, oc, method, inputs, {})
+        official = reference_loss(name, oc, method, {})
     else:
         del oc
     clip.text.grad_checkpointing = grad_checkpointing  # as the engine sets it: both towers
