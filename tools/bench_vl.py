@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import build_models, max_rel_diff, sync  # noqa: E402
+from _bench import build_models, max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
 from _bench_vl import METHODS, build, reference_loss, token_bound  # noqa: E402
 
 
@@ -174,9 +174,8 @@ def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = Fal
     images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)
     labels = torch.randint(args.memory_classes, (args.batch,), generator=gen).to(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+        sync(device)
+        before = reset_peak(device)
     else:
         try:
             Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM)
@@ -185,8 +184,8 @@ def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = Fal
         before = _status_kib("VmRSS")
     (official(images, labels) if reference else method.loss(images, labels)[0]).backward()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+        sync(device)
+        return peak_fields(device, before)["step_mib"]
     return (_status_kib("VmHWM") - before) / 2**10
 
 
