@@ -43,8 +43,9 @@ from coop.reference import (
 )
 from coop.results.tables import load_runs
 from coop.train.checkpoint import load_checkpoint
-from coop.train.engine import eval_features, setup
+from coop.train.engine import setup
 from coop.train.evaluation import evaluate_checkpoint
+from coop.train.run_features import eval_features
 from coop.train.runner import train_run
 
 # Vision width 96 against text width 64, so that a transposed coupling or a swapped tower shows.

@@ -5,6 +5,7 @@ tiny run end to end (base-to-new, ImageNet-A, interrupted and resumed with a wor
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 
@@ -265,6 +266,9 @@ def test_bench_vl_mmrl_matches_the_reference(tmp_path, capsys):
     assert {"rep_tokens", "proj_rep", "rep_to_text.2.bias", "rep_to_vision.1.weight"} <= set(
         step["grad_diff"]
     )
+    # --reference-memory's child process: the official step with MMRL's own inputs (ids, t_zs)
+    child = argparse.Namespace(device="cpu", model=str(TINY_CONFIG), memory_classes=4, batch=2, set=[])
+    assert load_tool("bench_vl").step_memory(child, "mmrl", grad_checkpointing=False, reference=True) >= 0
 
 
 def test_a_packing_after_a_longer_prefix_is_the_packing_built_for_it():

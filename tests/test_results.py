@@ -14,7 +14,8 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from coop.config.load import load_config
-from coop.results.tables import dataset_table, format_dataset_markdown, load_runs, summarize, varying_keys
+from coop.results.markdown import format_dataset_markdown
+from coop.results.tables import dataset_table, load_runs, summarize, varying_keys
 
 
 def collect(*args) -> int:

@@ -22,8 +22,9 @@ from coop.data.images import derive_seed
 from coop.methods import build_method
 from coop.methods.tip_adapter import search_alpha_beta, search_grid
 from coop.methods.zeroshot import IMAGENET_TEMPLATES_SELECT
-from coop.train.engine import REQUEST_STREAM, clip_transforms
+from coop.train.engine import clip_transforms
 from coop.train.evaluation import evaluate_checkpoint_targets
+from coop.train.run_features import REQUEST_STREAM
 from coop.train.runner import train_run
 from coop.train.schedule import plan_schedule
 from coop.train.sweep import load_grid, plan

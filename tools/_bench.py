@@ -29,6 +29,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def reset_peak(device) -> int:
+    """Reset CUDA's peak-memory counter; the bytes allocated now (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_fields(device, start: int) -> dict:
+    """Peak CUDA memory since the last reset, and its growth over `start` bytes, in MiB (None off CUDA)."""
+    if device.type != "cuda":
+        return {"peak_mib": None, "step_mib": None}
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_mib": peak / 2**20, "step_mib": (peak - start) / 2**20}
+
+
+def free(device) -> None:
+    """Hand CUDA's cached, unused blocks back between measurements (nothing off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def precision_context(device: torch.device, precision: str):
     """bf16 autocast for "bf16" (on CPU too, for smoke runs); nothing for "fp32"."""
     if precision == "bf16":

@@ -44,7 +44,8 @@ def worker(args) -> None:
 
     from coop import distributed
     from coop.config.load import load_config
-    from coop.train.engine import setup, train_one_epoch, training_features
+    from coop.train.engine import setup, train_one_epoch
+    from coop.train.run_features import training_features
     from coop.train.schedule import build_optimizer
 
     logging.getLogger("coop").setLevel(logging.WARNING)

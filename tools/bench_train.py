@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import setup_logging  # noqa: E402
 
 from coop.config.load import load_config
-from coop.train.engine import setup, train_one_epoch, training_features  # noqa: E402
+from coop.train.engine import setup, train_one_epoch  # noqa: E402
+from coop.train.run_features import training_features  # noqa: E402
 
 
 def timed_epochs(s, optimizer, feats, first: int, n: int, steps: list[int]) -> tuple[float, int]:

@@ -59,13 +59,12 @@ from _cli import run_cli, setup_logging  # noqa: E402
 
 from coop.io import require_writable  # noqa: E402
 from coop.results import base_to_new  # noqa: E402
+from coop.results.markdown import format_dataset_markdown, format_markdown  # noqa: E402
 from coop.results.reproduce import with_published  # noqa: E402
 from coop.results.tables import (  # noqa: E402
     PERSONAL_METRICS,
     dataset_table,
     domain_table,
-    format_dataset_markdown,
-    format_markdown,
     incomplete_runs,
     load_runs,
     summarize,

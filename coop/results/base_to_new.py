@@ -25,16 +25,15 @@ import math
 import pandas as pd
 
 from coop.config.checks import ConfigError
+from coop.results.markdown import _cell, row_label
 from coop.results.published import DATASETS_11, lookup
 from coop.results.reproduce import no_counterpart, row_protocols
 from coop.results.tables import (
     DATASET_ORDER,
-    _cell,
     _check_keys,
     _group_value,
     _sort_key,
     harmonic_mean,
-    row_label,
     varying_keys,
 )
 

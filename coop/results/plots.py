@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from coop.results.markdown import setting_label
 from coop.results.run_files import read_history
-from coop.results.tables import METRICS, PERSONAL_METRICS, config_keys, setting_label, summarize, varying_keys
+from coop.results.tables import METRICS, PERSONAL_METRICS, config_keys, summarize, varying_keys
 
 PANEL_KEYS = ("data.name", "model.name")
 ROUND_PANEL_KEYS = (*PANEL_KEYS, "data.target_domain")  # leave-one-domain-out: a panel per target

@@ -29,8 +29,9 @@ import math
 import pandas as pd
 
 from coop.config.run_names import model_tag
+from coop.results.markdown import row_label
 from coop.results.published import DATASETS_11, DG_TARGETS, FIGURES, lookup
-from coop.results.tables import _group_value, row_label
+from coop.results.tables import _group_value
 
 WEIGHTS = "openai"  # what every published figure ran
 PROTOCOL_NAMES = {

@@ -1,7 +1,7 @@
 """Few-shot training and evaluation of any method (`coop.methods`), as plain functions over a run config.
 
     s = setup(load_config("configs/coop/vit_b16.yaml", ["data.shots=4"]))
-    feats = training_features(s)           # None for aug_views=0: re-encode at every step
+    feats = training_features(s)           # coop.train.run_features; None for aug_views=0
     stats = train_one_epoch(s, optimizer, epoch, feats)
     metrics = evaluate_run(s)              # cached test features, or the method's prompted tower
 
@@ -57,11 +57,11 @@ from coop.data import (
 )
 from coop.data.images import derive_seed
 from coop.methods import METHODS, Method, build_method
-from coop.methods.base import FeatureRequest
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
-from coop.train.features import autocast, cached_features, resolve_precision
+from coop.train.features import autocast, resolve_precision
 from coop.train.metrics import classification_metrics
+from coop.train.run_features import eval_features
 from coop.train.schedule import Schedule, steps_per_epoch
 
 log = logging.getLogger(__name__)
@@ -338,68 +338,6 @@ def evaluate_run(s: Setup) -> dict:
         return evaluate_images(s, "test")
     feats, labels = eval_features(s)
     return evaluate(s.method, feats[0], labels, s.device, s.precision)
-
-
-def _features(s: Setup, split: str, transform, desc: str, views: int = 1, seed: int | None = None):
-    cfg = s.cfg
-    return cached_features(
-        s.clip,
-        getattr(s.dataset, split),
-        transform,
-        views=views,
-        seed=seed,
-        device=s.device,
-        batch_size=int(cfg.train.eval_batch_size),
-        num_workers=int(cfg.data.num_workers),
-        skip_corrupt=bool(cfg.data.skip_corrupt),
-        precision=s.precision,
-        use_disk=bool(cfg.train.cache_features),
-        desc=desc,
-        what=f"the {split} split of {cfg.data.name}",
-    )
-
-
-def eval_features(s: Setup):
-    """Test-split features ((1, N, E), labels), computed once and kept in the disk cache."""
-    return _features(s, "test", s.test_tf, "test features")
-
-
-def val_features(s: Setup):
-    """Val-split features ((1, N, E), labels) under the test transform."""
-    return _features(s, "val", s.test_tf, "val features")
-
-
-def training_features(s: Setup, views: int | None = None):
-    """Cached training features for aug_views >= 1, None for aug_views == 0 (CoOp's way).
-
-    Args:
-        s: the run.
-        views: overrides `train.aug_views`.
-    """
-    views = int(s.cfg.train.aug_views) if views is None else views
-    if views == 0:
-        return None
-    if views == 1:  # one deterministic pass with the test transform
-        return _features(s, "train", s.test_tf, "train features")
-    return _features(s, "train", s.train_tf, "train features", views, int(s.cfg.data.seed))
-
-
-# The seed stream of a method's own augmented views (`requested_features`): drawn independently of
-# the views that SGD epochs see (image i's crop in epoch e is seeded by (seed, e, i)).
-REQUEST_STREAM = 7_919
-
-
-def requested_features(s: Setup, request: FeatureRequest):
-    """The training features a method asks for (`Method.fit_request`): ((V, N, E), labels).
-
-    Unaugmented: one pass with the test transform (the linear probe). Augmented: V passes through
-    the train transform (`train.crop_scale`, flip; Tip-Adapter's cache takes 10 at scale 0.5-1),
-    pass v of image i seeded by (seed, REQUEST_STREAM, v, i), cached on disk like every view.
-    """
-    if not request.augment:
-        return _features(s, "train", s.test_tf, "train features")
-    seed = derive_seed(int(s.cfg.data.seed), REQUEST_STREAM)
-    return _features(s, "train", s.train_tf, "train features (method views)", int(request.views), seed)
 
 
 def default_output_dir(cfg: DictConfig) -> str:

@@ -51,15 +51,13 @@ from coop.train.engine import (
     Setup,
     default_output_dir,
     evaluate_run,
-    requested_features,
     setup,
     train_one_epoch,
-    training_features,
-    val_features,
 )
 from coop.train.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.train.lock import require_run_folder, run_lock
 from coop.train.preflight import check_base_to_new, check_model_limits
+from coop.train.run_features import requested_features, training_features, val_features
 from coop.train.schedule import Schedule, build_optimizer, plan_schedule
 from coop.train.tensorboard import Board, open_board
 

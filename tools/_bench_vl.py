@@ -1,0 +1,183 @@
+"""The two sides of one training step for tools/bench_vl.py: each method built with its recipe (ours),
+the official computation's loss as a function of the images and labels (the reference), and the
+tokens per step of both with the speed-up they bound.
+
+Which computation the reference follows for each method is described in tools/bench_vl.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from _bench import imagenet_method
+
+from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
+from coop.reference import (
+    ivlp_logits,
+    maple_logits,
+    promptsrc_fixed_embeddings,
+    promptsrc_loss,
+    reference_inputs,
+    vpt_logits,
+)
+from coop.reference.clip_lora import clip_lora_logits
+from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
+
+METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora", "mmrl")
+CONTEXT = 77  # tokens per prompt in the reference
+
+
+def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=()):
+    """`method` with its recipe and `extra` key=value overrides on the first `n_classes` ImageNet names;
+    CLIP-LoRA's adapters moved away from their initialisation (B = 0 gives A no gradient)."""
+    built = imagenet_method(
+        clip, method, n_classes, [f"train.grad_checkpointing={grad_checkpointing}", *extra]
+    )
+    if method == "clip_lora":
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for t in built.learnable().values():
+                t.copy_(0.02 * torch.randn(t.shape, generator=gen))
+    return built
+
+
+def reference_loss(name: str, oc, method, terms: dict):
+    """The official computation's training loss as a function of (images, labels).
+
+    What it prepares once is prepared here, untimed: the tokenised 77-token prompts
+    (`coop.reference.reference_inputs`), MMRL's ids and t_zs (`mmrl_inputs`).
+    PromptSRC: its whole loss (`coop.reference.promptsrc_loss`: full 77-token prompts, the frozen
+    image tower on the same images every step), with the fixed text embeddings of its templates
+    computed once here, untimed, as its code does at build time; the unweighted terms go into
+    `terms`. MMRL: its whole loss (`mmrl_step`). The other methods: cross-entropy on
+    `reference_step`'s logits.
+    """
+    if name == "mmrl":
+        return mmrl_reference(oc, method, *mmrl_inputs(oc, method))
+    inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
+    if name != "promptsrc":
+        logits = reference_step(name, oc, method, inputs)
+        return lambda images, labels: F.cross_entropy(logits(images).float(), labels)
+    pl = method.prompt_learner
+    ids, _, slots = inputs
+    fixed = promptsrc_fixed_embeddings(oc, method.classnames, method.templates)
+    weights = {k: v for k, v in method.weights.items() if k != "kl_weight"}  # the official KL weight is 1
+
+    def step(images, labels):
+        vision = method.vision_prompts()
+        loss, parts = promptsrc_loss(
+            oc, images, labels, ids, slots, pl.ctx, pl.deep_ctx, vision, fixed, **weights
+        )
+        terms.update({k: float(v.detach()) for k, v in parts.items()})
+        return loss
+
+    return step
+
+
+def mmrl_inputs(oc, method) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (n_cls, 77), t_zs) of MMRL's template, prepared once, untimed, as its code does at build."""
+    ids = method.clip.tokenize([method.template.format(c.replace("_", " ")) for c in method.classnames])
+    ids = ids.to(method.device)
+    return ids, mmrl_frozen_text(oc, ids)
+
+
+def mmrl_reference(oc, method, ids, text_zs):
+    """The original MMRL step's loss as a function of (images, labels), on `method`'s tensors."""
+    t = method.learnable()
+
+    def pairs(side: str, n: int) -> list:
+        return [(t[f"rep_to_{side}.{j}.weight"], t[f"rep_to_{side}.{j}.bias"]) for j in range(n)]
+
+    to_text, to_vision = pairs("text", len(method.text_blocks)), pairs("vision", len(method.vision_blocks))
+    return lambda images, labels: mmrl_step(
+        oc,
+        images,
+        labels,
+        ids,
+        text_zs,
+        t["rep_tokens"],
+        to_text,
+        to_vision,
+        t["proj_rep"],
+        method.text_blocks,
+        method.vision_blocks,
+        method.alpha,
+        method.reg_weight,
+    )[0]
+
+
+def mmrl_token_bound(method, clip, batch: int) -> dict:
+    """MMRL's tokens per step, as token-blocks / blocks (K more from the first listed block on):
+    text, reference n_cls x (77+K) against ours, each row's own tokens plus [SOS] and the K tokens
+    once; image, the student pass on both sides plus the frozen forward (1/3 of a training pass),
+    over all blocks in the reference, after the shared blocks in ours."""
+    t, v = clip.text.cfg, clip.visual.cfg
+    k, n_cls = method.n_tokens, len(method.classnames)
+    t0, v0 = method.text_blocks[0], method.vision_blocks[0]
+    ref_text = n_cls * (CONTEXT * t.layers + k * (t.layers - t0)) / t.layers
+    ours_text = int(method.eos.sum()) + 1 + k * (t.layers - t0) / t.layers
+    student = batch * (v.tokens * v.layers + k * (v.layers - v0)) / v.layers
+    ref_image = student + batch * v.tokens / 3
+    ours_image = student + batch * v.tokens * (v.layers - v0) / v.layers / 3
+    text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
+    bound = (ref_text * text_cost + ref_image * image_cost) / (
+        ours_text * text_cost + ours_image * image_cost
+    )
+    return {
+        "reference_text": round(ref_text),
+        "ours_text": round(ours_text),
+        "reference_image": round(ref_image),
+        "image": round(ours_image),
+        "token_ratio": (ref_text + ref_image) / (ours_text + ours_image),
+        "bound": bound,
+    }
+
+
+def reference_step(name: str, oc, method, inputs):
+    """The official computation's logits function of the images, for `method`'s tensors."""
+    if name == "clip_lora":  # 77 tokens per class, LoRA added to the weights; ids once, untimed
+        ids = method.clip.tokenize(
+            [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in method.classnames]
+        )
+        ids, tensors, scale = ids.to(method.device), method.learnable(), method.adapters.scale
+        return lambda images: clip_lora_logits(oc, images, ids, tensors, scale)
+    if name == "vpt":  # text features are frozen and computed once, as in the VPT trainer
+        text = method.fixed_text_features
+        return lambda images: vpt_logits(oc, images, None, method.vision_prompts(), text_features=text)
+    pl = method.prompt_learner
+    ids, _, slots = inputs
+    if name == "ivlp":
+        return lambda images: ivlp_logits(
+            oc, images, ids, slots, pl.ctx, pl.deep_ctx, method.vision_prompts()
+        )
+    projections = [method.proj, *method.compound_prompt_projections]
+    return lambda images: maple_logits(oc, images, ids, slots, pl.ctx, pl.deep_ctx, projections)
+
+
+def token_bound(name: str, method, clip, batch: int) -> dict:
+    """Tokens per step of both sides and the speed-up they bound (tokens x layers x width^2)."""
+    if name == "mmrl":
+        return mmrl_token_bound(method, clip, batch)
+    tower = clip.visual
+    prompts = method.vision_prompts() if hasattr(method, "vision_prompts") else [torch.zeros(0)]
+    image = batch * (tower.cfg.tokens + prompts[0].shape[0])
+    if name == "promptsrc":  # both sides also run the frozen tower forward: ~1/3 of a training pass
+        image += batch * tower.cfg.tokens // 3
+    n_cls = len(method.classnames)
+    if name == "vpt":  # neither side runs the text tower per step
+        ref_text = ours_text = 0
+    elif name == "clip_lora":  # the shared prefix once, then every prompt's own tokens up to [EOS]
+        ref_text, ours_text = n_cls * CONTEXT, method.prefix + int((method.eos + 1 - method.prefix).sum())
+    else:
+        ref_text, ours_text = n_cls * CONTEXT, int((method.prompt_learner.eos + 1).sum())
+    t, v = clip.text.cfg, tower.cfg
+    text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
+    bound = (ref_text * text_cost + image * image_cost) / (ours_text * text_cost + image * image_cost)
+    ratio = (ref_text + image) / (ours_text + image)
+    return {
+        "reference_text": ref_text,
+        "ours_text": ours_text,
+        "image": image,
+        "token_ratio": ratio,
+        "bound": bound,
+    }
