@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 
 BACKENDS = ("auto", "gloo", "nccl")
 

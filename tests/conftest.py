@@ -219,20 +219,20 @@ def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) ->
 def interrupted_at(epoch: int):
     """Training runs started inside stop (like Ctrl-C) when they reach 0-based `epoch`, after the
     checkpoint of the epoch before: the state a resume starts from."""
-    import coop.runner
+    import coop.train.runner
 
-    real = coop.runner.train_one_epoch
+    real = coop.train.runner.train_one_epoch
 
     def stop(s, optimizer, e, *args):
         if e == epoch:
             raise KeyboardInterrupt
         return real(s, optimizer, e, *args)
 
-    coop.runner.train_one_epoch = stop
+    coop.train.runner.train_one_epoch = stop
     try:
         yield
     finally:
-        coop.runner.train_one_epoch = real
+        coop.train.runner.train_one_epoch = real
 
 
 def run_tool_in_process(script: Path, args: list[str]):

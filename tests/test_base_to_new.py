@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 from test_results import collect, write_run
 
-from coop.base_to_new import base_to_new_table, with_published
-from coop.published import BASE_TO_NEW, DATASETS_11
-from coop.results import load_runs
+from coop.results.base_to_new import base_to_new_table, with_published
+from coop.results.published import BASE_TO_NEW, DATASETS_11
+from coop.results.tables import load_runs
 
 
 def b2n_run(root, method, dataset, seed, base, new, *extra):

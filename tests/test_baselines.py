@@ -10,7 +10,9 @@ from conftest import tiny_args
 from omegaconf import OmegaConf
 from test_methods import CLASSES, direct_text_features
 
-from coop.config import ConfigError, load_config, method_settings
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import method_settings
 from coop.methods import build_method, resolve_templates
 from coop.methods.zeroshot import IMAGENET_TEMPLATES_SELECT
 
@@ -68,7 +70,7 @@ def test_kgcoop_defaults_to_its_own_templates(tiny_clip, tiny_openclip):
     [({"method": "linear_probe"}, "method=linear_probe"), ({"prompt.csc": "true"}, "prompt.csc=true")],
 )
 def test_base_to_new_refused_before_training(tmp_path, image_folder, extra, first):
-    from coop.runner import train_run
+    from coop.train.runner import train_run
 
     out = tmp_path / "run"
     cfg = load_config(None, tiny_args(image_folder, out, **{"data.subsample_classes": "base", **extra}))

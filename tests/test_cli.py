@@ -13,13 +13,14 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "tools"))
 import _cli  # noqa: E402
 
-from coop.config import ConfigError, load_config  # noqa: E402
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.data import DataError  # noqa: E402
-from coop.engine import NonFiniteLossError  # noqa: E402
 from coop.model.clip import ModelError  # noqa: E402
 from coop.model.prompt import PromptError  # noqa: E402
 from coop.model.weights import WeightsUnavailableError  # noqa: E402
-from coop.runner import RunError  # noqa: E402
+from coop.train.engine import NonFiniteLossError  # noqa: E402
+from coop.train.runner import RunError  # noqa: E402
 
 
 def exit_of(error: BaseException, capsys) -> tuple[int, list[str]]:
@@ -55,7 +56,7 @@ def test_bad_input_errors_are_one_line_exit_2(error, capsys):
 
 
 @pytest.mark.parametrize(
-    "module, name", [("coop.checkpoint", "CheckpointError"), ("coop.methods", "TransferError")]
+    "module, name", [("coop.train.checkpoint", "CheckpointError"), ("coop.methods", "TransferError")]
 )
 def test_errors_of_other_modules_are_bad_input_when_they_exist(module, name, capsys, monkeypatch):
     """run_cli looks these classes up by name, so it works before and after they are added."""

@@ -16,16 +16,18 @@ from test_image_encoder import build as build_openclip
 from test_image_encoder import randomise, shrunk_config
 from test_vision_language import WIDE_VISION
 
-from coop.config import ConfigError, load_config, run_name
-from coop.evaluation import evaluate_checkpoint
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
 from coop.model.clip import CLIP, ModelError
 from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
-from coop.published import FEW_SHOT_16, lookup
 from coop.reference.clip_lora import clip_lora_logits
-from coop.runner import train_run
-from coop.schedule import build_optimizer
+from coop.results.published import FEW_SHOT_16, lookup
+from coop.train.evaluation import evaluate_checkpoint
+from coop.train.runner import train_run
+from coop.train.schedule import build_optimizer
 
 CLASSES = ["red thing", "green_thing", "t-shirt"]
 

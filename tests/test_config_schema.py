@@ -1,4 +1,4 @@
-"""The typed configuration (`coop.config_schema`): every key's type, set and range is refused in one
+"""The typed configuration (`coop.config.schema`): every key's type, set and range is refused in one
 line that names the key and the value; saved run configs still load; the tools refuse bad values
 before they create anything, and a sweep's dry run checks every point against the model."""
 
@@ -10,10 +10,11 @@ from conftest import REPO, TINY_CONFIG, run_tool_in_process
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from coop.config import DEFAULTS, ConfigError, flatten, load_config, to_yaml
-from coop.config_schema import SPECS, RunConfig
-from coop.config_spec import check_values
-from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
+from coop.config.checks import ConfigError
+from coop.config.load import flatten, load_config, to_yaml
+from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS
+from coop.config.schema import DEFAULTS, SPECS, RunConfig
+from coop.config.spec import check_values
 
 
 def refusal(*overrides: str, path: str | None = None) -> str:
@@ -209,7 +210,7 @@ def test_sweep_dry_run_checks_every_point_against_the_model(tmp_path):
 
 
 def test_the_model_limits_cover_each_method():
-    from coop.preflight import check_model_limits
+    from coop.train.preflight import check_model_limits
 
     tiny = [f"model.name={TINY_CONFIG}"]
     for overrides, message in (
@@ -237,7 +238,7 @@ def test_the_model_limits_cover_each_method():
 
 
 def test_base_to_new_refuses_what_scores_only_its_own_classes():
-    from coop.preflight import check_base_to_new
+    from coop.train.preflight import check_base_to_new
 
     base = ["data.subsample_classes=base"]
     for overrides, what in (

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO
 
-from coop.config import ConfigError, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.methods import DePT, build_method
 from coop.reference import (
     _clip_logits,
@@ -21,7 +23,7 @@ from coop.reference import (
     vision_features,
 )
 from coop.reference.dept import dept_loss, dept_test_logits
-from coop.sweep import load_grid, plan
+from coop.train.sweep import load_grid, plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]
 
@@ -117,12 +119,7 @@ def test_param_groups_recipes_and_names(tiny_clip):
     assert [g.get("lr_scale", 1.0) for g in groups] == [1.0, 6.5]
     assert {id(t) for t in groups[1]["params"]} == own and not own & {id(t) for t in groups[0]["params"]}
     coop = load_config(None, ["method=coop", "dept.enabled=true"])
-    assert (coop.model.prompt.n_ctx, coop.train.lr, coop.train.epochs, coop.train.batch_size) == (
-        16,
-        0.0035,
-        10,
-        4,
-    )
+    assert (coop.prompt.n_ctx, coop.train.lr, coop.train.epochs, coop.train.batch_size) == (16, 0.0035, 10, 4)
     kg = load_config(None, ["method=kgcoop", "dept.enabled=true"])
     assert (kg.kgcoop.weight, kg.prompt.ctx_init, kg.train.lr) == (2.0, "a photo of a", 0.0035)
     maple = load_config(None, ["method=maple", "dept.enabled=true"])

@@ -25,12 +25,13 @@ import torch
 import torch.multiprocessing as mp
 from conftest import REPO, make_image_folder, run_tool_in_process, tiny_args
 
-import coop.runner
+import coop.train.runner
 from coop import distributed
-from coop.config import ConfigError, load_config
-from coop.engine import rank_share
-from coop.sweep import Run, slot_gpus, train_command
-from coop.sweep_submitit import submitit_parameters
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.train.engine import rank_share
+from coop.train.sweep import Run, slot_gpus, train_command
+from coop.train.sweep_submitit import submitit_parameters
 
 EPOCHS, BATCH = 2, 5  # 12 training images: 2 steps of 5 per epoch, shares of 3 and 2 on 2 ranks
 RUNS = {
@@ -56,7 +57,7 @@ def overrides(folder, out, name: str) -> list[str]:
 def recording(records: list, kill_at: int | None = None):
     """Record (inputs, labels, prompts before the step) of every `Method.loss` call of the runs
     started inside; with `kill_at`, SIGKILL this process at that call."""
-    real_setup = coop.runner.setup
+    real_setup = coop.train.runner.setup
 
     def setup(cfg, *args, **kwargs):
         s = real_setup(cfg, *args, **kwargs)
@@ -72,11 +73,11 @@ def recording(records: list, kill_at: int | None = None):
         s.method.loss = spy
         return s
 
-    coop.runner.setup = setup
+    coop.train.runner.setup = setup
     try:
         yield
     finally:
-        coop.runner.setup = real_setup
+        coop.train.runner.setup = real_setup
 
 
 def run_job(args: list[str], cache: Path, record: Path, kill_at: int | None = None) -> None:
@@ -85,7 +86,7 @@ def run_job(args: list[str], cache: Path, record: Path, kill_at: int | None = No
     old, os.environ["COOP_CACHE_DIR"] = os.environ.get("COOP_CACHE_DIR"), str(cache)
     try:
         with recording(records, kill_at):
-            coop.runner.train_run(load_config(None, args))
+            coop.train.runner.train_run(load_config(None, args))
     finally:
         os.environ.pop("COOP_CACHE_DIR") if old is None else os.environ.update(COOP_CACHE_DIR=old)
     torch.save(records, record)

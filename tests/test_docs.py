@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
 from conftest import REPO
 
-from coop.config import DEFAULTS, METHODS, flatten
+from coop.config.load import flatten
+from coop.config.schema import DEFAULTS, METHODS
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FILE_SUFFIXES = {"py", "yaml", "yml", "json", "csv", "md", "txt", "pt", "png", "bin", "toml"}
@@ -17,6 +19,10 @@ KEYS = set(flatten(DEFAULTS))
 DOTTED = re.compile(r"(?<![\w./<>-])([a-z_]+)\.([a-z_][a-z0-9_]*)(?![\w(])")
 SCRIPT = re.compile(r"\btools/(\w+\.py)\b")
 CONFIG_FILE = re.compile(r"\bconfigs/([\w./-]+\.(?:yaml|json))\b")
+# a path of the package (not the tail of another path: configs/coop/vit_b16.yaml) and a dotted name in it
+MODULE_PATH = re.compile(r"(?<![\w/.-])coop/[\w./]*[\w/]")
+MODULE_NAME = re.compile(r"(?<![\w./-])coop\.[a-z_]\w*(?:\.[A-Za-z_]\w*)*")
+NOT_MODULES = {"coop.prompts"}  # the `format` value of an exported file (interop.md), not a module
 
 
 def _text(path) -> str:
@@ -51,6 +57,38 @@ def test_named_scripts_and_config_files_exist(doc):
     assert not missing, f"{doc.name} names files that do not exist: {sorted(set(missing))}"
 
 
+def resolves(dotted: str) -> bool:
+    """Whether `coop.a.b.name` is a module, or a name in the longest module that prefixes it."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:n]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[n:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_named_module_paths_exist(doc):
+    """Every `coop/...` path and `coop.module.name` the docs name is real (the layout moves)."""
+    text = _text(doc)
+    missing = [p for p in MODULE_PATH.findall(text) if not (REPO / p).exists()]
+    missing += [m for m in MODULE_NAME.findall(text) if m not in NOT_MODULES and not resolves(m)]
+    assert not missing, f"{doc.name} names modules that do not exist: {sorted(set(missing))}"
+
+
+def test_the_module_check_catches_an_old_path():
+    assert MODULE_PATH.findall("see coop/engine.py and configs/coop/vit_b16.yaml") == ["coop/engine.py"]
+    assert not (REPO / "coop/engine.py").exists()
+    assert not resolves("coop.engine.predict") and not resolves("coop.train.engine.no_such_name")
+    assert resolves("coop.train.engine.predict") and resolves("coop.model")
+
+
 def test_the_key_check_catches_a_misspelt_key():
     found = {
         f"{s}.{k}" for s, k in DOTTED.findall("run with train.aug_view=1 and `data.shots`, tools/train.py")
@@ -72,7 +110,8 @@ def test_method_lists_name_every_method():
 
 def test_readme_demo_timing_describes_the_demo_config():
     """The README's measured demo names the run configs/demo.yaml makes: its views, shots and epochs."""
-    from coop.config import epochs_for_shots, load_config
+    from coop.config.checks import epochs_for_shots
+    from coop.config.load import load_config
 
     cfg = load_config(str(REPO / "configs" / "demo.yaml"))
     epochs = cfg.train.epochs or epochs_for_shots(cfg.data.shots, cfg.data.name)

@@ -236,7 +236,8 @@ def test_latent_domains_rules(tiny_clip, position):
     ],
 )
 def test_bad_config_is_one_line(args, message):
-    from coop.config import ConfigError, load_config
+    from coop.config.checks import ConfigError
+    from coop.config.load import load_config
     from coop.federated.task import check_config
 
     with pytest.raises(ConfigError, match=None) as e:
@@ -330,12 +331,14 @@ def test_no_process_of_a_run_outlives_its_tool(tmp_path, how):
 
 
 def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():
-    from coop.config import ConfigError
+    from coop.config.checks import ConfigError
     from coop.federated.server import FederatedError
     from coop.federated.simulation import raise_remote
 
     with pytest.raises(ConfigError, match="^fl.rounds=0 must be >= 1$"):
-        raise_remote({"error": "fl.rounds=0 must be >= 1", "type": "ConfigError", "module": "coop.config"})
+        raise_remote(
+            {"error": "fl.rounds=0 must be >= 1", "type": "ConfigError", "module": "coop.config.load"}
+        )
     with pytest.raises(FederatedError, match="^round 2: client 1 failed$"):
         raise_remote({"error": "round 2: client 1 failed", "type": "FederatedError",
                       "module": "coop.federated.server"})  # fmt: skip

@@ -17,10 +17,10 @@ from conftest import TINY_CONFIG
 from torch import nn
 
 import coop
-from coop.features import cache_key
 from coop.model.clip import cosine_logits
 from coop.model.image_encoder import ImageTransformer, ModelError
 from coop.reference import ivlp_logits, maple_logits, vision_features, vpt_logits
+from coop.train.features import cache_key
 
 # Every standard OpenCLIP ViT this forward covers, shrunk to a few layers and a small image; each
 # keeps its family's options: patch size, head width, MLP ratio, activation.

@@ -21,11 +21,8 @@ from conftest import REPO, make_image_folder, randomise_text_tower, run_tool_in_
 from torch import nn
 
 import coop
-from coop.checkpoint import load_checkpoint
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.data.images import load_image
-from coop.engine import eval_features, setup
-from coop.evaluation import evaluate_checkpoint
 from coop.interop import (
     ImportShapeError,
     MappingError,
@@ -44,8 +41,11 @@ from coop.reference import (
     reference_inputs,
     vpt_logits,
 )
-from coop.results import load_runs
-from coop.runner import train_run
+from coop.results.tables import load_runs
+from coop.train.checkpoint import load_checkpoint
+from coop.train.engine import eval_features, setup
+from coop.train.evaluation import evaluate_checkpoint
+from coop.train.runner import train_run
 
 # Vision width 96 against text width 64, so that a transposed coupling or a swapped tower shows.
 WIDE = {

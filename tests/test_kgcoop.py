@@ -14,13 +14,15 @@ from omegaconf import OmegaConf
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 
 import coop.methods.kgcoop as kgcoop_module
-from coop.config import ConfigError, load_config, run_name
-from coop.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.methods import build_method
 from coop.reference import coop_text_features
-from coop.results import dataset_table, load_runs
-from coop.runner import train_run
-from coop.sweep import load_grid, plan
+from coop.results.tables import dataset_table, load_runs
+from coop.train.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
+from coop.train.runner import train_run
+from coop.train.sweep import load_grid, plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]
 

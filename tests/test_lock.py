@@ -1,4 +1,4 @@
-"""One writer per run folder (`coop.lock`): a live holder refuses a second process in one line
+"""One writer per run folder (`coop.train.lock`): a live holder refuses a second process in one line
 naming the folder and its pid; a lock left by a killed process never blocks a resume."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from conftest import REPO, tiny_args
 sys.path.insert(0, str(REPO / "tools"))
 import _cli  # noqa: E402
 
-from coop.lock import LOCK_FILE, RunLockedError, run_lock  # noqa: E402
+from coop.train.lock import LOCK_FILE, RunLockedError, run_lock  # noqa: E402
 
 HOLD = """
 import fcntl, os, pathlib, sys, time
-folder = pathlib.Path(sys.argv[1])  # coop.lock's protocol, without importing coop (torch): flock on .lock
+folder = pathlib.Path(sys.argv[1])  # coop.train.lock's protocol, without importing coop (torch): flock on .lock
 folder.mkdir(parents=True, exist_ok=True)
 f = open(folder / ".lock", "a+")
 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -77,8 +77,8 @@ def test_a_process_runs_under_the_lock_its_holder_holds_for_it(tmp_path):
 def test_second_train_run_refuses_before_writing(tmp_path, image_folder):
     """train_run on a folder that another live process writes: RunLockedError (a one-line
     bad-input error of the tools), nothing trained or written."""
-    from coop.config import load_config
-    from coop.runner import train_run
+    from coop.config.load import load_config
+    from coop.train.runner import train_run
 
     out = tmp_path / "run"
     proc = hold_lock(out)
@@ -99,7 +99,7 @@ def test_a_sweep_point_that_another_process_writes_takes_the_folders_outcome(tmp
     import threading
     import time
 
-    from coop import sweep as sweep_lib
+    from coop.train import sweep as sweep_lib
 
     keys = [k for k in tiny_args(image_folder, tmp_path / "unused") if not k.startswith("output_dir=")]
     (run,) = sweep_lib.plan(sweep_lib.load_grid(None, keys), tmp_path / "runs")
@@ -128,7 +128,7 @@ def test_a_sweep_point_that_another_process_writes_takes_the_folders_outcome(tmp
 def test_a_sweep_point_whose_other_writer_stopped_is_a_failure_naming_the_refusal(tmp_path):
     """The writer released the folder without metrics.json: the point failed; the message is this
     command's own last line, never another sweep's line in the shared sweep.log."""
-    from coop import sweep as sweep_lib
+    from coop.train import sweep as sweep_lib
 
     run = sweep_lib.Run([], {}, tmp_path / "run")
     run.folder.mkdir()

@@ -13,10 +13,11 @@ import pytest
 from conftest import REPO, tiny_args
 from PIL import Image
 
-from coop.config import ConfigError, load_config
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.data import DataError, build_dataset
 from coop.data.splits import make_split
-from coop.runner import train_run
+from coop.train.runner import train_run
 
 TOOL = [sys.executable, str(REPO / "tools" / "make_split.py")]
 COLOURS = {"red_thing": (200, 40, 40), "green_thing": (40, 200, 40), "blue_thing": (40, 40, 200)}

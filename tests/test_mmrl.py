@@ -15,14 +15,16 @@ from conftest import REPO, TINY_CONFIG, interrupted_at
 from test_image_encoder import build, randomise, shrunk_config
 from test_protocols import data_root  # noqa: F401  (a fixture)
 
-from coop.config import ConfigError, load_config, run_name
-from coop.evaluation import evaluate_checkpoint
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.methods import build_method
 from coop.methods.base import TransferError
 from coop.model.clip import CLIP
 from coop.model.packing import pack
 from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
-from coop.runner import train_run
+from coop.train.evaluation import evaluate_checkpoint
+from coop.train.runner import train_run
 
 CLASSES = ["red thing", "green_thing", "t-shirt", "a much longer class name"]
 # Vision width 128 (2 heads) against text width 64, and 2 image blocks against 3 text blocks.

@@ -29,7 +29,8 @@ pytest.importorskip("flwr")
 from conftest import TINY_CONFIG, make_image_folder  # noqa: E402
 from test_data import make_split_json_dataset  # noqa: E402
 
-from coop.config import ConfigError, load_config  # noqa: E402
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.federated import task  # noqa: E402
 from coop.federated.fedotp import sinkhorn, unbalanced_ot  # noqa: E402
 from coop.federated.personal import round_summary  # noqa: E402

@@ -1,4 +1,4 @@
-"""What a reader sees in the figures of `coop.plots`, measured with the renderer's bounding boxes.
+"""What a reader sees in the figures of `coop.results.plots`, measured with the renderer's bounding boxes.
 
 Synthetic run folders (config.yaml + metrics.json, history.csv for federated runs) whose seeds
 spread so widely that mean + std passes 100%, with long setting labels and several panels.
@@ -13,9 +13,10 @@ import matplotlib
 import pytest
 from test_results_federated import write_fl_run
 
-from coop.config import load_config, run_name, to_yaml
-from coop.plots import lines_figure, positions_figure, rounds_figure
-from coop.results import load_runs
+from coop.config.load import load_config, to_yaml
+from coop.config.run_names import run_name
+from coop.results.plots import lines_figure, positions_figure, rounds_figure
+from coop.results.tables import load_runs
 
 matplotlib.use("Agg")
 SPREAD = {1: 99.5, 2: 80.0}  # accuracy per seed: mean 89.75, std 13.8, so mean + std > 100

@@ -16,13 +16,14 @@ pytest.importorskip("flwr")
 
 from conftest import TINY_CONFIG  # noqa: E402
 
-from coop.config import ConfigError, load_config  # noqa: E402
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.data.base import Datum  # noqa: E402
-from coop.engine import evaluate  # noqa: E402
 from coop.federated import client, task  # noqa: E402
 from coop.federated.partition import PartitionError  # noqa: E402
 from coop.federated.promptfl_data import promptfl_partition  # noqa: E402
 from coop.federated.strategy import aggregate  # noqa: E402
+from coop.train.engine import evaluate  # noqa: E402
 
 # ---------------------------------------------------------------- the official pipeline, re-derived
 
@@ -286,10 +287,10 @@ def test_last_client_is_what_the_official_loop_computes_and_a_clients_own_result
 def test_clients_and_server_run_the_precision_asked(image_folder, tmp_path, monkeypatch, precision):
     """On a device that has it (here: CPU made to report it), clients train and the server evaluates
     at train.precision: amp under bf16 autocast with fp32 prompts, fp16 with half CLIP and prompts."""
-    import coop.features
+    import coop.train.features
     from coop.federated.server import ServerRun
 
-    monkeypatch.setattr(coop.features, "resolve_precision", lambda p, d: p)
+    monkeypatch.setattr(coop.train.features, "resolve_precision", lambda p, d: p)
     monkeypatch.setattr(task, "resolve_precision", lambda p, d: p)
     results = {}
     for prec in ("fp32", precision):

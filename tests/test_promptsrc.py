@@ -18,10 +18,11 @@ from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fi
 
 import coop
 from coop import reference
-from coop.config import ConfigError, load_config, run_name
-from coop.evaluation import evaluate_checkpoint
-from coop.gpa import GaussianAggregate, gpa_weights
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.methods import build_method
+from coop.methods.gpa import GaussianAggregate, gpa_weights
 from coop.methods.promptsrc import (
     PROMPTSRC_TEMPLATES,
     PromptSRC,
@@ -31,9 +32,10 @@ from coop.methods.promptsrc import (
     zero_shot_logits,
 )
 from coop.reference import promptsrc_fixed_embeddings, reference_inputs
-from coop.results import dataset_table, load_runs, summarize
-from coop.runner import train_run
-from coop.sweep import load_grid, plan
+from coop.results.tables import dataset_table, load_runs, summarize
+from coop.train.evaluation import evaluate_checkpoint
+from coop.train.runner import train_run
+from coop.train.sweep import load_grid, plan
 
 CLASSNAMES = ["red_thing", "green thing", "blue whale", "a dog"]
 

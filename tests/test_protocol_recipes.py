@@ -6,10 +6,10 @@ import pytest
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from coop.config import load_config
+from coop.config.load import load_config
+from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 from coop.methods import METHODS
-from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
-from coop.sweep import format_value, load_grid, plan, recipe_keys
+from coop.train.sweep import format_value, load_grid, plan, recipe_keys
 
 GRIDS = sorted((REPO / "configs" / "protocols").glob("*.yaml"))
 

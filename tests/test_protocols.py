@@ -17,13 +17,13 @@ from conftest import REPO, TINY_CONFIG
 from PIL import Image
 from test_methods import coop_search_by_hand
 
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.data import ImageDataset, build_dataset
-from coop.engine import clip_transforms
-from coop.evaluation import evaluate_checkpoint_targets
 from coop.model.weights import load_clip
-from coop.runner import train_run
-from coop.sweep import load_grid, plan
+from coop.train.engine import clip_transforms
+from coop.train.evaluation import evaluate_checkpoint_targets
+from coop.train.runner import train_run
+from coop.train.sweep import load_grid, plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from test_results import collect, write_run
 
-from coop.published import (
+from coop.results.published import (
     BASE_TO_NEW,
     BASE_TO_NEW_UNCHECKED,
     CROSS_DATASET,
@@ -19,7 +19,7 @@ from coop.published import (
     PROTOCOLS,
     lookup,
 )
-from coop.results import harmonic_mean
+from coop.results.tables import harmonic_mean
 
 
 def test_per_dataset_figures_agree_with_the_checked_means():

@@ -14,14 +14,15 @@ import torch
 from conftest import REPO, TINY_CONFIG, interrupted_at, make_image_folder, tiny_args
 
 import coop
-from coop.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint
-from coop.config import ConfigError, load_config
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.data import DataError, ImageDataset, build_dataset, build_transforms
-from coop.engine import clip_transforms, setup, use_fp16
-from coop.evaluation import evaluate_checkpoint
-from coop.features import cache_dir, cache_key, cached_features, resolve_precision
-from coop.runner import RunError, train_run
-from coop.schedule import epoch_lr
+from coop.train.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint
+from coop.train.engine import clip_transforms, setup, use_fp16
+from coop.train.evaluation import evaluate_checkpoint
+from coop.train.features import cache_dir, cache_key, cached_features, resolve_precision
+from coop.train.runner import RunError, train_run
+from coop.train.schedule import epoch_lr
 
 CPU = torch.device("cpu")
 
@@ -69,9 +70,9 @@ def test_lr_schedule_is_dassls_warmup_recount(lr, warmup_lr, warmup, epochs):
 
 
 def test_history_lr_is_the_rate_each_epoch_trained_at(image_folder, tmp_path, monkeypatch):
-    import coop.runner
+    import coop.train.runner
 
-    used, real = [], coop.runner.train_one_epoch
+    used, real = [], coop.train.runner.train_one_epoch
 
     def spy(s, optimizer, *args):
         before = optimizer.param_groups[0]["lr"]
@@ -80,7 +81,7 @@ def test_history_lr_is_the_rate_each_epoch_trained_at(image_folder, tmp_path, mo
         used.append(before)
         return stats
 
-    monkeypatch.setattr(coop.runner, "train_one_epoch", spy)
+    monkeypatch.setattr(coop.train.runner, "train_one_epoch", spy)
     out = tmp_path / "run"
     train_run(tiny_cfg(image_folder, out))
     with open(out / "history.csv") as f:
@@ -100,7 +101,7 @@ def test_resume_keeps_the_schedule_and_refuses_an_older_one(image_folder, tmp_pa
 
     older = tmp_path / "older"
     older.mkdir()
-    (older / ".lock").touch()  # a run folder of ours (coop.lock), written by an older version
+    (older / ".lock").touch()  # a run folder of ours (coop.train.lock), written by an older version
     del ckpt["lr_schedule"]  # as written before the cosine restarted after warm-up
     torch.save(ckpt, older / "checkpoint.pt")
     with pytest.raises(RunError, match="older lr schedule"):
@@ -352,11 +353,11 @@ def test_no_readable_training_image_is_a_data_error(tmp_path, aug_views):
 def test_empty_training_split_is_a_data_error(image_folder, tmp_path, monkeypatch):
     import dataclasses
 
-    import coop.engine
+    import coop.train.engine
 
-    real = coop.engine.build_dataset
+    real = coop.train.engine.build_dataset
     monkeypatch.setattr(
-        coop.engine, "build_dataset", lambda *a, **k: dataclasses.replace(real(*a, **k), train=[])
+        coop.train.engine, "build_dataset", lambda *a, **k: dataclasses.replace(real(*a, **k), train=[])
     )
     for views in (0, 1):
         with pytest.raises(DataError, match="the train split of imagefolder has no images"):

@@ -16,11 +16,12 @@ from conftest import REPO, TINY_CONFIG, make_image_folder, randomise_prompts, ru
 from omegaconf import OmegaConf
 
 import coop
-from coop import analysis, attention
-from coop import sweep as sweep_lib
-from coop.checkpoint import save_checkpoint
-from coop.config import load_config, run_name, to_yaml
-from coop.results import load_runs, summarize, varying_keys
+from coop.config.load import load_config, to_yaml
+from coop.config.run_names import run_name
+from coop.results import attention_maps, nearest_words
+from coop.results.tables import load_runs, summarize, varying_keys
+from coop.train import sweep as sweep_lib
+from coop.train.checkpoint import save_checkpoint
 
 TOOLS = REPO / "tools"
 GRIDS = REPO / "configs" / "ablations"
@@ -275,7 +276,7 @@ def test_attention_weights_path_matches_encoder(tiny_clip, position, csc, depth)
     learner = random_learner(tiny_clip, n_ctx=4, position=position, csc=csc, depth=depth)
     with torch.no_grad():
         ref = coop.PromptClassifier(tiny_clip, learner).text_features()
-    feats, attn = attention.attention_maps(tiny_clip.text, learner)
+    feats, attn = attention_maps.attention_maps(tiny_clip.text, learner)
     assert float((feats - ref).abs().max() / ref.abs().max()) < 1e-5
     n_layers, length = len(tiny_clip.text.blocks), int(learner.eos.max()) + 1
     assert attn.shape == (n_layers, len(CLASSES), length, length)
@@ -299,21 +300,21 @@ def test_attention_module_weights_are_causal_probabilities(tiny_clip):
 
 def test_attention_roles_follow_the_causal_mask(tiny_clip):
     learner = random_learner(tiny_clip, n_ctx=4, position="end")
-    layouts = attention.layout_learners(
+    layouts = attention_maps.layout_learners(
         tiny_clip, learner, ["dog", "golden_retriever"], ["end", "middle", "front"]
     )
     mass = {}
     for pos, lrn in layouts.items():
         assert torch.equal(lrn.ctx, learner.ctx)
-        _, attn = attention.attention_maps(tiny_clip.text, lrn)
-        mass[pos] = attention.attention_to_roles(attn, attention.token_roles(lrn, tiny_clip.tokenizer))
+        _, attn = attention_maps.attention_maps(tiny_clip.text, lrn)
+        mass[pos] = attention_maps.attention_to_roles(attn, attention_maps.token_roles(lrn, tiny_clip.tokenizer))
     assert mass["end"]["ctx->cls"].abs().max() == 0 and mass["middle"]["ctx->cls"].min() > 0
     assert mass["front"]["cls->ctx"].abs().max() == 0 and mass["end"]["cls->ctx"].min() > 0
-    roles = attention.token_roles(layouts["middle"], tiny_clip.tokenizer)[1]
+    roles = attention_maps.token_roles(layouts["middle"], tiny_clip.tokenizer)[1]
     assert roles["labels"] == ["[SOS]", "v1", "v2", "golden", "retriever", "v3", "v4", ".", "[EOS]"]
     csc = random_learner(tiny_clip, n_ctx=2, csc=True)
     with pytest.raises(ValueError, match="not in the checkpoint's classes"):
-        attention.layout_learners(tiny_clip, csc, ["cat"], ["end"])
+        attention_maps.layout_learners(tiny_clip, csc, ["cat"], ["end"])
 
 
 def test_nearest_words_recover_planted_words(tiny_clip):
@@ -323,13 +324,13 @@ def test_nearest_words_recover_planted_words(tiny_clip):
     learner = random_learner(tiny_clip, n_ctx=3, csc=True, depth=3)
     with torch.no_grad():
         learner.ctx[1] = table[ids]  # class 1, input layer
-    rows = analysis.nearest_words(learner, table, tiny_clip.tokenizer, topk=2)
+    rows = nearest_words.nearest_words(learner, table, tiny_clip.tokenizer, topk=2)
     assert len(rows) == 3 * len(CLASSES) * 3 * 2 * 2  # layers x classes x slots x metrics x k
-    for metric in analysis.METRICS:
+    for metric in nearest_words.METRICS:
         top = [r for r in rows if r["layer"] == 0 and r["class"] == "golden retriever" and r["rank"] == 1]
         assert [r["word"] for r in top if r["metric"] == metric] == words
     assert {r["layer"] for r in rows} == {0, 1, 2}
-    assert "golden retriever" in analysis.format_words_table(rows)
+    assert "golden retriever" in nearest_words.format_words_table(rows)
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import yaml
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from coop.config import load_config
-from coop.results import dataset_table, format_dataset_markdown, load_runs, summarize, varying_keys
+from coop.config.load import load_config
+from coop.results.tables import dataset_table, format_dataset_markdown, load_runs, summarize, varying_keys
 
 
 def collect(*args) -> int:

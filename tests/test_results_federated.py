@@ -19,9 +19,10 @@ import yaml
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from coop.config import ConfigError, load_config
-from coop.plots import load_histories, round_keys, round_table, rounds_figure
-from coop.results import domain_table, load_runs
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.results.plots import load_histories, round_keys, round_table, rounds_figure
+from coop.results.tables import domain_table, load_runs
 
 ROUNDS = (1, 2, 3, 4)
 

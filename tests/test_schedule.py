@@ -8,13 +8,14 @@ import pytest
 import torch
 from conftest import interrupted_at, tiny_args
 
-import coop.engine
-import coop.runner
-from coop.config import ConfigError, load_config
-from coop.engine import setup
+import coop.train.engine
+import coop.train.runner
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.methods import METHODS, build_method
-from coop.runner import train_run
-from coop.schedule import Schedule, build_optimizer, set_lr
+from coop.train.engine import setup
+from coop.train.runner import train_run
+from coop.train.schedule import Schedule, build_optimizer, set_lr
 
 
 def torch_cosine_lrs(lr: float, min_lr: float, total: int) -> list[float]:
@@ -141,7 +142,7 @@ def test_without_augmentation_pixel_methods_train_on_the_test_transform(method, 
     extra = {"method": method, "train.augment": "false", "prompt.depth": 2, "vision.depth": 2}
     args = tiny_args(image_folder, tmp_path / "noaug", **extra)
     cfg = load_config(None, [*args, "train.epochs=2", "output_dir=null"])
-    assert coop.runner.default_output_dir(cfg).split("/")[-2].endswith("_noaug")
+    assert coop.train.runner.default_output_dir(cfg).split("/")[-2].endswith("_noaug")
     s = setup(cfg)
     seen = []
     real = s.method.loss
@@ -152,14 +153,16 @@ def test_without_augmentation_pixel_methods_train_on_the_test_transform(method, 
 
     s.method.loss = spy
     optimizer = build_optimizer(s.method.param_groups(), cfg.train)
-    coop.engine.train_one_epoch(s, optimizer, 1, None)
-    order = torch.randperm(len(s.dataset.train), generator=coop.engine.seed_epoch(int(cfg.data.seed), 1))
+    coop.train.engine.train_one_epoch(s, optimizer, 1, None)
+    order = torch.randperm(
+        len(s.dataset.train), generator=coop.train.engine.seed_epoch(int(cfg.data.seed), 1)
+    )
     expected = torch.stack([s.test_tf(coop.data.images.load_image(s.dataset.train[i].path)) for i in order])
     assert torch.equal(torch.cat(seen), expected[: len(torch.cat(seen))])
 
 
 def test_crop_scale_reaches_the_train_transform(tiny_clip):
-    train, test = coop.engine.clip_transforms(tiny_clip, (0.5, 1.0))
+    train, test = coop.train.engine.clip_transforms(tiny_clip, (0.5, 1.0))
     assert "scale=(0.5, 1.0)" in repr(train) and "RandomResizedCrop" not in repr(test)
-    same, _ = coop.engine.clip_transforms(tiny_clip, augment=False)
+    same, _ = coop.train.engine.clip_transforms(tiny_clip, augment=False)
     assert repr(same) == repr(test)

@@ -1,5 +1,5 @@
 """Shipped config files never beat a per-dataset recipe by accident: every run config and every
-sweep grid in configs/ x every dataset that `coop.recipes.DATASET_RECIPES` has an entry for
+sweep grid in configs/ x every dataset that `coop.config.recipes.DATASET_RECIPES` has an entry for
 resolves each of that entry's keys to the table's value, unless `ON_PURPOSE` lists the file and
 the key with its reason. The resolved table (`tools/recipes.py`) shows every recipe value, and
 docs/recipes.md is its current output."""
@@ -14,10 +14,10 @@ import yaml
 from conftest import REPO, run_tool_in_process
 from omegaconf import OmegaConf
 
-from coop.config import load_config
-from coop.recipe_table import RECIPE_METHODS, resolved, show
-from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS
-from coop.sweep import format_value, load_grid, plan
+from coop.config.load import load_config
+from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS
+from coop.results.recipe_table import RECIPE_METHODS, resolved, show
+from coop.train.sweep import format_value, load_grid, plan
 
 CONFIGS = REPO / "configs"
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
@@ -97,7 +97,7 @@ def grid_point(path, method: str, dataset: str, out):
 @pytest.mark.parametrize("path", GRIDS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_grids_leave_per_dataset_keys_to_the_table(path, tmp_path):
     """Every method with a per-dataset recipe, on every dataset that the grid runs and the table
-    has (a grid's fixed values yield to the recipe, `coop.sweep`; a swept key applies to every
+    has (a grid's fixed values yield to the recipe, `coop.train.sweep`; a swept key applies to every
     method, so none may be a per-dataset key)."""
     grid = load_grid(str(path), [])
     per_dataset_keys = {k for table in DATASET_RECIPES.values() for entry in table.values() for k in entry}

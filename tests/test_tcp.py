@@ -8,7 +8,8 @@ import torch
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from coop.config import ConfigError, load_config
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.methods import build_method
 from coop.methods.tcp import PROMPT_TEMPLATES, TEACHER_TEMPLATES
 from coop.reference.tcp import tcp_loss, tcp_teacher, tcp_text_features

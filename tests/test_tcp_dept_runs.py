@@ -12,8 +12,8 @@ import torch
 from conftest import REPO, TINY_CONFIG, interrupted_at, kill_at_first_checkpoint
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 
-from coop.results import load_runs
-from coop.runner import train_run
+from coop.results.tables import load_runs
+from coop.train.runner import train_run
 
 CASES = {
     "tcp": ["method=tcp", "tcp.layer=1", "train.optimizer=adam", "train.eps=1e-3"],

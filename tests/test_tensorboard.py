@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import make_image_folder, tiny_args
 
-from coop.config import load_config
-from coop.runner import train_run
+from coop.config.load import load_config
+from coop.train.runner import train_run
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -49,9 +49,9 @@ def test_events_repeat_history_and_metrics(tmp_path):
 def test_off_without_tensorboard_or_when_disabled(tmp_path, monkeypatch, caplog):
     data = make_image_folder(tmp_path / "data", n_train=2, n_test=1)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails: not installed
-    with caplog.at_level(logging.INFO, logger="coop.tensorboard"):
+    with caplog.at_level(logging.INFO, logger="coop.train.tensorboard"):
         train_run(load_config(None, tiny_args(data, tmp_path / "a", **{"train.epochs": 2, "data.shots": 2})))
-    off = [r.getMessage() for r in caplog.records if r.name == "coop.tensorboard"]
+    off = [r.getMessage() for r in caplog.records if r.name == "coop.train.tensorboard"]
     assert len(off) == 1 and "TensorBoard is off" in off[0] and "not installed" in off[0]
     assert (tmp_path / "a" / "metrics.json").is_file() and not (tmp_path / "a" / "tb").exists()
     monkeypatch.delitem(sys.modules, "torch.utils.tensorboard")

@@ -13,18 +13,20 @@ from conftest import REPO, interrupted_at
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 
 import coop.reference.tip_adapter as ref
-from coop.config import ConfigError, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.recipes import TIP_SETTINGS
+from coop.config.run_names import run_name
 from coop.data import ImageDataset, build_dataset
 from coop.data.images import derive_seed
-from coop.engine import REQUEST_STREAM, clip_transforms
-from coop.evaluation import evaluate_checkpoint_targets
 from coop.methods import build_method
 from coop.methods.tip_adapter import search_alpha_beta, search_grid
 from coop.methods.zeroshot import IMAGENET_TEMPLATES_SELECT
-from coop.recipes import TIP_SETTINGS
-from coop.runner import train_run
-from coop.schedule import plan_schedule
-from coop.sweep import load_grid, plan
+from coop.train.engine import REQUEST_STREAM, clip_transforms
+from coop.train.evaluation import evaluate_checkpoint_targets
+from coop.train.runner import train_run
+from coop.train.schedule import plan_schedule
+from coop.train.sweep import load_grid, plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]
 
@@ -229,7 +231,7 @@ def test_fp16_halves_the_cache_and_keeps_alpha_beta(tiny_clip):
 def test_published_rn50_curves_sit_under_our_rows(tmp_path):
     from test_results import collect, write_run
 
-    from coop.published import lookup
+    from coop.results.published import lookup
 
     fig = lookup("tip_adapter_f", "few_shot", "dtd", shots=16, model="RN50")
     assert (fig.value, fig.checked) == (66.55, True) and lookup("tip_adapter_f", "few_shot", "dtd") is None
@@ -263,10 +265,10 @@ def test_other_classes_keep_their_cache_columns_by_name(tiny_clip):
 def test_a_dataset_without_val_is_refused_before_encoding(image_folder, tmp_path, monkeypatch):
     from conftest import tiny_args
 
-    import coop.runner
+    import coop.train.runner
     from coop.data import DataError
 
-    monkeypatch.setattr(coop.runner, "requested_features", lambda *a: pytest.fail("encoded features"))
+    monkeypatch.setattr(coop.train.runner, "requested_features", lambda *a: pytest.fail("encoded features"))
     with pytest.raises(
         DataError, match="method=tip_adapter chooses its hyper-parameters on the val split"
     ) as e:

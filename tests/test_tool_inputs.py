@@ -20,8 +20,8 @@ import torch
 from conftest import REPO, TINY_CONFIG, make_image_folder, run_tool_in_process, tiny_args
 
 import coop
-from coop.config import load_config
-from coop.runner import train_run
+from coop.config.load import load_config
+from coop.train.runner import train_run
 
 TOOLS = REPO / "tools"
 ADVICE = "weights_only` set to `False`"  # torch's advice, never repeated by a tool
@@ -85,7 +85,7 @@ def test_model_config_given_relative_is_recorded_absolute(trained, tmp_path, mon
 
 def test_a_run_saved_with_a_relative_model_path_resumes(trained, tmp_path, monkeypatch):
     """A folder written before model files were made absolute is the same run, not another config."""
-    from coop.runner import check_same_config
+    from coop.train.runner import check_same_config
 
     old = torch.load(trained.run / "checkpoint.pt", weights_only=True)["config"]
     old["model"]["name"] = trained.relative
@@ -119,18 +119,18 @@ def test_unwritable_output_is_refused_before_any_work(trained, tmp_path, monkeyp
         where.mkdir()
         real = os.access
         monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != where and real(p, mode, **kw))
-    monkeypatch.setattr("coop.evaluation.evaluate_on", never)
+    monkeypatch.setattr("coop.train.evaluation.evaluate_on", never)
     monkeypatch.setattr("coop.interop.load_classifier", never)
     monkeypatch.setattr("coop.interop.export.load_checkpoint", never)
     monkeypatch.setattr("coop.interop.importer.read_state_dict", never)
-    monkeypatch.setattr("coop.runner.setup", never)
+    monkeypatch.setattr("coop.train.runner.setup", never)
     one_line_error(tool("eval", trained.run, "--out", where / "m.json"), str(where), *words)
     one_line_error(tool("export", trained.run, "--out", where / "p.safetensors"), *words)
     one_line_error(tool("predict", trained.run, trained.folder / "test", "--out", where / "p.csv"), *words)
     one_line_error(tool("train", *tiny_args(trained.folder, where / "run")), *words)
     res = tool("import_checkpoint", "--from", "coop", tmp_path / "x.pth", "--out", where / "imp", "--no-eval")
     one_line_error(res, *words)
-    monkeypatch.setattr("coop.results.load_runs", never)
+    monkeypatch.setattr("coop.results.tables.load_runs", never)
     one_line_error(tool("collect", trained.run.parent, "--out", where / "tables"), *words)
 
 
@@ -138,12 +138,12 @@ def test_a_folder_of_the_users_own_files_is_never_overwritten(trained, tmp_path,
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "config.yaml").write_text("my: own\n")
-    monkeypatch.setattr("coop.runner.setup", never)
+    monkeypatch.setattr("coop.train.runner.setup", never)
     monkeypatch.setattr("coop.interop.importer.read_state_dict", never)
     one_line_error(tool("train", *tiny_args(trained.folder, mine)), str(mine), "not a coop run folder")
     res = tool("import_checkpoint", "--from", "coop", tmp_path / "x.pth", "--out", mine, "--no-eval")
     one_line_error(res, "not a coop run folder")
-    from coop.lock import NotARunFolderError
+    from coop.train.lock import NotARunFolderError
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun rank k > 0 refuses too, before its log.rank<k>.txt
     monkeypatch.setenv("RANK", "1")
@@ -154,7 +154,7 @@ def test_a_folder_of_the_users_own_files_is_never_overwritten(trained, tmp_path,
 
 
 def test_run_folders_of_ours_and_what_a_sweep_writes_first_are_accepted(tmp_path):
-    from coop.lock import is_run_folder
+    from coop.train.lock import is_run_folder
 
     (tmp_path / "swept").mkdir()
     (tmp_path / "swept" / "sweep.log").write_text("=== sweep\n")
@@ -174,7 +174,7 @@ def test_run_folders_of_ours_and_what_a_sweep_writes_first_are_accepted(tmp_path
 
 
 def test_a_killed_writes_temporary_file_is_removed_on_the_next_start(tmp_path):
-    from coop.lock import run_lock
+    from coop.train.lock import run_lock
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -192,10 +192,10 @@ def test_a_killed_writes_temporary_file_is_removed_on_the_next_start(tmp_path):
 
 
 def test_refused_pickles_name_the_global_and_never_advise_turning_the_safety_off(trained, tmp_path):
-    from coop.checkpoint import CheckpointError
     from coop.model.clip import ModelError
     from coop.model.weights import load_clip
-    from coop.runner import read_resume_checkpoint
+    from coop.train.checkpoint import CheckpointError
+    from coop.train.runner import read_resume_checkpoint
 
     evil = tmp_path / "evil" / "checkpoint.pt"
     evil.parent.mkdir()
@@ -362,7 +362,7 @@ def test_one_line_errors_come_from_rank_0_alone(monkeypatch, capsys):
     sys.path.insert(0, str(TOOLS))
     import _cli
 
-    from coop.config import ConfigError
+    from coop.config.checks import ConfigError
 
     message = "train.batch_size=4: a global batch of 4 images cannot be split across 5 ranks"
 
@@ -379,12 +379,12 @@ def test_one_line_errors_come_from_rank_0_alone(monkeypatch, capsys):
 def test_a_batch_that_does_not_split_is_refused_before_the_model_is_built(
     image_folder, tmp_path, monkeypatch
 ):
-    from coop.config import ConfigError
-    from coop.engine import setup
+    from coop.config.checks import ConfigError
+    from coop.train.engine import setup
 
     monkeypatch.setenv("WORLD_SIZE", "5")
-    monkeypatch.setattr("coop.engine.distributed.init", lambda device, backend="auto": device)
-    monkeypatch.setattr("coop.engine.load_clip", never)
+    monkeypatch.setattr("coop.train.engine.distributed.init", lambda device, backend="auto": device)
+    monkeypatch.setattr("coop.train.engine.load_clip", never)
     cfg = load_config(None, tiny_args(image_folder, tmp_path / "run"))  # 3 classes x 4 shots, batch 4
     with pytest.raises(
         ConfigError, match="train.batch_size=4: a global batch of 4 images cannot be split across 5"

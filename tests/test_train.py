@@ -19,7 +19,9 @@ from conftest import (
     tiny_args,
 )
 
-from coop.config import ConfigError, epochs_for_shots, load_config, run_name
+from coop.config.checks import ConfigError, epochs_for_shots
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 
 TRAIN = [sys.executable, str(REPO / "tools" / "train.py")]
 EVAL = [sys.executable, str(REPO / "tools" / "eval.py")]
@@ -187,8 +189,8 @@ def test_zero_epochs_is_the_zero_shot_baseline(image_folder, tmp_path):
     """epochs=0 with ctx_init evaluates zero-shot CLIP with that template through the same pipeline."""
     import coop
     from coop.data import build_dataset
-    from coop.engine import clip_transforms
-    from coop.features import encode_images
+    from coop.train.engine import clip_transforms
+    from coop.train.features import encode_images
 
     out = tmp_path / "zs"
     res = run(
@@ -231,7 +233,7 @@ def test_base_to_new(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     new_metrics = json.loads((out / "eval_imagefolder_new.json").read_text())
     assert new_metrics["n_test"] == 2 and new_metrics["accuracy"] == 100.0  # one class: always right
-    from coop.results import load_runs, summarize
+    from coop.results.tables import load_runs, summarize
 
     runs = load_runs(tmp_path)
     table = summarize(runs, by=[])

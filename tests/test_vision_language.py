@@ -16,16 +16,18 @@ from conftest import REPO, TINY_CONFIG, kill_at_first_checkpoint, randomise_prom
 from test_image_encoder import randomise
 from test_protocols import data_root  # noqa: F401  (a fixture)
 
-from coop.config import ConfigError, load_config, run_name
-from coop.evaluation import evaluate_checkpoint
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.methods import build_method
 from coop.model.clip import CLIP, ModelError
 from coop.model.prompt import PromptClassifier, PromptError, PromptLearner
 from coop.model.weights import load_clip
 from coop.reference import ivlp_logits, maple_logits, reference_inputs, vpt_logits
-from coop.results import dataset_table, load_runs
-from coop.runner import train_run
-from coop.sweep import load_grid, plan
+from coop.results.tables import dataset_table, load_runs
+from coop.train.evaluation import evaluate_checkpoint
+from coop.train.runner import train_run
+from coop.train.sweep import load_grid, plan
 
 CLASSES = ["red thing", "green_thing", "t-shirt"]
 TRAIN = [sys.executable, str(REPO / "tools" / "train.py")]

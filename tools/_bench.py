@@ -18,7 +18,7 @@ import torch
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
 
 import coop
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.methods import build_method
 from coop.model.weights import resolve_model_name
 from coop.reference import coop_text_features, reference_inputs

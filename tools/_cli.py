@@ -52,13 +52,13 @@ def one_line(error: BaseException) -> str:
 # sys.modules, so nothing is imported here (a class never imported cannot have been raised) and a
 # class that does not exist yet is skipped.
 BAD_INPUT = (
-    ("coop.config", "ConfigError"),
+    ("coop.config.load", "ConfigError"),
     ("coop.data", "DataError"),
-    ("coop.runner", "RunError"),
-    ("coop.lock", "RunLockedError"),
-    ("coop.lock", "NotARunFolderError"),
+    ("coop.train.runner", "RunError"),
+    ("coop.train.lock", "RunLockedError"),
+    ("coop.train.lock", "NotARunFolderError"),
     ("coop.io", "OutputError"),
-    ("coop.checkpoint", "CheckpointError"),
+    ("coop.train.checkpoint", "CheckpointError"),
     ("coop.methods", "TransferError"),
     ("coop.model.clip", "ModelError"),
     ("coop.model.weights", "WeightsUnavailableError"),
@@ -66,7 +66,7 @@ BAD_INPUT = (
     ("coop.interop", "InteropError"),
 )
 # A run that failed for a reason the message explains: one line and exit 1.
-RUN_FAILED = (("coop.engine", "NonFiniteLossError"),)
+RUN_FAILED = (("coop.train.engine", "NonFiniteLossError"),)
 
 OOM_HINT = """\
 error: out of memory. To fit, try one or more of:

@@ -3,7 +3,7 @@
     python tools/attention.py runs/.../seed1/checkpoint.pt --classes dog cat [--out DIR]
 
 Runs the text encoder with its attention modules returning their weights
-(coop.attention.attention_maps: head-averaged softmax(q k^T / sqrt(d)) under the causal mask) on
+(coop.results.attention_maps.attention_maps: head-averaged softmax(q k^T / sqrt(d)) under the causal mask) on
 the checkpoint's learned context placed in each layout of --positions (default end and middle;
 the trained layout is always included).
 Only the class-token position differs between layouts: the same ctx/deep_ctx tensors are
@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import add_model_args, run_cli, setup_logging  # noqa: E402
 
-from coop.attention import attention_figures  # noqa: E402
-from coop.checkpoint import load_trained  # noqa: E402
+from coop.results.attention_maps import attention_figures  # noqa: E402
+from coop.train.checkpoint import load_trained  # noqa: E402
 
 
 def main(argv=None) -> int:

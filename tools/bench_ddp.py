@@ -5,7 +5,7 @@
 
 For each rank count (1, then `--ranks`) the script starts `torchrun --standalone
 --nproc-per-node=K` on itself; every rank builds the same run (bundled textile images, random
-weights: offline) and times `coop.engine.train_one_epoch` between barriers, so an epoch's time is
+weights: offline) and times `coop.train.engine.train_one_epoch` between barriers, so an epoch's time is
 the slowest rank's. Two workloads:
   * CoOp on cached features (`train.aug_views=1`): a step is a text-tower pass over the prompts
     and one all-reduce of the context gradients; the one-off sharded feature encoding is timed too;
@@ -43,9 +43,9 @@ def worker(args) -> None:
     import torch
 
     from coop import distributed
-    from coop.config import load_config
-    from coop.engine import setup, train_one_epoch, training_features
-    from coop.schedule import build_optimizer
+    from coop.config.load import load_config
+    from coop.train.engine import setup, train_one_epoch, training_features
+    from coop.train.schedule import build_optimizer
 
     logging.getLogger("coop").setLevel(logging.WARNING)
     rows = []

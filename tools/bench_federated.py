@@ -34,7 +34,7 @@ from _bench import alternate, build_models, max_rel_diff  # noqa: E402
 from _cli import run_cli, setup_logging  # noqa: E402
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
 
-from coop.config import load_config  # noqa: E402
+from coop.config.load import load_config
 from coop.federated.fedotp import FedOTP  # noqa: E402
 from coop.reference import coop_text_features, reference_inputs  # noqa: E402
 

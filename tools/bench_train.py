@@ -3,7 +3,7 @@
     python tools/bench_train.py [--model ViT-B-32] [--shots 16] [--views 1] [--epochs 3]
 
 On the bundled textile images (random weights, so it runs offline), in the same process and with
-the training code itself (`coop.engine.train_one_epoch`):
+the training code itself (`coop.train.engine.train_one_epoch`):
   * `--warmup` untimed epochs of each path first (DataLoader workers, allocator, kernels);
   * `--epochs` epochs the CoOp way (`aug_views=0`: load, augment and encode every image through
     the frozen image tower at every step);
@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import setup_logging  # noqa: E402
 
-from coop.config import load_config  # noqa: E402
-from coop.engine import setup, train_one_epoch, training_features  # noqa: E402
+from coop.config.load import load_config
+from coop.train.engine import setup, train_one_epoch, training_features  # noqa: E402
 
 
 def timed_epochs(s, optimizer, feats, first: int, n: int, steps: list[int]) -> tuple[float, int]:

@@ -5,7 +5,7 @@
 
 Both sides compute the same step (forward + cross-entropy + backward into every learned tensor)
 for the same method, images and labels, in one process, on random weights, with the recipe of
-`coop.config.METHOD_DEFAULTS` for the first N ImageNet class names:
+`coop.config.recipes.METHOD_DEFAULTS` for the first N ImageNet class names:
 
 - ours: `Method.loss` of `coop.methods.<method>` (the text tower cut after [EOS], in length
   buckets, with the shared-prefix path; the image tower `coop.model.image_encoder.ImageTransformer`);

@@ -22,7 +22,7 @@ base and new accuracies, as CoCoOp reports it) and `hm_per_seed` (mean of per-se
 seeds with the number of seeds; writes `results_datasets.csv` and `results_datasets.md`.
 
 --published (with --table datasets): under each of our rows that has a published counterpart
-(coop/published.py: ViT-B/16 runs with OpenAI weights; the protocol is read from the runs), the
+(coop/results/published.py: ViT-B/16 runs with OpenAI weights; the protocol is read from the runs), the
 paper's row and a Δ row (ours minus the paper's), same columns, and one line per paper row naming
 its sources and how many of its figures were checked against the paper; for each row without a
 paper row, one line saying why.
@@ -57,10 +57,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
-from coop import base_to_new  # noqa: E402
 from coop.io import require_writable  # noqa: E402
-from coop.reproduce import with_published  # noqa: E402
-from coop.results import (  # noqa: E402
+from coop.results import base_to_new  # noqa: E402
+from coop.results.reproduce import with_published  # noqa: E402
+from coop.results.tables import (  # noqa: E402
     PERSONAL_METRICS,
     dataset_table,
     domain_table,

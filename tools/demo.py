@@ -23,9 +23,9 @@ log = logging.getLogger("coop.demo")
 
 def main() -> int:
     setup_logging()
-    from coop.config import load_config
+    from coop.config.load import load_config
     from coop.model.weights import pretrained_available
-    from coop.runner import train_run
+    from coop.train.runner import train_run
 
     overrides = sys.argv[1:]
     cfg = load_config(str(REPO / "configs" / "demo.yaml"), overrides)

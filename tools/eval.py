@@ -45,10 +45,10 @@ def main() -> int:
     setup_logging(args.verbose)
 
     from coop import distributed
-    from coop.config import load_config
-    from coop.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
+    from coop.config.load import load_config
     from coop.interop.export import run_checkpoint
     from coop.io import require_writable, write_json
+    from coop.train.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
 
     args.checkpoint = run_checkpoint(args.checkpoint or runs[0])
     # before any work: the metrics file (or eval_<dataset>.json beside the checkpoint) can be written

@@ -3,7 +3,7 @@
     python tools/federated.py [--config configs/federated/promptfl.yaml] [key=value ...]
 
 Same config keys, run folders and metrics.json fields as tools/train.py, plus the fl.* keys
-(coop/config.py). Examples:
+(coop/config/load.py). Examples:
 
     python tools/federated.py data.name=dtd data.root=$DATA fl.clients=10 fl.rounds=20 \\
         fl.partition=dirichlet fl.alpha=0.1
@@ -26,14 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
 from coop import distributed  # noqa: E402
-from coop.config import ConfigError, load_config  # noqa: E402
-from coop.lock import run_lock  # noqa: E402
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.model.weights import absolute_model_files  # noqa: E402
+from coop.train.lock import run_lock  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="experiment YAML (keys as in coop/config.py, including fl.*)")
+    ap.add_argument("--config", help="experiment YAML (keys as in coop/config/load.py, including fl.*)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. fl.clients=5")
     ap.add_argument("--cpus-per-client", type=int, default=1, help="CPU cores per simulated client (1)")
     ap.add_argument(

@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import add_model_args, run_cli, setup_logging  # noqa: E402
 
-from coop.analysis import format_words_table, nearest_words  # noqa: E402
-from coop.checkpoint import load_trained  # noqa: E402
+from coop.results.nearest_words import format_words_table, nearest_words  # noqa: E402
+from coop.train.checkpoint import load_trained  # noqa: E402
 
 
 def main(argv=None) -> int:

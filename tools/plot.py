@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
-from coop.plots import FIGURES, write_figures  # noqa: E402
-from coop.results import load_runs  # noqa: E402
+from coop.results.plots import FIGURES, write_figures  # noqa: E402
+from coop.results.tables import load_runs  # noqa: E402
 
 
 def main(argv=None) -> int:

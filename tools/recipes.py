@@ -1,5 +1,5 @@
 """Print every method's resolved recipe per dataset: optimizer, lr, schedule, length, batch, shots
-and the method's own keys, as the code resolves them (`coop.recipe_table`).
+and the method's own keys, as the code resolves them (`coop.results.recipe_table`).
 
     python tools/recipes.py                                  # every method, every dataset
     python tools/recipes.py --method tcp --dataset imagenet  # one cell
@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli  # noqa: E402
 
-from coop.config import ConfigError  # noqa: E402
+from coop.config.checks import ConfigError
 from coop.data import DATASETS  # noqa: E402
-from coop.recipe_table import RECIPE_METHODS, recipe_document, recipe_markdown  # noqa: E402
+from coop.results.recipe_table import RECIPE_METHODS, recipe_document, recipe_markdown  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -10,8 +10,8 @@
 
 A grid file is a YAML mapping of dotted config keys (those of tools/train.py): a list is swept,
 a scalar is fixed. `key=value` arguments override the file; a list value (`data.seed=[1,2]`)
-sweeps. Every point is validated with `coop.config.load_config` before anything starts. Each
-run goes to `OUT/<coop.config.run_name(cfg)>` (swept keys that the name lacks, such as
+sweeps. Every point is validated with `coop.config.load.load_config` before anything starts. Each
+run goes to `OUT/<coop.config.run_names.run_name(cfg)>` (swept keys that the name lacks, such as
 train.lr, are appended to its settings part). Finished runs (metrics.json) are skipped,
 unfinished ones resume (train.py resumes from its output_dir). Each run's console output is
 appended to `<run>/sweep.log`. Failures are listed at the end (exit 1); one failing run does not
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
-from coop.sweep import (  # noqa: E402
+from coop.train.sweep import (  # noqa: E402
     format_value,
     load_grid,
     plan,
@@ -40,9 +40,9 @@ from coop.sweep import (  # noqa: E402
     train_command,
     visible_gpus,
 )
-from coop.sweep_submitit import run_submitit  # noqa: E402
+from coop.train.sweep_submitit import run_submitit  # noqa: E402
 
-log = logging.getLogger("coop.sweep")
+log = logging.getLogger("coop.train.sweep")
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
 

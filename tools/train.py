@@ -2,7 +2,7 @@
 
     python tools/train.py [--config configs/coop/vit_b16.yaml] [key=value ...]
 
-Without --config the defaults are CoOp's recipe (coop/config.py). Examples:
+Without --config the defaults are CoOp's recipe (coop/config/load.py). Examples:
 
     python tools/train.py data.name=dtd data.root=$DATA data.shots=16 prompt.position=middle
     python tools/train.py model.pretrained=none data.shots=4     # offline, random weights
@@ -22,12 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
-from coop.config import load_config  # noqa: E402
+from coop.config.load import load_config
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="experiment YAML (keys as in coop/config.py)")
+    ap.add_argument("--config", help="experiment YAML (keys as in coop/config/load.py)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.shots=4")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
@@ -35,7 +35,7 @@ def main() -> int:
     cfg = load_config(args.config, args.overrides)
 
     from coop import distributed
-    from coop.runner import train_run
+    from coop.train.runner import train_run
 
     metrics = train_run(cfg)
     summary = {k: metrics[k] for k in ("accuracy", "macro_f1", "n_test", "epochs", "shots", "seed")}

@@ -13,6 +13,9 @@ its cache), `folders` (listing class folders), `datasets` (one reader per datase
 
 Datasets in `TEST_ONLY_DATASETS` have a test split only (`FewShotDataset.test_only`);
 `require_train_split(ds)` raises a one-line DataError for them.
+
+The data layer, beside coop.model: may import coop.config and the root modules (coop.io).
+Imported by: coop.methods, coop.train, coop.results, coop.federated, coop.interop and the tools.
 """
 
 from coop.data.base import (

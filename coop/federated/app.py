@@ -25,7 +25,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.federated import ray_pool, task
 from coop.federated.client import handle_evaluate, handle_query, handle_train
 from coop.federated.server import run_server

@@ -38,7 +38,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from coop.data import DataError
-from coop.features import autocast
 from coop.federated import personal
 from coop.federated.client_state import PersonalStore, run_digest, state_dir
 from coop.federated.latent_domains import domain_of_key
@@ -56,6 +55,7 @@ from coop.federated.task import (
 from coop.methods import Method
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
+from coop.train.features import autocast
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ Client k's **personal model** is the round's global tensors plus k's own persona
 version the server names, `coop.federated.client_state`; the common initial value if k never
 trained). Each round, after aggregation, the server sends every client (sampled or not) an
 EVALUATE message with the new global tensors; each client evaluates its personal model with
-`coop.engine.predict` and replies with its accuracies. Every metric predicts over the run's whole
+`coop.train.engine.predict` and replies with its accuracies. Every metric predicts over the run's whole
 label space (all C classes, or the C_base base classes), and each per-client accuracy is a micro
 accuracy (correct / images):
 
@@ -39,11 +39,11 @@ import torch
 from omegaconf import DictConfig
 
 from coop.data import DataError, build_dataset, subsample_classes
-from coop.engine import predict
 from coop.federated import task
 from coop.federated.personal_data import client_test_sets
 from coop.methods import Method
 from coop.model.clip import CLIP
+from coop.train.engine import predict
 
 PERSONAL_FIELDS = [
     "local_accuracy",

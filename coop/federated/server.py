@@ -4,7 +4,7 @@
 
 The run folder is the one `tools/train.py` writes (config.yaml, log.txt, history.csv,
 checkpoint.pt, metrics.json, tb/ with train.tensorboard, and `.lock`, held while the server
-writes: `coop.lock`), plus `partition.json` (which training items each client holds). Server and
+writes: `coop.train.lock`), plus `partition.json` (which training items each client holds). Server and
 clients run `train.precision` (`task.run_precision`); metrics.json records the one that ran.
 Each round:
 
@@ -41,22 +41,22 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from omegaconf import DictConfig, OmegaConf
 
-from coop import runner
-from coop.checkpoint import FEDERATED_FORMAT
-from coop.config import to_yaml
-from coop.engine import evaluate
+from coop.config.load import to_yaml
 from coop.federated import task
 from coop.federated.personal import PERSONAL_FIELDS, round_summary
 from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
-from coop.lock import run_lock
 from coop.model.weights import load_clip
-from coop.runner import check_same_config
-from coop.tensorboard import OFF, Board, open_board
+from coop.train import runner
+from coop.train.checkpoint import FEDERATED_FORMAT
+from coop.train.engine import evaluate
+from coop.train.lock import run_lock
+from coop.train.runner import check_same_config
+from coop.train.tensorboard import OFF, Board, open_board
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = FEDERATED_FORMAT  # coop.checkpoint: tools that read run folders know it
+CHECKPOINT_FORMAT = FEDERATED_FORMAT  # coop.train.checkpoint: tools that read run folders know it
 HISTORY_FIELDS = [
     "round", "accuracy", "macro_f1", "train_loss", "train_acc", "clients", "sampled", "failed",
     "bytes_down", "bytes_up", "bytes_sent", "lr", "time_s",
@@ -194,7 +194,7 @@ class ServerRun:
         )
         self.arrays = {k: v for k, v in tensors.items() if k not in keys}  # the global tensors
         self.round, self.history, self.failures = 0, [], []
-        self.board = OFF  # TensorBoard: one point per round (coop.tensorboard)
+        self.board = OFF  # TensorBoard: one point per round (coop.train.tensorboard)
 
     def restore(self, ckpt: dict) -> None:
         if ckpt.get("partition_digest", self.part.digest()) != self.part.digest():
@@ -227,7 +227,7 @@ class ServerRun:
         return MetricRecord({"accuracy": result["accuracy"], "macro-f1": result["macro_f1"]})
 
     def evaluate_global(self, tensors: dict, domains=None) -> dict:
-        """`coop.engine.evaluate` of the global tensors; a personal method's global part alone."""
+        """`coop.train.engine.evaluate` of the global tensors; a personal method's global part alone."""
         if self.personal:  # the personal tensors are unused by the global-only forward
             tensors = {**self.initial_personal, **tensors}
             self.method.global_only = True

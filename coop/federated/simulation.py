@@ -16,7 +16,7 @@ per run; that process runs the ServerApp and the Ray backend that simulates the 
   folder, and a rerun resumes. (The kernel also kills the SuperLink and `flwr run`, this process's
   children, when it dies: `PR_SET_PDEATHSIG`.)
 - **the lock stays with the tool**: this process holds the run folder's lock for the whole run; the
-  ServerApp checks that the lock's holder is its tool (`coop.lock.run_lock(..., holder=pid)`).
+  ServerApp checks that the lock's holder is its tool (`coop.train.lock.run_lock(..., holder=pid)`).
 - **one config**: the resolved config is written to a file that the ServerApp loads unchanged
   (run config `config`); the SuperLink and the run start in this process's working directory, so
   relative paths mean what they mean here.
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from coop.config import to_yaml
+from coop.config.load import to_yaml
 from coop.federated import reaper, task
 from coop.federated.server import FederatedError
 
@@ -202,7 +202,7 @@ def simulate(cfg: DictConfig, cpus_per_client: int = 1, clients_per_gpu: int = 1
     Ray runs num_cpus // cpus_per_client actors (num_cpus 0: all the machine's cores), which run the
     clients' messages.
 
-    The caller holds the run folder's lock (`coop.lock.run_lock`); the ServerApp runs under it.
+    The caller holds the run folder's lock (`coop.train.lock.run_lock`); the ServerApp runs under it.
     """
     if not (APP_DIR / "pyproject.toml").is_file():
         raise FederatedError(

@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from coop.config import ConfigError, model_tag, run_name
+from coop.config.checks import ConfigError
+from coop.config.run_names import model_tag, run_name
 from coop.data import CLIP_MEAN, CLIP_STD, build_dataset, build_transforms, subsample_classes
 from coop.data.images import derive_seed
 from coop.data.multidomain import build_multidomain, domain_of
-from coop.engine import use_fp16
-from coop.features import cached_features, resolve_precision
 from coop.federated.fedotp import FedOTP
 from coop.federated.fedpgp import FedPGP
 from coop.federated.latent_domains import LatentDomains
@@ -41,7 +40,9 @@ from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
 from coop.model.clip import CLIP, ModelError
 from coop.model.weights import load_clip
-from coop.preflight import check_model_limits
+from coop.train.engine import use_fp16
+from coop.train.features import cached_features, resolve_precision
+from coop.train.preflight import check_model_limits
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ FEDERATED_BASE = {"train": {"aug_views": 1}}
 
 def check_config(cfg: DictConfig) -> None:
     """One-line ConfigError, naming the keys, for `fl.*` settings that cannot run with the rest of
-    the config (each key's own type and range: `coop.config_schema`, checked by `load_config`)."""
+    the config (each key's own type and range: `coop.config.schema`, checked by `load_config`)."""
     fl = cfg.fl
     check_model_limits(cfg)
     if int(cfg.train.aug_views) == 0:
@@ -176,7 +177,7 @@ def fl_run_name(cfg: DictConfig) -> str:
 
 def run_precision(cfg: DictConfig, device) -> str:
     """The precision server and clients run for `train.precision` on `device`, as tools/train.py
-    runs it (`coop.features.resolve_precision`): amp = bf16 autocast with fp32 prompts, fp16 =
+    runs it (`coop.train.features.resolve_precision`): amp = bf16 autocast with fp32 prompts, fp16 =
     CoOp's half-precision CLIP and prompts; fp32 where the device lacks them, said in the log."""
     precision = resolve_precision(cfg.train.precision, torch.device(device))
     if precision != cfg.train.precision:
@@ -187,7 +188,7 @@ def run_precision(cfg: DictConfig, device) -> str:
 
 
 def prepare_precision(clip: CLIP, method: Method, precision: str) -> None:
-    """Cast CLIP and the method to half precision for fp16 (`coop.engine.use_fp16`); else nothing."""
+    """Cast CLIP and the method to half precision for fp16 (`coop.train.engine.use_fp16`); else nothing."""
     if precision == "fp16":
         use_fp16(clip, method)
 

@@ -23,17 +23,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from coop.checkpoint import load_checkpoint
-from coop.config import load_config
+from coop.config.load import load_config
 from coop.data import DataError
 from coop.data.folders import IMAGE_EXTENSIONS
 from coop.data.images import load_image
-from coop.engine import clip_transforms, resolve_device, use_fp16
-from coop.features import autocast, resolve_precision
 from coop.interop.export import ExportError, read_export, run_checkpoint
 from coop.interop.federated import build_federated, federated_method, run_model
 from coop.methods import Method, build_method
 from coop.model.weights import load_clip
+from coop.train.checkpoint import load_checkpoint
+from coop.train.engine import clip_transforms, resolve_device, use_fp16
+from coop.train.features import autocast, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Classifier:
         method: the built method (learned tensors loaded).
         transform: the test transform (PIL image -> (3, H, W) tensor).
         device: where the model runs.
-        precision: what runs there (`coop.features.resolve_precision`).
+        precision: what runs there (`coop.train.features.resolve_precision`).
     """
 
     def __init__(self, method: Method, transform, device: torch.device, precision: str):

@@ -33,11 +33,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from coop.checkpoint import load_checkpoint
 from coop.interop.dassl import InteropError
 from coop.interop.federated import federated_method, run_model
 from coop.io import atomic_write, require_writable
 from coop.model.weights import absolute_model_files
+from coop.train.checkpoint import load_checkpoint
 
 FORMAT, FORMAT_VERSION = "coop.prompts", "1"
 CARD_KEYS = ("method", "model.name", "model.pretrained", "classnames", "config")  # what a reader needs

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from coop.checkpoint import FEDERATED_FORMAT
 from coop.interop.dassl import InteropError
 from coop.methods import Method
+from coop.train.checkpoint import FEDERATED_FORMAT
 
 
 class FederatedModelError(InteropError):

@@ -24,17 +24,18 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from coop.checkpoint import save_checkpoint
-from coop.config import load_config, model_tag, to_yaml
+from coop.config.load import load_config, to_yaml
+from coop.config.run_names import model_tag
 from coop.data import build_dataset, subsample_classes
-from coop.evaluation import evaluate_on, evaluate_targets
 from coop.interop.dassl import InteropError, read_state_dict
 from coop.interop.names import implied_overrides, map_names
 from coop.io import atomic_write, write_json
-from coop.lock import require_run_folder, run_lock
 from coop.methods import build_method
 from coop.model.clip import CLIP
 from coop.model.weights import absolute_model_files, load_clip
+from coop.train.checkpoint import save_checkpoint
+from coop.train.evaluation import evaluate_on, evaluate_targets
+from coop.train.lock import require_run_folder, run_lock
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def import_checkpoint(
         OriginalCheckpointError, MappingError, ImportShapeError, ConfigError, DataError: one line
         (a shape error: one line per mismatch) naming the file, key or tensor.
         OutputError, NotARunFolderError: `out` cannot be written, or holds files that are not a
-            run's (checked first, `coop.lock.require_run_folder`).
+            run's (checked first, `coop.train.lock.require_run_folder`).
     """
     path, folder = Path(path), require_run_folder(out)  # writable, and not a folder of other files
     state, epoch = read_state_dict(path)

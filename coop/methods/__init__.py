@@ -2,6 +2,10 @@
 
 from coop.methods import build_method
 method = build_method(clip, classnames, cfg)
+
+The methods layer: may import coop.model, coop.data, coop.config and the root modules. Imported
+by: coop.train, coop.results, coop.federated, coop.interop and the tools. `gpa.py` holds
+PromptSRC's Gaussian prompt aggregation (used by `promptsrc.py` alone).
 """
 
 from __future__ import annotations

@@ -33,12 +33,12 @@ through these two without knowing which one it is.
 
 `check_config(cfg, towers)` refuses, in one line, a key the method reads that cannot work: one
 beyond the model's towers (`TowerLayers`: prompt.depth above the text tower's layers) or an
-unknown template set. `coop.preflight` runs it before a run folder exists, on the block counts
+unknown template set. `coop.train.preflight` runs it before a run folder exists, on the block counts
 of the model's config; every method runs it again when it is built, on the built model's.
 
 SGD methods hand their tensors to the optimizer in `param_groups()`, each group with its own
 `lr_scale` (and optionally `weight_decay`); `train.optimizer` and `train.schedule` pick the
-optimizer and the schedule (`coop.schedule`).
+optimizer and the schedule (`coop.train.schedule`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from coop.config_checks import check_depth
+from coop.config.checks import check_depth
 from coop.model.clip import CLIP
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.methods.base import Method, TowerLayers
 from coop.model.clip import CLIP, ModelError, cosine_logits
 from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers

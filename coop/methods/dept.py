@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.methods.base import Method, Towers, TransferError
 
 log = logging.getLogger(__name__)

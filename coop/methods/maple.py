@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.methods.base import TowerLayers
 from coop.methods.ivlp import IVLP
 from coop.model.prompt import PromptError

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.methods.base import TowerLayers
 from coop.methods.promptsrc import frozen_text_features
 from coop.methods.vpt import VisionPromptMethod

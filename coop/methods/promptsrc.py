@@ -25,7 +25,7 @@ repository ships, `PROMPTSRC_TEMPLATES`), or as `zeroshot.templates` does: "ense
 
 Prompts are IVLP's (`coop.methods.ivlp`): recipe 4 text + 4 vision tokens, depth 9 + 9, context
 from "a photo of a", SGD lr 0.0025, batch 4, 20 epochs. After every epoch the learned tensors go
-into a Gaussian-weighted running sum (`coop.gpa`, `promptsrc.gpa_mean` / `promptsrc.gpa_std`),
+into a Gaussian-weighted running sum (`coop.methods.gpa`, `promptsrc.gpa_mean` / `promptsrc.gpa_std`),
 kept in the checkpoint (`training_state`); after the last epoch the sum replaces them, so the
 final checkpoint holds, and evaluation uses, the aggregate.
 
@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from coop.config import ConfigError, resolved_epochs
-from coop.gpa import GaussianAggregate, gpa_weights
+from coop.config.checks import ConfigError, resolved_epochs
 from coop.methods.base import TowerLayers
+from coop.methods.gpa import GaussianAggregate, gpa_weights
 from coop.methods.ivlp import IVLP
 from coop.methods.zeroshot import resolve_templates
 from coop.model.clip import CLIP

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.methods.base import Method, TowerLayers
 from coop.methods.zeroshot import DEFAULT_TEMPLATE, template_features
 from coop.model.blocks import QuickGELU

@@ -17,7 +17,7 @@ f the L2-normalised image feature (B, E), W_zs the zero-shot classifier (C, E), 
 - `tip_adapter_f` trains the keys W_a (NK, E), initialised to K, by SGD at the initial alpha and beta
   (`tip.init_alpha`, `tip.init_beta`), then runs the same search with W_a in place of K.
 
-The per-dataset init_alpha, init_beta and search scales of its configs are `coop.recipes`'s
+The per-dataset init_alpha, init_beta and search scales of its configs are `coop.config.recipes`'s
 `TIP_SETTINGS`. Logits are formed with autocast off, in the cache's dtype: fp32, or fp16 under
 `train.precision=fp16` (the original's half-precision adapter); the 100 is Tip-Adapter's fixed
 scale, not the model's logit scale. Scoring other classes (new classes, another dataset) keeps

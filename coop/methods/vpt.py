@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from coop.config_checks import ConfigError, check_depth
+from coop.config.checks import ConfigError, check_depth
 from coop.methods.base import Method, TowerLayers, Towers
 from coop.model.clip import CLIP, ModelError, cosine_logits
 from coop.model.prompt import PromptError

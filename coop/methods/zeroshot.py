@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.methods.base import Method, TowerLayers
 from coop.model.clip import CLIP, cosine_logits
 

@@ -28,7 +28,7 @@ import logging
 import torch
 from torch import nn
 
-from coop.config_checks import check_depth
+from coop.config.checks import check_depth
 from coop.model.clip import CLIP, cosine_logits
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ one block and are replaced at later ones. They are the same for every class, so 
 on [SOS][r1..rK] is the shared prefix (`prefix_keys_values`); each row keeps its positions.
 
 Attention runs through `F.scaled_dot_product_attention`, which returns no weights. Tools that
-need them (`coop.attention`) call `encode_with_attention`: the full-sequence blocks, with each
+need them (`coop.results.attention_maps`) call `encode_with_attention`: the full-sequence blocks, with each
 attention module asked (`need_weights=True`) to form softmax(q k^T / sqrt(Dh) + causal mask)
 explicitly. Only that call pays for the explicit (L, L) matrices.
 

@@ -8,6 +8,9 @@ vision prompts of VPT, IVLP and MaPLe concatenated onto the sequence of open_cli
 and as the baseline of `tools/bench_text.py`, `tools/bench_cocoop.py` and `tools/bench_vl.py`.
 
 Methods added later keep their reference in a module of their own, `coop.reference.<method>`.
+
+Beside coop.methods: may import coop.model, coop.config and the root modules. Imported by the
+tests and the benchmarks only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A training run as a folder: resume, checkpoint every epoch, write metrics when done.
 
-    from coop.config import load_config
-    from coop.runner import train_run
+    from coop.config.load import load_config
+    from coop.train.runner import train_run
     metrics = train_run(load_config(None, ["model.pretrained=none", "data.shots=4"]))
 
 The runner never branches on the method (`cfg.method`, see `coop.methods`): it runs the steps the
@@ -13,12 +13,12 @@ Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one 
 optimizer/epoch/RNG state and the lr schedule's name, written atomically after every epoch),
 when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
 `eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`; and,
-with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.tensorboard`).
-`.lock` is held while a process writes the folder (`coop.lock`): a second one refuses. Under
+with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.train.tensorboard`).
+`.lock` is held while a process writes the folder (`coop.train.lock`): a second one refuses. Under
 torchrun (`coop.distributed`) every rank runs this same code on its share of the work; rank 0
 alone holds the lock and writes the folder, rank k logs its warnings to `log.rank<k>.txt`.
 
-The lr of a step is a function of (epoch, step) alone (`coop.schedule`), so a resumed run needs no
+The lr of a step is a function of (epoch, step) alone (`coop.train.schedule`), so a resumed run needs no
 scheduler state beyond the epoch it resumes at; `history.csv`'s `lr` is the rate of each epoch's
 first step. A checkpoint that
 is unreadable, truncated or not a coop checkpoint stops the run with a one-line `CheckpointError`.
@@ -40,15 +40,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import trange
 
 from coop import distributed
-from coop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from coop.config import (
-    DEFAULTS,
-    RESULT_FREE_KEYS,
-    flatten,
-    to_yaml,
-)
+from coop.config.load import RESULT_FREE_KEYS, flatten, to_yaml
+from coop.config.schema import DEFAULTS
 from coop.data import DataError
-from coop.engine import (
+from coop.io import atomic_write, write_json
+from coop.model.weights import absolute_model_files
+from coop.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from coop.train.engine import (
     NonFiniteLossError,
     Setup,
     default_output_dir,
@@ -59,13 +57,11 @@ from coop.engine import (
     training_features,
     val_features,
 )
-from coop.evaluation import evaluate_targets, pending_evaluations, run_fields
-from coop.io import atomic_write, write_json
-from coop.lock import require_run_folder, run_lock
-from coop.model.weights import absolute_model_files
-from coop.preflight import check_base_to_new, check_model_limits
-from coop.schedule import Schedule, build_optimizer, plan_schedule
-from coop.tensorboard import Board, open_board
+from coop.train.evaluation import evaluate_targets, pending_evaluations, run_fields
+from coop.train.lock import require_run_folder, run_lock
+from coop.train.preflight import check_base_to_new, check_model_limits
+from coop.train.schedule import Schedule, build_optimizer, plan_schedule
+from coop.train.tensorboard import Board, open_board
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ A `checkpoint.pt` is a plain dict that loads with `torch.load(path, weights_only
                  "deep_ctx": Tensor (only when depth > 1)}, for the linear probe {"weight",
                  "bias", "C"}, for zero-shot {}
     method_state what `Method.training_state()` returns (e.g. PromptSRC's running GPA sum; {} for most)
-    optimizer    optimizer.state_dict()         lr_schedule  the schedule's name (coop.schedule)
+    optimizer    optimizer.state_dict()         lr_schedule  the schedule's name (coop.train.schedule)
     epoch        completed epochs               finished     bool
     rng          {"torch": ByteTensor, "python": tuple}   (epochs also reseed from (seed, epoch))
     history      [{"epoch", "loss", "train_acc", "lr", "time_s"}, ...]

@@ -3,7 +3,7 @@
     run_submitit(runs, [train_command(r, TRAIN, None) for r in runs], args, root)
 
 `args` are tools/sweep.py's options (--executor, --jobs, --timeout-min, --gpus-per-node,
---gpus-per-run, --cpus-per-task, --partition, --no-wait). Each job runs `coop.sweep.run_command`,
+--gpus-per-run, --cpus-per-task, --partition, --no-wait). Each job runs `coop.train.sweep.run_command`,
 which writes the run's `sweep.log`; a failed job (timeout, preemption) is recorded on its run.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from coop.config import ConfigError
-from coop.sweep import Run, finish_run, log, run_command
+from coop.config.checks import ConfigError
+from coop.train.sweep import Run, finish_run, log, run_command
 
 
 def submitit_parameters(args, n_runs: int) -> dict:

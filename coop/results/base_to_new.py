@@ -1,6 +1,6 @@
 """The base-to-new table as CoCoOp's Table 1 and the papers after it print it.
 
-    from coop.base_to_new import base_to_new_table, format_base_to_new_markdown, with_published
+    from coop.results.base_to_new import base_to_new_table, format_base_to_new_markdown, with_published
     table = base_to_new_table(load_runs("runs/b2n"))
     table, notes = with_published(table, runs)        # + the paper's row and a Δ row under ours
 
@@ -24,10 +24,10 @@ import math
 
 import pandas as pd
 
-from coop.config import ConfigError
-from coop.published import DATASETS_11, lookup
-from coop.reproduce import no_counterpart, row_protocols
-from coop.results import (
+from coop.config.checks import ConfigError
+from coop.results.published import DATASETS_11, lookup
+from coop.results.reproduce import no_counterpart, row_protocols
+from coop.results.tables import (
     DATASET_ORDER,
     _cell,
     _check_keys,
@@ -60,7 +60,7 @@ def base_to_new_table(df: pd.DataFrame, by: list[str] | None = None, ddof: int =
     """Base / New / H per dataset and the Average block, one row per method and setting.
 
     Args:
-        df: a `coop.results.load_runs` frame; only finished base-class runs
+        df: a `coop.results.tables.load_runs` frame; only finished base-class runs
             (`data.subsample_classes=base`) with their new-class evaluation count.
         by: row keys besides `method` (default: the config keys that vary, except data.name).
         ddof: 1 for the sample standard deviation (NaN with one seed), 0 for the population one.
@@ -114,7 +114,7 @@ def row_keys(table: pd.DataFrame) -> list[str]:
 
 def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """`table` with the paper's row and a Δ row (ours minus the paper's) under each of our rows
-    that has published base-to-new figures (`coop.published`, for the runs' backbone and shots; OpenAI
+    that has published base-to-new figures (`coop.results.published`, for the runs' backbone and shots; OpenAI
     weights).
 
     The paper's cells are given where ours has a number; its Average is its own where our columns

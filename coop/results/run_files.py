@@ -1,10 +1,10 @@
 """Reading one run folder's files: config.yaml (or the checkpoint's config), metrics and history.
 
-    from coop.run_files import read_config, read_history, read_metrics
+    from coop.results.run_files import read_config, read_history, read_metrics
     config = read_config(Path("runs/x/seed1"))            # {"data.shots": 16, ...}
     history = read_history(Path("runs/x/seed1"))          # history.csv as a DataFrame, or None
 
-The tables of `coop.results` and the figures of `coop.plots` read run folders through these.
+The tables of `coop.results.tables` and the figures of `coop.results.plots` read run folders through these.
 A file that cannot be read is logged and treated as absent, so one damaged run never stops a table.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from coop.config import CHOICES, flatten
+from coop.config.load import flatten
+from coop.config.schema import CHOICES
 from coop.io import refused_unpickling
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from coop.checkpoint import FEDERATED_FORMAT, CheckpointError, load_checkpoint
-from coop.config import load_config, model_tag
-from coop.engine import evaluate_run, setup
+from coop.config.load import load_config
+from coop.config.run_names import model_tag
 from coop.io import write_json
 from coop.model.clip import CLIP
-from coop.tensorboard import OFF, Board
+from coop.train.checkpoint import FEDERATED_FORMAT, CheckpointError, load_checkpoint
+from coop.train.engine import evaluate_run, setup
+from coop.train.tensorboard import OFF, Board
 
 log = logging.getLogger(__name__)
 

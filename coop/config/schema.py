@@ -1,13 +1,13 @@
 """The run configuration as a typed schema: one dataclass per section, every key with its type,
 default and, where it has one, its allowed set or range.
 
-    cfg = OmegaConf.structured(RunConfig)   # what `coop.config.load_config` starts from
+    cfg = OmegaConf.structured(RunConfig)   # what `coop.config.load.load_config` starts from
 
 OmegaConf types each key from its annotation (bool, int, float, str, `| None`, `list[...]`) and
 refuses a value of another type itself (`prompt.csc=maybe`, `data.seed=abc`);
-`coop.config_spec.check_values` then checks the ranges and sets declared next to each key
-(`key(default, ">= 0")`). Rules that involve several keys live in `coop.config_checks`; keys
-bounded by the model's towers in `coop.preflight`.
+`coop.config.spec.check_values` then checks the ranges and sets declared next to each key
+(`key(default, ">= 0")`). Rules that involve several keys live in `coop.config.checks`; keys
+bounded by the model's towers in `coop.train.preflight`.
 
 Ranges are written as `"> 0"`, `">= 1"`, `"in [0, 1)"` or `"finite"`; on a list they hold for each
 item. `lora.layers` is "all" | "half-up" | "half-bottom" | a list of block indices, and OmegaConf
@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from coop.config_spec import Spec, key, specs
+from coop.config.spec import Spec, key, specs
 
 # see coop.methods
 METHODS = tuple(
@@ -72,7 +72,7 @@ class TrainConfig:
     epochs: int | None = key(None, ">= 0")  # null: CoOp's epochs for the shots (epochs_for_shots)
     batch_size: int = key(32, ">= 1")
     lr: float = key(0.002, "> 0")
-    optimizer: str = key("sgd", choices=("sgd", "adam", "adamw"))  # coop.schedule
+    optimizer: str = key("sgd", choices=("sgd", "adam", "adamw"))  # coop.train.schedule
     momentum: float = key(0.9, ">= 0")  # sgd
     betas: list[float] = key([0.9, 0.999], "in [0, 1)", length=2)  # adam, adamw
     eps: float = key(1e-8, "> 0")  # adam, adamw
@@ -116,7 +116,7 @@ class KgcoopConfig:
 
 
 @dataclass
-class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.gpa
+class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.methods.gpa
     text_weight: float = key(25.0, ">= 0")
     image_weight: float = key(10.0, ">= 0")
     kl_weight: float = key(1.0, ">= 0")
@@ -126,7 +126,7 @@ class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.gpa
 
 
 @dataclass
-class TipConfig:  # tip_adapter, tip_adapter_f (coop.methods.tip_adapter); per dataset: coop.recipes
+class TipConfig:  # tip_adapter, tip_adapter_f (coop.methods.tip_adapter); per dataset: coop.config.recipes
     augment_epochs: int = key(10, ">= 1")  # augmented views averaged into each cache key
     init_alpha: float = key(
         1.17, ">= 0"
@@ -154,7 +154,7 @@ class LoraConfig:  # coop.model.lora, coop.methods.clip_lora
 
 
 @dataclass
-class MmrlConfig:  # coop.methods.mmrl; per-dataset reg_weight / rep_dim: coop.recipes.DATASET_RECIPES
+class MmrlConfig:  # coop.methods.mmrl; per-dataset reg_weight / rep_dim: coop.config.recipes.DATASET_RECIPES
     n_tokens: int = key(5, ">= 1")  # K representation tokens
     rep_dim: int = key(512, ">= 1")  # d_r
     # 1-based text blocks that take the tokens; null: L/2..L (6..12 of 12)

@@ -1,6 +1,6 @@
 """Published figures of the CoOp family, each with its source and whether it was checked.
 
-    from coop.published import FIGURES, lookup
+    from coop.results.published import FIGURES, lookup
     lookup("cocoop", "base_to_new", "dtd", "accuracy")    # Figure(value=77.01, source=..., checked=False)
 
 All figures are ViT-B/16 with OpenAI's CLIP weights, 16 shots, accuracy in %, as the papers
@@ -66,7 +66,7 @@ class Figure(NamedTuple):
     source: str
     checked: bool
     shots: int = 16
-    model: str = "ViT-B-16"  # `coop.config.model_tag` of the backbone
+    model: str = "ViT-B-16"  # `coop.config.run_names.model_tag` of the backbone
 
 
 # Base-to-new, per dataset in DATASETS_11 order then "average": (base, new, HM).
@@ -228,6 +228,6 @@ def lookup(
         dataset: a dataset name, or "average" for the paper's mean.
         metric: "accuracy" (base accuracy for base-to-new), "new_accuracy" or "hm".
         shots: shots per class.
-        model: the backbone's `coop.config.model_tag` ("ViT-B-16", "RN50").
+        model: the backbone's `coop.config.run_names.model_tag` ("ViT-B-16", "RN50").
     """
     return _INDEX.get((method, protocol, dataset, metric, shots, model))

@@ -5,10 +5,10 @@
     stats = train_one_epoch(s, optimizer, epoch, feats)
     metrics = evaluate_run(s)              # cached test features, or the method's prompted tower
 
-`coop.runner.train_run` strings these together into a run folder with resuming and checkpoints.
+`coop.train.runner.train_run` strings these together into a run folder with resuming and checkpoints.
 
 CoOp's recipe, as Dassl runs it:
-- the lr schedule (`coop.schedule`): a constant warm-up, then a cosine that restarts after it
+- the lr schedule (`coop.train.schedule`): a constant warm-up, then a cosine that restarts after it
   (Dassl's WARMUP_RECOUNT=True), so the first epoch after warm-up trains at exactly the base lr
   (other methods' recipes choose a per-iteration cosine or a constant rate, and their optimizer);
 - `train.precision=fp16` (`use_fp16`): CoOp's PREC=fp16, the whole CLIP model and the prompts in
@@ -42,7 +42,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from coop import distributed
-from coop.config import ConfigError, run_name
+from coop.config.checks import ConfigError
+from coop.config.run_names import run_name
 from coop.data import (
     CLIP_MEAN,
     CLIP_STD,
@@ -55,13 +56,13 @@ from coop.data import (
     subsample_classes,
 )
 from coop.data.images import derive_seed
-from coop.features import autocast, cached_features, resolve_precision
 from coop.methods import METHODS, Method, build_method
 from coop.methods.base import FeatureRequest
-from coop.metrics import classification_metrics
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
-from coop.schedule import Schedule, steps_per_epoch
+from coop.train.features import autocast, cached_features, resolve_precision
+from coop.train.metrics import classification_metrics
+from coop.train.schedule import Schedule, steps_per_epoch
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +289,7 @@ def predict(method: Method, features: torch.Tensor, device, precision="fp32") ->
 def evaluate(
     method: Method, features: torch.Tensor, labels: torch.Tensor, device, precision="fp32", domains=None
 ) -> dict:
-    """`coop.metrics.classification_metrics` of the predictions from cached image features (N, ...);
+    """`coop.train.metrics.classification_metrics` of the predictions from cached image features (N, ...);
     with `domains` (one name per image), also per-domain accuracy."""
     preds = predict(method, features, torch.device(device), precision)
     return classification_metrics(preds, labels, method.n_cls, domains)

@@ -7,13 +7,13 @@ The library behind `tools/sweep.py`:
     run_processes(runs, [train_command(r, TRAIN, None) for r in runs], jobs=2, gpus=[], echo=False)
 
 A grid maps dotted config keys to a value (fixed) or a list (swept). A value the grid FILE fixes
-is a protocol setting: for a method whose recipe (`coop.recipes.METHOD_DEFAULTS`) sets that key,
+is a protocol setting: for a method whose recipe (`coop.config.recipes.METHOD_DEFAULTS`) sets that key,
 or a key that would cancel one of its entries (`YIELDS_TO`), the recipe keeps its own value, so
 `configs/protocols/few_shot.yaml`'s `prompt.n_ctx: 16` gives CoOp its 16 vectors and leaves MaPLe
 its 2. Swept keys and every `key=value` of the command line apply to every method. Each point becomes
-`OUT/<coop.config.run_name(cfg)>`; swept keys that the name lacks (e.g. train.lr) are appended to
+`OUT/<coop.config.run_names.run_name(cfg)>`; swept keys that the name lacks (e.g. train.lr) are appended to
 its settings part. Runs execute as subprocesses of `tools/train.py` (local, one GPU per worker) or
-as submitit jobs (SLURM, or submitit's local executor: `coop.sweep_submitit`).
+as submitit jobs (SLURM, or submitit's local executor: `coop.train.sweep_submitit`).
 """
 
 from __future__ import annotations
@@ -35,16 +35,18 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from coop.config import LENGTH_YIELDS, ConfigError, flatten, load_config, run_name
+from coop.config.checks import ConfigError
+from coop.config.load import LENGTH_YIELDS, flatten, load_config
+from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
+from coop.config.run_names import run_name
 from coop.data import DATASETS
-from coop.lock import LOCKED, wait_for_writer
 from coop.model.clip import ModelError
-from coop.preflight import check_model_limits
-from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
+from coop.train.lock import LOCKED, wait_for_writer
+from coop.train.preflight import check_model_limits
 
-log = logging.getLogger("coop.sweep")
+log = logging.getLogger("coop.train.sweep")
 
-# keys that coop.config.run_name spells out
+# keys that coop.config.run_names.run_name spells out
 NAMED_KEYS = {"data.name", "model.name", "data.shots", "prompt.n_ctx", "prompt.csc", "prompt.position",
               "prompt.depth", "data.seed", "data.subsample_classes", "method", "zeroshot.templates"}  # fmt: skip
 ROOTLESS = {"textile"}  # datasets bundled with a package: no data.root

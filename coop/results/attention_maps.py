@@ -1,9 +1,9 @@
 """Attention maps of prompts under the causal mask, through the model's own attention modules.
 
-    from coop.checkpoint import load_trained
-    from coop import attention
+    from coop.train.checkpoint import load_trained
+    from coop.results import attention_maps
     clip, learner, ckpt = load_trained("runs/.../checkpoint.pt")
-    feats, maps = attention.attention_maps(clip.text, learner)   # maps: (layers, n_cls, L, L)
+    feats, maps = attention_maps.attention_maps(clip.text, learner)   # maps: (layers, n_cls, L, L)
 
 Entry point: `tools/attention.py` (heatmaps, end vs middle). The maps come from
 `TextTransformer.encode_with_attention`: the encoder's own blocks, whose attention modules are
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coop.analysis import readable_token
 from coop.model.clip import CLIP
 from coop.model.prompt import PromptLearner
 from coop.model.text_encoder import TextTransformer
+from coop.results.nearest_words import readable_token
 
 
 @torch.no_grad()

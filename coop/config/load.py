@@ -18,16 +18,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from coop.config_checks import (  # noqa: F401 (coop.config's API)
-    ConfigError,
-    check_rules,
-    epochs_for_shots,
-    resolved_epochs,
-)
-from coop.config_schema import CHOICES, DEFAULTS, METHODS, SPECS, RunConfig  # noqa: F401 (coop.config's API)
-from coop.config_spec import check_layer, check_values, shown
-from coop.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
-from coop.run_names import method_settings, model_tag, run_name  # noqa: F401 (coop.config's API)
+from coop.config.checks import ConfigError, check_rules
+from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
+from coop.config.schema import DEFAULTS, SPECS, RunConfig
+from coop.config.spec import check_layer, check_values, shown
 
 SCHEMA = OmegaConf.structured(RunConfig)  # the typed defaults that every config starts from
 
@@ -56,7 +50,7 @@ def load_config(
     """Defaults <- method defaults <- `base` <- YAML file <- `key=value` overrides; validated.
 
     The method defaults (`METHOD_DEFAULTS[method]`) fill only keys that no later layer sets. The
-    result is typed by the schema (`coop.config_schema.RunConfig`): a value of another type, or
+    result is typed by the schema (`coop.config.schema.RunConfig`): a value of another type, or
     out of its key's set or range, is a one-line ConfigError naming the key and the value.
 
     Args:
@@ -157,8 +151,8 @@ def _key_from_message(message: str) -> str:
 
 def validate(cfg: DictConfig) -> None:
     """Raise a one-line ConfigError, naming the key and its value, for a config that cannot run:
-    each key's type, set and range (`coop.config_schema`), then the rules between keys
-    (`coop.config_checks`)."""
+    each key's type, set and range (`coop.config.schema`), then the rules between keys
+    (`coop.config.checks`)."""
     problem = check_values(cfg, SPECS)
     if problem:
         raise ConfigError(problem)

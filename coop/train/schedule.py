@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from coop.config import ConfigError, resolved_epochs
+from coop.config.checks import ConfigError, resolved_epochs
 
 SCHEDULES = ("cosine", "cosine_iter", "constant")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
 # Stored in checkpoints under the Dassl cosine: runs saved before the cosine restarted after
-# warm-up are refused past warm-up (coop.runner.restore).
+# warm-up are refused past warm-up (coop.train.runner.restore).
 DASSL_COSINE = "constant warm-up, then cosine restarted after warm-up (Dassl WARMUP_RECOUNT)"
 
 

@@ -7,7 +7,7 @@ takes in words, and the check of a value against it.
 A declaration is the field's type (bool, int, float, str, `| None`, `list[...]`, `Any`) plus, where
 it has them, a range (`"> 0"`, `">= 1"`, `"in [0, 1)"`, `"finite"`; on a list, of each item), a
 set of names (`choices`; on a list, of each item) and list constraints. The schema itself is
-`coop.config_schema`.
+`coop.config.schema`.
 """
 
 from __future__ import annotations

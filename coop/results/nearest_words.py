@@ -1,15 +1,15 @@
 """Looking inside learned prompts: the vocabulary words nearest to each learned vector.
 
-    from coop.checkpoint import load_trained
-    from coop import analysis
+    from coop.train.checkpoint import load_trained
+    from coop.results import nearest_words
     clip, learner, ckpt = load_trained("runs/.../checkpoint.pt")
-    rows = analysis.nearest_words(learner, clip.text.token_embedding.weight, clip.tokenizer, topk=5)
+    rows = nearest_words.nearest_words(learner, clip.text.token_embedding.weight, clip.tokenizer, topk=5)
 
 Entry point: `tools/interpret_prompt.py` (as in CoOp's paper). Every learned context vector --
 shared or per class, the input layer and every deep layer -- is compared with the whole
 token-embedding table by Euclidean distance and by cosine similarity. Deep-layer vectors replace
 hidden states, not input embeddings, so their nearest words are only a rough reading.
-Attention maps live in `coop.attention`.
+Attention maps live in `coop.results.attention_maps`.
 """
 
 from __future__ import annotations

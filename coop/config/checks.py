@@ -1,5 +1,5 @@
 """The config rules that involve several keys (`check_rules`). Each key's own type, set and range
-are declared in its schema (`coop.config_schema`) and checked there; each rule here raises a
+are declared in its schema (`coop.config.schema`) and checked there; each rule here raises a
 one-line ConfigError that names the keys and their values.
 """
 
@@ -86,7 +86,8 @@ def check_length(cfg: DictConfig) -> None:
             "the run's length; set train.epochs=null"
         )
     epochs, warmup = resolved_epochs(cfg), t.warmup_epochs
-    if epochs > 0 and warmup >= epochs and not iterations:  # with iterations: coop.schedule.plan_schedule
+    # with iterations the warm-up is checked by coop.train.schedule.plan_schedule
+    if epochs > 0 and warmup >= epochs and not iterations:
         raise ConfigError(
             f"train.warmup_epochs={warmup} must be less than the {epochs} training epochs "
             f"(train.epochs={t.epochs}), or the cosine schedule never starts"

@@ -4,8 +4,8 @@
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
 
 The towers' block counts come from OpenCLIP's model config (a name, or a model-config .json),
-so no weights are loaded: `coop.runner.train_run` calls this before it creates the run folder,
-`coop.federated.task.check_config` before a simulation, and `coop.sweep.plan` (and so
+so no weights are loaded: `coop.train.runner.train_run` calls this before it creates the run folder,
+`coop.federated.task.check_config` before a simulation, and `coop.train.sweep.plan` (and so
 `tools/sweep.py --dry-run`) for every point. What is checked is the method's own
 `Method.check_config` (its keys bounded by the towers, its template set), which the method runs
 again on the built model when it is built.
@@ -18,7 +18,7 @@ import functools
 import open_clip
 from omegaconf import DictConfig
 
-from coop.config import ConfigError
+from coop.config.checks import ConfigError
 from coop.methods import METHODS
 from coop.methods.base import TowerLayers
 from coop.model.weights import resolve_model_name

@@ -1,10 +1,10 @@
 """Published figures beside ours: "does my run reproduce the paper?" for a per-dataset table.
 
-    table = dataset_table(runs)                        # coop.results
+    table = dataset_table(runs)                        # coop.results.tables
     table, notes = with_published(table, runs)         # + a paper row and a Δ row under ours
 
-Under each row of `coop.results.dataset_table` that has a published counterpart
-(`coop.published`), this adds the paper's row (method `<method>: paper`) and a Δ row (`<method>:
+Under each row of `coop.results.tables.dataset_table` that has a published counterpart
+(`coop.results.published`), this adds the paper's row (method `<method>: paper`) and a Δ row (`<method>:
 Δ`, ours minus the paper's), with the same columns: `<dataset>_mean` holds the figure where our
 row has a number, `_std` and `_n` are empty, and `average` is given where ours is (every column
 has a number): the paper's own mean where the columns are exactly its 11 datasets, else the
@@ -28,9 +28,9 @@ import math
 
 import pandas as pd
 
-from coop.config import model_tag
-from coop.published import DATASETS_11, DG_TARGETS, FIGURES, lookup
-from coop.results import _group_value, row_label
+from coop.config.run_names import model_tag
+from coop.results.published import DATASETS_11, DG_TARGETS, FIGURES, lookup
+from coop.results.tables import _group_value, row_label
 
 WEIGHTS = "openai"  # what every published figure ran
 PROTOCOL_NAMES = {
@@ -95,7 +95,7 @@ def protocol_of(runs: pd.DataFrame) -> tuple[str, int, str] | str:
 def no_counterpart(
     method: str, protocol: str, shots: int, model: str, datasets: list[str], metric: str
 ) -> str:
-    """Why `coop.published` has no figure for these runs' cells: the metric, the method, the
+    """Why `coop.results.published` has no figure for these runs' cells: the metric, the method, the
     backbone and shots, or the datasets (naming what is published instead)."""
     if metric not in (("accuracy", "new_accuracy") if protocol == "base_to_new" else ("accuracy",)):
         return f"the papers report accuracy, not {metric}"
@@ -151,7 +151,7 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame, metric: str = "accur
     """`table` with a paper row and a Δ row under each row that has published figures.
 
     Args:
-        table: a `coop.results.dataset_table`.
+        table: a `coop.results.tables.dataset_table`.
         runs: the `load_runs` frame it was made from.
         metric: the table's cell metric.
 

@@ -1,10 +1,10 @@
 """Figures from run folders: accuracy vs shots, vs deep-prompt depth, end vs middle, per round.
 
-    from coop.results import load_runs
-    from coop.plots import write_figures
+    from coop.results.tables import load_runs
+    from coop.results.plots import write_figures
     write_figures(load_runs("runs/position"), "figures/", root="runs/position")
 
-Entry point: `tools/plot.py`. Every figure is drawn from `coop.results` tables (mean and std over
+Entry point: `tools/plot.py`. Every figure is drawn from `coop.results.tables` tables (mean and std over
 seeds per setting); nothing is written for a figure the runs have no data for. The per-round
 figure of federated runs reads each finished run's `history.csv` (hence `root`); its data is
 `round_table(load_histories(runs, root))`. Each `*_figure` function returns the matplotlib
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from coop.results import METRICS, PERSONAL_METRICS, config_keys, setting_label, summarize, varying_keys
-from coop.run_files import read_history
+from coop.results.run_files import read_history
+from coop.results.tables import METRICS, PERSONAL_METRICS, config_keys, setting_label, summarize, varying_keys
 
 PANEL_KEYS = ("data.name", "model.name")
 ROUND_PANEL_KEYS = (*PANEL_KEYS, "data.target_domain")  # leave-one-domain-out: a panel per target

@@ -1,6 +1,6 @@
 """Each method's recipe: the values of its original code's configs where they differ from CoOp's.
 
-`coop.config.load_config` applies `METHOD_DEFAULTS[method]`, updated by
+`coop.config.load.load_config` applies `METHOD_DEFAULTS[method]`, updated by
 `DATASET_RECIPES[method][dataset]` where an original's configs differ per dataset, to every key
 that no file, override or saved config sets; `YIELDS_TO` names the defaults that step back when
 another key is set.

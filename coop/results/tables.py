@@ -1,18 +1,18 @@
 """Result tables from run folders: every `metrics.json` (with its `config.yaml`) under a root.
 
-    from coop.results import dataset_table, domain_table, load_runs, summarize, varying_keys
+    from coop.results.tables import dataset_table, domain_table, load_runs, summarize, varying_keys
     runs = load_runs("runs/position")                 # one row per run folder
     table = summarize(runs, by=varying_keys(runs))    # mean / std over seeds per setting
     wide = dataset_table(runs)                        # one column per dataset, as in the papers
     lodo = domain_table(runs)                         # one column per held-out target domain
 
-Entry points: `tools/collect.py` (tables); `coop.plots` draws figures from these tables. A run
+Entry points: `tools/collect.py` (tables); `coop.results.plots` draws figures from these tables. A run
 folder is any folder holding `metrics.json`, `config.yaml`, `checkpoint.pt` or `sweep.log`; one
 without `metrics.json` is incomplete and is kept (flag `complete`) so that tools can list it.
 Numbers come from the metrics files only (`metrics.json`, and `eval_<dataset>.json` written by
-`tools/eval.py`; read by `coop.run_files`), never from logs.
+`tools/eval.py`; read by `coop.results.run_files`), never from logs.
 
-Seeds of one setting are pooled over every key of `coop.config.RESULT_FREE_KEYS` (device,
+Seeds of one setting are pooled over every key of `coop.config.load.RESULT_FREE_KEYS` (device,
 workers, data root, ...): those keys cannot change a result, so they never split a row.
 Base-to-new: `hm` is the harmonic mean of the seed-averaged base and new accuracies (CoCoOp's
 convention); `hm_per_seed` is the mean (and std) of the per-seed harmonic means.
@@ -28,9 +28,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from coop.config import DEFAULTS, RESULT_FREE_KEYS, ConfigError
+from coop.config.checks import ConfigError
+from coop.config.load import RESULT_FREE_KEYS
+from coop.config.schema import DEFAULTS
 from coop.data import TEST_ONLY_DATASETS
-from coop.run_files import eval_targets, read_config, read_metrics
+from coop.results.run_files import eval_targets, read_config, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +149,7 @@ def varying_keys(df: pd.DataFrame, exclude=IGNORED_KEYS) -> list[str]:
     Args:
         df: a `load_runs` frame.
         exclude: keys never returned (by default data.seed and the keys that cannot change a
-            result, `coop.config.RESULT_FREE_KEYS`: device, output_dir, data.root, ...).
+            result, `coop.config.load.RESULT_FREE_KEYS`: device, output_dir, data.root, ...).
     """
     done = df[df["complete"]] if "complete" in df else df
     keys = []
