@@ -3,7 +3,8 @@
 blocks.py (attention, MLP, residual blocks), packing.py (the packed pass), inserted.py (tokens
 inserted at later blocks), lora.py (low-rank adapters), text_encoder.py and image_encoder.py (the
 towers), clip.py (the CLIP wrapper and cosine logits), weights.py (load_clip), prompt.py
-(PromptLearner, PromptClassifier).
+(PromptLearner, PromptClassifier), support.py (which of open_clip's models take prompts in which
+tower).
 
 May import: coop.config and the root modules (coop.io). Imported by: coop.methods,
 coop.reference, coop.train, coop.results, coop.interop, coop.federated and the tools.
