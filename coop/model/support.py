@@ -89,7 +89,10 @@ class ModelSupport:
         """None if the model takes vision prompts: it loads (its text tower is ours) and its image
         tower takes them; else why not, one line."""
         if self.image is None and self.text is not None:
-            return f"model {self.name} does not load (its text tower is refused); its image tower would take vision prompts"
+            return (
+                f"model {self.name} does not load (its text tower is refused); "
+                "its image tower would take vision prompts"
+            )
         return self.image
 
 
@@ -149,12 +152,10 @@ def model_support(name: str) -> ModelSupport:
     cfg = open_clip.get_model_config(name)
     if cfg is None:
         raise ModelError(f"unknown open_clip model '{name}' (see open_clip.list_models())")
-    with _NoValues():
-        text = text_support(name)
     return ModelSupport(
         name=name,
         family=family_of(name, cfg),
-        text=text,
+        text=text_support(name),
         image=vision_support(name),
         tokenizer=tokenizer_of(cfg),
         pretrained=tuple(open_clip.list_pretrained_tags_by_model(name)),
