@@ -5,7 +5,8 @@ inserted at later blocks), lora.py (low-rank adapters), text_encoder.py and imag
 towers), text_support.py (which open_clip text towers ours reproduces: TextConfig, text_support),
 text_full.py (the text tower's full-sequence pass), clip.py (the CLIP wrapper and cosine logits),
 weights.py (load_clip), tokenizer.py (the tokenizer, offline, as prompts see it), prompt.py
-(PromptLearner, PromptClassifier).
+(PromptLearner, PromptClassifier), support.py (which of open_clip's models take prompts in which
+tower).
 
 May import: coop.config and the root modules (coop.io). Imported by: coop.methods,
 coop.reference, coop.train, coop.results, coop.interop, coop.federated and the tools.

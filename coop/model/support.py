@@ -1,0 +1,173 @@
+"""Which of open_clip's models take prompts in which tower, judged by the code that builds the towers.
+
+    row = model_support("ViT-B-16")   # family, text / image refusal (None: prompts enter), tokenizer, tags
+    rows = support_table()            # every model open_clip ships, in open_clip's order
+    rows = support_table("SigLIP")    # one family
+
+Text: `coop.model.text_support.text_support`, the rule loading applies to the text tower, on the
+tower built on the meta device. Vision: open_clip builds the model's image tower on the meta device
+and `coop.model.clip._image_tower` (what `CLIP.from_openclip` runs) turns it into our
+`ImageTransformer`, key by key and shape by shape, or keeps open_clip's module with the reason it
+takes no vision prompts. Nothing downloads and no tensor holds a value. The tokenizer is the one
+open_clip's `get_tokenizer` picks from the config. `coop.results.model_table` turns the rows into
+tables (`tools/models.py`, docs/models.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import open_clip
+import torch
+from open_clip.model import _build_vision_tower
+from torch.overrides import TorchFunctionMode
+
+from coop.model.clip import _image_tower
+from coop.model.image_encoder import ModelError
+from coop.model.text_support import text_support
+from coop.model.tokenizer import hub_tokenizer_name
+
+# The configs open_clip ships (a config added with `open_clip.add_model_config` is not one of them).
+OPENCLIP_CONFIGS = Path(open_clip.__file__).parent / "model_configs"
+CLIP_BPE = "CLIP BPE"  # open_clip's SimpleTokenizer, shipped with open_clip
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of open_clip models, recognised by a regex on the name or a key its config sets."""
+
+    name: str
+    what: str
+    pattern: str | None = None  # re.search on the model name
+    key: str | None = None  # "section.key" of the model config that is set (non-empty)
+
+
+# A model belongs to the first family whose rule matches, and to CLIP (the one without a rule) when none
+# does. The order matters where rules overlap: CoCa and the Hugging Face text towers before the
+# image-tower families (coca_roberta-ViT-B-32, nllb-clip-base-siglip), SigLIP2 before SigLIP, and
+# "other timm" after every named timm family.
+FAMILIES = (
+    Family(
+        "CLIP", "OpenAI-shaped: open_clip's own ViT or ModifiedResNet (RN*) image tower, CLIP's text tower"
+    ),
+    Family("CoCa", "contrastive captioners: a text decoder beside the two towers", pattern=r"^coca_"),
+    Family(
+        "HF text",
+        "a Hugging Face `transformers` text tower: RoBERTa, XLM-R, mT5, NLLB",
+        key="text_cfg.hf_model_name",
+    ),
+    Family("SigLIP2", "Google's SigLIP 2: timm image tower, Gemma tokenizer", pattern=r"SigLIP2"),
+    Family("SigLIP", "Google's SigLIP: timm image tower, sigmoid loss", pattern=r"SigLIP"),
+    Family("CLIPA", "CLIPA: average-pooled ViT without ln_pre, BERT tokenizer", pattern=r"-CLIPA"),
+    Family("MetaCLIP 2 worldwide", "MetaCLIP 2's multilingual models", pattern=r"-worldwide"),
+    Family("EVA", "EVA01 and EVA02: timm image towers", pattern=r"^EVA0"),
+    Family(
+        "PE-Core", "Meta's Perception Encoder: timm image tower, 32- or 72-token text", pattern=r"^PE-Core"
+    ),
+    Family("ViTamin", "ViTamin: timm hybrid conv-ViT image tower", pattern=r"^ViTamin"),
+    Family("MobileCLIP", "Apple's MobileCLIP and MobileCLIP2: timm image towers", pattern=r"^MobileCLIP"),
+    Family("ConvNeXt", "timm ConvNeXt image towers", pattern=r"^convnext_"),
+    Family("other timm", "any other timm image tower (Swin, timm ViTs)", key="vision_cfg.timm_model_name"),
+)
+FAMILY_NAMES = tuple(f.name for f in FAMILIES)
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """One model: its family, whether prompts enter each tower (None) or why not, its tokenizer and tags."""
+
+    name: str
+    family: str
+    text: str | None  # None: text prompts enter the text tower; else its refusal, one line
+    image: str | None  # None: vision prompts enter the image tower; else its refusal, one line
+    tokenizer: str  # CLIP_BPE, or the Hugging Face tokenizer's name
+    pretrained: tuple[str, ...]  # open_clip's pretrained tags
+
+    @property
+    def vision(self) -> str | None:
+        """None if the model takes vision prompts: it loads (its text tower is ours) and its image
+        tower takes them; else why not, one line."""
+        if self.image is None and self.text is not None:
+            return (
+                f"model {self.name} does not load (its text tower is refused); "
+                "its image tower would take vision prompts"
+            )
+        return self.image
+
+
+def family_of(name: str, cfg: dict) -> str:
+    """The family of model `name` with config `cfg` (the first rule of FAMILIES that matches)."""
+    for family in FAMILIES:
+        if family.pattern and re.search(family.pattern, name):
+            return family.name
+        if family.key:
+            section, key = family.key.split(".")
+            if cfg.get(section, {}).get(key):
+                return family.name
+    return next(f.name for f in FAMILIES if f.pattern is None and f.key is None)
+
+
+class _NoValues(TorchFunctionMode):
+    """In-place ops that only set values return their tensor unchanged when it is on the meta device.
+
+    Building a tower on the meta device still runs every initialiser, and timm's trunc_normal_ takes
+    a slow Python path for `clamp_` on meta tensors (milliseconds a call, thousands of calls): most of
+    the table's time. A meta tensor holds no values, so skipping these ops changes no shape or dtype.
+    """
+
+    OPS = frozenset("uniform_ normal_ erfinv_ mul_ add_ sub_ div_ clamp_ fill_ zero_ copy_".split())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.OPS and args and getattr(args[0], "is_meta", False):
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def vision_support(name: str) -> str | None:
+    """Whether vision prompts enter model `name`'s image tower: None if so, else the reason in one line.
+
+    Builds the tower open_clip builds for the config (fp32), on the meta device, and applies
+    `CLIP.from_openclip`'s step (`coop.model.clip._image_tower`) to it.
+    """
+    cfg = open_clip.get_model_config(name)
+    if cfg is None:
+        return f"unknown open_clip model '{name}'"
+    with torch.device("meta"), _NoValues():
+        visual = _build_vision_tower(
+            cfg["embed_dim"], cfg["vision_cfg"], quick_gelu=cfg.get("quick_gelu", False)
+        )
+        _, refusal = _image_tower(visual, name)
+    return refusal
+
+
+def model_support(name: str) -> ModelSupport:
+    """The support row of open_clip model `name` (a ModelError for an unknown name)."""
+    cfg = open_clip.get_model_config(name)
+    if cfg is None:
+        raise ModelError(f"unknown open_clip model '{name}' (see open_clip.list_models())")
+    return ModelSupport(
+        name=name,
+        family=family_of(name, cfg),
+        text=text_support(name),
+        image=vision_support(name),
+        tokenizer=hub_tokenizer_name(name) or CLIP_BPE,
+        pretrained=tuple(open_clip.list_pretrained_tags_by_model(name)),
+    )
+
+
+def openclip_models() -> list[str]:
+    """The models open_clip ships, in `open_clip.list_models()`'s order."""
+    return [n for n in open_clip.list_models() if (OPENCLIP_CONFIGS / f"{n}.json").is_file()]
+
+
+def support_table(family: str | None = None) -> list[ModelSupport]:
+    """The support row of every model open_clip ships, or of one family's (a ModelError for an
+    unknown family)."""
+    if family is not None and family not in FAMILY_NAMES:
+        raise ModelError(f"family {family!r} is not one of {', '.join(FAMILY_NAMES)}")
+    names = openclip_models()
+    if family is not None:
+        names = [n for n in names if family_of(n, open_clip.get_model_config(n)) == family]
+    return [model_support(n) for n in names]

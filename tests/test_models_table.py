@@ -1,0 +1,126 @@
+"""The support matrix of open_clip's models (`coop.model.support`, `tools/models.py`): docs/models.md is
+its current output, the README states its count, its rows hold known facts, and its verdicts on towers
+built on the meta device are those on the same towers built for real."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import open_clip
+import pytest
+import torch
+from conftest import REPO, run_tool_in_process
+from open_clip.model import _build_vision_tower
+
+from coop.model.clip import _image_tower
+from coop.model.support import (
+    CLIP_BPE,
+    FAMILY_NAMES,
+    _NoValues,
+    family_of,
+    openclip_models,
+    support_table,
+    vision_support,
+)
+from coop.results.model_table import coverage, models_document
+
+TOOL = REPO / "tools" / "models.py"
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return support_table()
+
+
+@pytest.fixture(scope="module")
+def row(rows):
+    return {r.name: r for r in rows}
+
+
+def test_docs_models_md_is_the_tools_current_output(rows):
+    assert models_document(rows) == (REPO / "docs" / "models.md").read_text(), (
+        "docs/models.md is stale: python tools/models.py --write docs/models.md"
+    )
+
+
+def test_the_readme_first_paragraph_states_the_tools_count(rows):
+    first = (REPO / "README.md").read_text().split("\n\n")[1]
+    assert coverage(rows) in " ".join(first.split()), (
+        f"the README's first paragraph should say: {coverage(rows)}"
+    )
+
+
+def test_every_model_open_clip_ships_has_one_row_and_every_family_a_model(rows, tiny_name):
+    names = [r.name for r in rows]
+    assert names == openclip_models() and len(set(names)) == len(names) == len(rows)
+    assert tiny_name in open_clip.list_models() and tiny_name not in names  # a config added later
+    assert {"ViT-B-16", "RN50", "roberta-ViT-B-32", "ViT-B-16-SigLIP"} <= set(names)
+    assert {r.family for r in rows} == set(FAMILY_NAMES), "a family rule that matches no model"
+
+
+def test_rows_hold_known_facts(row):
+    b16 = row["ViT-B-16"]
+    assert (b16.family, b16.text, b16.vision, b16.tokenizer) == ("CLIP", None, None, CLIP_BPE)
+    assert {"openai", "laion2b_s34b_b88k"} <= set(b16.pretrained)
+    siglip = row["ViT-B-16-SigLIP"]
+    assert (siglip.family, siglip.text, siglip.tokenizer) == ("SigLIP", None, "timm/ViT-B-16-SigLIP")
+    assert "TimmModel" in siglip.vision and siglip.pretrained == ("webli",)
+    assert row["ViT-B-16-SigLIP2"].family == "SigLIP2"
+    roberta = row["roberta-ViT-B-32"]
+    assert roberta.family == "HF text" and roberta.tokenizer == "roberta-base"
+    assert roberta.text.startswith("model roberta-ViT-B-32's text tower") and "'roberta-base'" in roberta.text
+    # its image tower is a standard ViT, but a model whose text tower is refused does not load
+    assert roberta.image is None and "does not load" in roberta.vision
+    assert row["RN50"].text is None and "ModifiedResNet image tower" in row["RN50"].vision
+    assert "layer scale" in row["ViT-M-16-alt"].vision
+    assert "attentional pooling" in row["coca_ViT-B-32"].vision and row["coca_ViT-B-32"].text is None
+    clipa = row["ViT-L-14-CLIPA"]
+    assert (clipa.family, clipa.text, clipa.tokenizer) == ("CLIPA", None, "bert-base-uncased")
+    assert "pooling 'avg'" in clipa.vision and "no ln_pre" in clipa.vision
+    worldwide = row["ViT-H-14-worldwide"]
+    assert (worldwide.family, worldwide.text, worldwide.vision) == ("MetaCLIP 2 worldwide", None, None)
+    # overlapping rules: the first family that matches
+    assert row["coca_roberta-ViT-B-32"].family == "CoCa" and row["nllb-clip-base-siglip"].family == "HF text"
+    assert row["swin_base_patch4_window7_224"].family == "other timm"
+    assert family_of("my-ViT", {"vision_cfg": {"width": 64}}) == "CLIP"
+
+
+@pytest.mark.parametrize("name", ["ViT-S-32", "ViT-M-16-alt", "RN50"])
+def test_the_verdict_on_the_meta_tower_is_the_real_towers(name):
+    """Built for real (random weights, CPU), the tower gets the same verdict, and the tower built on
+    the meta device with the value-setting ops skipped has the same parameters and buffers."""
+    cfg = open_clip.get_model_config(name)
+    args = (cfg["embed_dim"], cfg["vision_cfg"], cfg.get("quick_gelu", False))
+    torch.manual_seed(0)
+    real = _build_vision_tower(*args)
+    with torch.device("meta"), _NoValues():
+        meta = _build_vision_tower(*args)
+    assert {k: v.shape for k, v in meta.state_dict().items()} == {
+        k: v.shape for k, v in real.state_dict().items()
+    }
+    assert vision_support(name) == _image_tower(real, name)[1]
+
+
+def test_unknown_names_and_families_are_one_line():
+    assert vision_support("ViT-Q-99") == "unknown open_clip model 'ViT-Q-99'"
+    res = run_tool_in_process(TOOL, ["--family", "Nope"])
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert res.returncode == 2 and errors == [f"error: family 'Nope' is not one of {', '.join(FAMILY_NAMES)}"]
+    res = run_tool_in_process(TOOL, ["--family", "CLIPA", "--write", "x.md"])
+    assert (
+        res.returncode == 2 and "--write writes every model" in res.stderr and "Traceback" not in res.stderr
+    )
+
+
+def test_the_tool_prints_one_family_with_its_refusals():
+    cmd = [sys.executable, str(TOOL), "--family", "CLIPA", "--why"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("| model | family | text prompts | vision prompts | tokenizer |")
+    body = lines[2:]
+    assert len(body) == 6 and all(
+        line.startswith("| `ViT-") and "| CLIPA | yes | no |" in line for line in body
+    )
+    assert all("image tower is not a standard OpenCLIP ViT: pooling 'avg'" in line for line in body)
