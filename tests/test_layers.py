@@ -46,7 +46,7 @@ def part_of(module: str) -> str:
 def imports(path, top_level_only: bool = False) -> set[str]:
     """The coop modules a file imports (`from coop.x import y` names coop.x.y where that is a module)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes = tree.body if top_level_only else ast.walk(tree)
+    nodes = _module_level(tree) if top_level_only else ast.walk(tree)
     found = set()
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -55,6 +55,17 @@ def imports(path, top_level_only: bool = False) -> set[str]:
             subs = {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES}
             found |= subs if len(subs) == len(node.names) else subs | {node.module}
     return {m for m in found if m in MODULES}
+
+
+def _module_level(tree: ast.Module):
+    """Every node outside function bodies: what runs at import, and `if TYPE_CHECKING:` imports,
+    which tie the modules as much for a reader as for a type checker."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            todo.extend(ast.iter_child_nodes(node))
 
 
 def test_the_layers_cover_every_module():
@@ -100,4 +111,6 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert imports(f) == {"coop.train.engine", "coop.results.tables"}
     f.write_text("from coop.methods import METHODS, base\n")
     assert imports(f) == {"coop.methods", "coop.methods.base"}
+    f.write_text("if TYPE_CHECKING:\n    from coop.train.engine import Setup\ndef g():\n    import coop.io\n")
+    assert imports(f, top_level_only=True) == {"coop.train.engine"}
     assert RANK[part_of("coop.train.engine")] > RANK[part_of("coop.model.clip")]

@@ -3,7 +3,7 @@
     s = setup(load_config("configs/coop/vit_b16.yaml", ["data.shots=4"]))
     feats = training_features(s)           # coop.train.run_features; None for aug_views=0
     stats = train_one_epoch(s, optimizer, epoch, feats)
-    metrics = evaluate_run(s)              # cached test features, or the method's prompted tower
+    metrics = evaluate_run(s)              # coop.train.run_features: test features, or the prompted tower
 
 `coop.train.runner.train_run` strings these together into a run folder with resuming and checkpoints.
 
@@ -16,7 +16,7 @@ CoOp's recipe, as Dassl runs it:
 
 A method that sees pixels (`Method.input == "pixels"`: VPT, IVLP, MaPLe) gets the augmented image
 batches themselves at every step and is evaluated through its own prompted image tower, batch by
-batch (`evaluate_run`); a feature method gets image-tower features, cached where they can be.
+batch (`evaluate_images`); a feature method gets image-tower features, cached where they can be.
 
 Every epoch draws its randomness from (seed, epoch) alone: the order of the images comes from a
 generator seeded by (seed, epoch), and image i's augmentation from (seed, epoch, i), whatever the
@@ -61,7 +61,6 @@ from coop.model.clip import CLIP
 from coop.model.weights import load_clip
 from coop.train.features import autocast, resolve_precision
 from coop.train.metrics import classification_metrics
-from coop.train.run_features import eval_features
 from coop.train.schedule import Schedule, steps_per_epoch
 
 log = logging.getLogger(__name__)
@@ -330,14 +329,6 @@ def evaluate_images(s: Setup, split: str = "test") -> dict:
     if len(labels) < len(items):
         log.warning("%d of %d images were skipped as unreadable", len(items) - len(labels), len(items))
     return classification_metrics(torch.cat(preds), labels, method.n_cls)
-
-
-def evaluate_run(s: Setup) -> dict:
-    """The run's metrics on the test split, whichever input its method consumes."""
-    if s.method.input == "pixels":
-        return evaluate_images(s, "test")
-    feats, labels = eval_features(s)
-    return evaluate(s.method, feats[0], labels, s.device, s.precision)
 
 
 def default_output_dir(cfg: DictConfig) -> str:

@@ -21,7 +21,8 @@ from coop.config.run_names import model_tag
 from coop.io import write_json
 from coop.model.clip import CLIP
 from coop.train.checkpoint import FEDERATED_FORMAT, CheckpointError, load_checkpoint
-from coop.train.engine import evaluate_run, setup
+from coop.train.engine import setup
+from coop.train.run_features import evaluate_run
 from coop.train.tensorboard import OFF, Board
 
 log = logging.getLogger(__name__)

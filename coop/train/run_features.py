@@ -5,18 +5,15 @@ Each goes through the image-feature cache (`coop.train.features.cached_features`
 
     feats = training_features(s)           # None for aug_views=0: re-encode at every step
     test, labels = eval_features(s)        # ((1, N, E), labels)
+    metrics = evaluate_run(s)              # the test split's metrics, whichever input the method takes
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from coop.data.images import derive_seed
 from coop.methods.base import FeatureRequest
+from coop.train.engine import Setup, evaluate, evaluate_images
 from coop.train.features import cached_features
-
-if TYPE_CHECKING:
-    from coop.train.engine import Setup
 
 
 def _features(s: Setup, split: str, transform, desc: str, views: int = 1, seed: int | None = None):
@@ -79,3 +76,11 @@ def requested_features(s: Setup, request: FeatureRequest):
         return _features(s, "train", s.test_tf, "train features")
     seed = derive_seed(int(s.cfg.data.seed), REQUEST_STREAM)
     return _features(s, "train", s.train_tf, "train features (method views)", int(request.views), seed)
+
+
+def evaluate_run(s: Setup) -> dict:
+    """The run's metrics on the test split, whichever input its method consumes."""
+    if s.method.input == "pixels":
+        return evaluate_images(s, "test")
+    feats, labels = eval_features(s)
+    return evaluate(s.method, feats[0], labels, s.device, s.precision)

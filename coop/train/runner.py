@@ -50,14 +50,13 @@ from coop.train.engine import (
     NonFiniteLossError,
     Setup,
     default_output_dir,
-    evaluate_run,
     setup,
     train_one_epoch,
 )
 from coop.train.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.train.lock import require_run_folder, run_lock
 from coop.train.preflight import check_base_to_new, check_model_limits
-from coop.train.run_features import requested_features, training_features, val_features
+from coop.train.run_features import evaluate_run, requested_features, training_features, val_features
 from coop.train.schedule import Schedule, build_optimizer, plan_schedule
 from coop.train.tensorboard import Board, open_board
 
