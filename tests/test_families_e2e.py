@@ -1,0 +1,144 @@
+"""The text methods on a tiny model of every open_clip family, offline, with tiny local tokenizers.
+
+configs/models/*-tiny.json shrink open_clip's own config of one model per family (2 text layers,
+width 64; the image tower of the same kind: timm's smallest variant of the family's timm tower,
+or a 1-block ViT). Each method trains two steps on the family's own image features (open_clip's
+`encode_image` for timm, FastViT and CoCa towers); CoOp's prompts are checked against the tower's
+`encode_text` of the same token sequence; one `tools/train.py` run per family trains CoOp end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import REPO, run_tool_in_process, tiny_args
+from test_tokenizers import unigram, wordpiece
+
+import coop
+from coop.config.load import load_config
+from coop.methods import build_method
+from coop.model.prompt import PromptError, PromptLearner
+from coop.model.tokenizer import PromptTokenizer
+from coop.model.weights import load_clip
+
+pytest.importorskip("transformers")
+
+# family: (config stem, tokenizer builder or None for CLIP's BPE)
+FAMILIES = {
+    "siglip": ("siglip-tiny", lambda p: unigram(p, pad="</s>")),
+    "eva02": ("eva02-tiny", None),
+    "pe-core": ("pe-core-tiny", None),
+    "metaclip2": ("metaclip2-tiny", unigram),
+    "clipa": ("clipa-tiny", wordpiece),
+    "mobileclip-s": ("mobileclip-s-tiny", None),
+    "coca": ("coca-tiny", None),
+}
+CLASSES = ["dog", "golden_retriever", "crane (bird)"]
+
+# method: config overrides (text methods; CoOp's positions, CSC, deep prompts, ctx_init)
+METHODS = {
+    "coop-end": ["method=coop", "prompt.n_ctx=4"],
+    "coop-middle": ["method=coop", "prompt.n_ctx=4", "prompt.position=middle"],
+    "coop-front-csc": ["method=coop", "prompt.n_ctx=4", "prompt.position=front", "prompt.csc=true"],
+    "coop-deep": ["method=coop", "prompt.n_ctx=4", "prompt.depth=2"],
+    "coop-init": ["method=coop", "prompt.ctx_init=a photo of a"],
+    "cocoop": ["method=cocoop", "prompt.n_ctx=4"],
+    "kgcoop": ["method=kgcoop", "prompt.n_ctx=4"],
+    "tcp": ["method=tcp", "tcp.layer=1"],
+    "dept": ["method=coop", "dept.enabled=true", "prompt.n_ctx=4"],
+    "clip_lora": ["method=clip_lora", "lora.towers=[text]", "lora.dropout=0"],
+}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(config path, tokenizer directory or None, the CLIP with random weights)."""
+    stem, build = FAMILIES[request.param]
+    tok = build(tmp_path_factory.mktemp("tok") / "tok") if build else None
+    path = REPO / "configs" / "models" / f"{stem}.json"
+    return path, tok, load_clip(str(path), None, tokenizer=None if tok is None else str(tok))
+
+
+def images(clip, n: int = 6) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, clip.image_size, clip.image_size, generator=gen)
+
+
+@pytest.mark.parametrize("method_name", sorted(METHODS))
+def test_text_method_trains(family, method_name):
+    """Two SGD steps: the loss is finite and every learned tensor moves."""
+    _, _, clip = family
+    cfg = load_config(None, METHODS[method_name])
+    if method_name == "tcp" and PromptTokenizer(clip.tokenizer).sos_id is None:  # SigLIP, MetaCLIP 2
+        with pytest.raises(PromptError, match="TCP needs a tokenizer with a start token"):
+            build_method(clip, CLASSES, cfg)
+        return
+    method = build_method(clip, CLASSES, cfg)
+    x = images(clip)
+    with torch.no_grad():
+        feats = clip.encode_image(x)
+    assert feats.shape == (len(x), clip.embed_dim) and bool(feats.isfinite().all())
+    inputs = x if method_name == "clip_lora" else feats  # CLIP-LoRA takes images
+    labels = torch.arange(len(x)) % len(CLASSES)
+    before = {k: v.detach().clone() for k, v in method.learnable().items()}
+    assert before
+    params = [p for p in method.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.5)
+    method.train()
+    for _ in range(2):
+        loss = method.loss(inputs, labels)[0]
+        assert bool(torch.isfinite(loss)), method_name
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = method.learnable()
+    moved = [k for k in before if not torch.equal(before[k], after[k].detach())]
+    assert moved, f"{method_name}: nothing learned"
+
+
+def test_zeroshot_is_the_towers_own_features(family):
+    _, _, clip = family
+    cfg = load_config(None, ["method=zeroshot", "zeroshot.templates=a photo of a {}."])
+    method = build_method(clip, CLASSES, cfg)
+    with torch.no_grad():
+        text = method.prepare()
+        ref = clip.encode_text(clip.tokenize([f"a photo of a {c.replace('_', ' ')}." for c in CLASSES]))
+    torch.testing.assert_close(text, torch.nn.functional.normalize(ref, dim=-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["end", "middle", "front"])
+def test_coop_prompts_are_encode_text_of_their_tokens(family, position):
+    """Context vectors set to the embeddings of 4 real tokens: the prompt features equal the
+    tower's `encode_text` (open_clip's computation, tests/test_text_families.py) of the token
+    sequence with those tokens at the context slots, padded to the context length."""
+    _, _, clip = family
+    pt = PromptTokenizer(clip.tokenizer)
+    learner = PromptLearner(clip, CLASSES, n_ctx=4, position=position)
+    words = torch.tensor(pt.encode("a photo of the")[:4])
+    assert len(words) == 4
+    with torch.no_grad():
+        learner.ctx.copy_(clip.text.token_embedding(words))
+        ours = coop.PromptClassifier(clip, learner).text_features()
+        ids = learner.token_ids.scatter(1, learner.slots, words.expand(len(CLASSES), -1))
+        full = torch.full((len(ids), clip.context_length), pt.pad_id, dtype=ids.dtype)
+        full[:, : ids.shape[1]] = ids
+        ref = clip.encode_text(full)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_coop_run_end_to_end(family, image_folder, tmp_path):
+    """tools/train.py (in-process) trains CoOp with deep prompts on the family's model, offline."""
+    path, tok, _ = family
+    extra = {"model.name": path, "train.epochs": 2, "train.warmup_epochs": 0, "train.batch_size": 6}
+    if tok is not None:
+        extra["model.tokenizer"] = tok
+    out = tmp_path / "run"
+    args = tiny_args(image_folder, out, **extra) + ["prompt.n_ctx=4", "prompt.depth=2"]
+    res = run_tool_in_process(REPO / "tools" / "train.py", args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "checkpoint.pt").exists()
