@@ -142,3 +142,55 @@ def test_coop_run_end_to_end(family, image_folder, tmp_path):
     res = run_tool_in_process(REPO / "tools" / "train.py", args)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("position", ["end", "middle"])
+def test_cocoop_on_towers_without_the_cut(family, position):
+    """Where nothing can be shared (a tower that is not causal), CoCoOp runs each image's prompts
+    whole, [SOS] included: the features of running them through `encode_embeddings`."""
+    _, _, clip = family
+    if clip.text.cuts:
+        pytest.skip("a causal tower shares its prefix (tests/test_cocoop.py)")
+    cfg = load_config(None, ["method=cocoop", "prompt.n_ctx=4", f"prompt.position={position}"])
+    method = build_method(clip, CLASSES, cfg)
+    img = torch.randn(2, clip.embed_dim, generator=torch.Generator().manual_seed(1))
+    pl = method.prompt_learner
+    with torch.no_grad():
+        pl.ctx.normal_()
+        ours = method.text_features(img)  # (B, n_cls, E)
+        shift = method.meta_net(torch.nn.functional.normalize(img, dim=-1))
+        for b in range(2):
+            prompts, _ = pl(pl.ctx + shift[b])
+            ref = clip.text.encode_embeddings(prompts, pl.eos)
+            torch.testing.assert_close(ours[b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
+    """A CoOp run on the SigLIP-family model (a tower without the cut, its own tokenizer, a timm
+    image tower): tools/eval.py, export, load_classifier and tools/predict.py work on it and agree."""
+    import json
+
+    from coop.data.images import load_image
+    from coop.interop import export_run
+
+    tok = unigram(tmp_path / "tok", pad="</s>")
+    out = tmp_path / "run"
+    extra = {"model.name": REPO / "configs" / "models" / "siglip-tiny.json", "model.tokenizer": tok}
+    extra.update({"train.epochs": 2, "train.warmup_epochs": 0, "train.batch_size": 6})
+    res = run_tool_in_process(REPO / "tools" / "train.py", tiny_args(image_folder, out, **extra))
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_tool_in_process(REPO / "tools" / "eval.py", [out / "checkpoint.pt", "device=cpu"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    accuracy = json.loads((out / "metrics.json").read_text())["accuracy"]
+    exported = export_run(out, tmp_path / "prompts.safetensors")
+    clf = coop.load_classifier(exported)
+    paths = sorted((image_folder / "test").glob("*/*.png"))
+    images = torch.stack([clf.transform(load_image(p)) for p in paths])
+    labels = torch.tensor([clf.classnames.index(p.parent.name) for p in paths])
+    probs = clf.predict(images)
+    assert 100.0 * float((probs.argmax(-1) == labels).float().mean()) == pytest.approx(accuracy)
+    csv = tmp_path / "predictions.csv"
+    args = [exported, image_folder / "test", "--out", csv, "--device", "cpu"]
+    res = run_tool_in_process(REPO / "tools" / "predict.py", args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(csv.read_text().splitlines()) == len(paths) + 1
