@@ -201,3 +201,29 @@ def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
     res = run_tool_in_process(REPO / "tools" / "predict.py", args)
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(csv.read_text().splitlines()) == len(paths) + 1
+
+
+@pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")
+def test_feature_methods_on_the_towers_image_features(family):
+    """The linear probe, Tip-Adapter and Tip-Adapter-F on the family's own image features (open_clip's
+    `encode_image` for timm, FastViT and CoCa towers): fitted, tuned on a val set, and (-F) trained."""
+    _, _, clip, _ = family
+    x = images(clip, 12)
+    with torch.no_grad():
+        feats = clip.encode_image(x)
+    labels = torch.arange(12) % len(CLASSES)
+    train, val = (feats[None, :6], labels[:6]), (feats[6:], labels[6:])
+    for name in ("linear_probe", "tip_adapter", "tip_adapter_f"):
+        method = build_method(clip, CLASSES, load_config(None, [f"method={name}"]))
+        method.fit(train)
+        chosen = method.tune(train, val)
+        assert "val_accuracy" in chosen, name
+        with torch.no_grad():
+            logits = method.logits(feats[6:], method.prepare())
+        assert logits.shape == (6, len(CLASSES)) and bool(logits.isfinite().all()), name
+    before = method.adapter.detach().clone()  # Tip-Adapter-F's keys train
+    opt = torch.optim.SGD([method.adapter], lr=0.5)
+    loss = method.loss(feats[:6], labels[:6])[0]
+    loss.backward()
+    opt.step()
+    assert bool(torch.isfinite(loss)) and not torch.equal(before, method.adapter.detach())
