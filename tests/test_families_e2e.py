@@ -227,3 +227,25 @@ def test_feature_methods_on_the_towers_image_features(family):
     loss.backward()
     opt.step()
     assert bool(torch.isfinite(loss)) and not torch.equal(before, method.adapter.detach())
+
+
+@pytest.mark.parametrize("method", ["tcp", "mmrl"])
+def test_start_token_methods_are_refused_before_the_run_folder(method, image_folder, tmp_path):
+    """TCP and MMRL put tokens after [SOS]: with SigLIP's tokenizer (none) tools/train.py refuses in
+    one line before the run folder exists; CLIPA's [CLS] passes the same check."""
+    from coop.train.preflight import check_model_limits, start_token
+
+    tok = unigram(tmp_path / "tok", pad="</s>")
+    out = tmp_path / "run"
+    extra = {"model.name": REPO / "configs" / "models" / "siglip-tiny.json", "model.tokenizer": tok}
+    extra.update({"method": method, "tcp.layer": 1, "mmrl.layers": "[1]"})
+    res = run_tool_in_process(REPO / "tools" / "train.py", tiny_args(image_folder, out, **extra))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: method={method} needs a tokenizer with a start token; model siglip-tiny's has none"
+    )
+    assert not out.exists()
+    bert = wordpiece(tmp_path / "bert")
+    clipa = [f"model.name={REPO / 'configs' / 'models' / 'clipa-tiny.json'}", f"model.tokenizer={bert}"]
+    check_model_limits(load_config(None, [f"method={method}", "tcp.layer=1", "mmrl.layers=[1]", *clipa]))
+    assert start_token(str(REPO / "configs" / "models" / "clipa-tiny.json"), str(bert)) is True
