@@ -14,7 +14,6 @@ import copy
 import pytest
 import torch
 from conftest import REPO, build_openclip, randomise_text_tower, run_tool_in_process, tiny_args
-from test_tokenizers import unigram, wordpiece
 
 import coop
 from coop.config.load import load_config
@@ -24,6 +23,7 @@ from coop.model.tokenizer import PromptTokenizer, load_tokenizer
 from coop.model.weights import resolve_model_name
 
 pytest.importorskip("transformers")
+from tiny_tokenizers import unigram, wordpiece  # noqa: E402
 
 # family: (config stem, tokenizer builder or None for CLIP's BPE)
 FAMILIES = {
