@@ -151,13 +151,13 @@ def test_coop_run_end_to_end(family, image_folder, tmp_path):
     assert (out / "checkpoint.pt").exists()
 
 
+@pytest.mark.parametrize("family", ["clipa", "mobileclip-s", "siglip"], indirect=True)
 @pytest.mark.parametrize("position", ["end", "middle"])
 def test_cocoop_on_towers_without_the_cut(family, position):
     """Where nothing can be shared (a tower that is not causal), CoCoOp runs each image's prompts
     whole, [SOS] included: the features of running them through `encode_embeddings`."""
     _, _, clip, _ = family
-    if clip.text.cuts:
-        pytest.skip("a causal tower shares its prefix (tests/test_cocoop.py)")
+    assert not clip.text.cuts  # causal towers share the prefix: tests/test_cocoop.py
     cfg = load_config(None, ["method=cocoop", "prompt.n_ctx=4", f"prompt.position={position}"])
     method = build_method(clip, CLASSES, cfg)
     img = torch.randn(2, clip.embed_dim, generator=torch.Generator().manual_seed(1))
@@ -249,3 +249,21 @@ def test_start_token_methods_are_refused_before_the_run_folder(method, image_fol
     clipa = [f"model.name={REPO / 'configs' / 'models' / 'clipa-tiny.json'}", f"model.tokenizer={bert}"]
     check_model_limits(load_config(None, [f"method={method}", "tcp.layer=1", "mmrl.layers=[1]", *clipa]))
     assert start_token(str(REPO / "configs" / "models" / "clipa-tiny.json"), str(bert)) is True
+
+
+@pytest.mark.parametrize("family", ["siglip"], indirect=True)
+def test_siglip_logit_bias_leaves_the_class_softmax_unchanged(family):
+    """open_clip's SigLIP logits, logit_scale.exp() * cos + logit_bias, differ from ours (no bias) by
+    one constant per image: the softmax over classes, and so the cross-entropy, are the same."""
+    _, _, clip, oc = family
+    texts = [f"a photo of a {c.replace('_', ' ')}." for c in CLASSES]
+    method = build_method(
+        clip, CLASSES, load_config(None, ["method=zeroshot", "zeroshot.templates=a photo of a {}."])
+    )
+    x = images(clip, 4)
+    with torch.no_grad():
+        img, txt, scale, bias = oc(x, clip.tokenize(texts))
+        theirs = scale * img @ txt.T + bias
+        ours = method.logits(clip.encode_image(x), method.prepare())
+    assert float(bias.detach()) != 0 and not torch.allclose(theirs, ours, atol=1e-3)
+    torch.testing.assert_close(theirs.softmax(-1), ours.softmax(-1), rtol=1e-5, atol=1e-6)
