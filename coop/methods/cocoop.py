@@ -14,7 +14,9 @@ Only `ctx` and the meta-net train. The original runs one image at a time, all cl
   attend to each (`TextTransformer.prefix_keys_values` / `encode_after_prefixes`), cut after
   [EOS] and packed into one sequence (`coop.model.packing`), the same packing after every prefix;
 - with class-specific context or the class at the front, only [SOS] is shared: the B x n_cls
-  prompts run after it as one packed sequence (still cut after [EOS]).
+  prompts run after it as one packed sequence (still cut after [EOS]);
+- on a text tower without the cut (not causal: SigLIP, CLIPA, MobileCLIP-S; `TextTransformer.cuts`)
+  nothing is shared: the B x n_cls prompts run whole, [SOS] and the full context included.
 
 Memory: with `train.grad_checkpointing`, training runs the prompts in blocks of at most
 `cocoop.chunk_prompts` (images x classes), each recomputed in the backward pass
@@ -122,7 +124,9 @@ class CoCoOp(Method):
         view = (len(shift),) + (1,) * (pl.ctx.dim() - 1) + (shift.shape[-1],)
         ctx = (pl.ctx.unsqueeze(0) + shift.view(view)).to(pl.token_embeds.dtype)  # (B, [n_cls,] M, W)
         start, n_sos = pl.shared_prefix, pl.n_sos
-        if start > n_sos:  # image b's [SOS][ctx_b..] is shared by all its classes
+        if not text.cuts:  # a tower without the cut (not causal): every row runs whole
+            kv = None
+        elif start > n_sos:  # image b's [SOS][ctx_b..] is shared by all its classes
             sos = pl.token_embeds[:1, :n_sos].expand(len(ctx), -1, -1)  # (B, 1 or 0, W)
             prefix = torch.cat([sos, ctx[:, : start - n_sos]], dim=1)  # (B, P, W)
             kv = text.prefix_keys_values(prefix, self._deep(), pl.slots)
@@ -140,7 +144,7 @@ class CoCoOp(Method):
         rows = []
         for i in range(0, n_img, per_img):
             images = slice(i, i + per_img)
-            block_kv = [(k[images], v[images]) for k, v in kv] if start > n_sos else kv
+            block_kv = [(k[images], v[images]) for k, v in kv] if kv and start > n_sos else kv
             cols = []
             for c in range(0, n_cls, per_cls):
                 args = (head, block_kv, ctx[images], image_features[images], c, min(c + per_cls, n_cls))
@@ -165,7 +169,7 @@ class CoCoOp(Method):
         start, n_sos = pl.shared_prefix, pl.n_sos
         embeds, slots, eos = pl.token_embeds[c0:c1], pl.slots[c0:c1], pl.eos[c0:c1]
         deep = self._deep()
-        if start > n_sos:
+        if kv is not None and start > n_sos:
             x = embeds[:, start:].unsqueeze(0)  # (1, c, L-P, W): the same for every image at the end
             in_suffix = slots[:, start - n_sos :] - start  # (c, M-h) slots after the prefix (middle)
             if in_suffix.shape[1]:
@@ -179,7 +183,8 @@ class CoCoOp(Method):
             prompts = embeds.unsqueeze(0).expand(b, -1, -1, -1).scatter(2, index, ctx)  # (b, c, L, W)
             if deep is not None and pl.csc:
                 deep = deep[:, c0:c1].repeat(1, b, 1, 1)  # (J-1, b c, M, W), image-major like the rows
-            x = prompts[:, :, n_sos:].reshape(1, b * n, -1, width)  # (1, b c, L-1, W)
+            skip = n_sos if kv is not None else 0  # [SOS] is in the prefix unless nothing is shared
+            x = prompts[:, :, skip:].reshape(1, b * n, -1, width)  # (1, b c, L-skip, W)
             rows_slots = slots.repeat(b, 1) if deep is not None else None
             if kv is None:
                 feats = text.encode_embeddings(x[0], eos.repeat(b), deep, rows_slots).view(b, n, -1)

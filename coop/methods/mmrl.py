@@ -130,6 +130,7 @@ class MMRL(VisionPromptMethod):
     """
 
     name = "mmrl"
+    needs_start_token = True  # its tokens are inserted after [SOS]
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:

@@ -114,6 +114,7 @@ class TCP(Method):
     """
 
     name = "tcp"
+    needs_start_token = True  # its class tokens replace slots after [SOS]
     trainer = "sgd"
     text_prompt = True
 

@@ -145,7 +145,8 @@ class CLIP(nn.Module):
         if not self.supports_vision_prompts:
             if prompts is not None or tokens:
                 self.require_vision_prompts()
-            return self.visual(images)
+            out = self.visual(images)
+            return out[0] if isinstance(out, tuple) else out  # CoCa's tower: (pooled, tokens)
         return self.visual(images, prompts, grad_checkpointing, tokens)
 
     def train(self, mode: bool = True) -> CLIP:

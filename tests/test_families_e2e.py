@@ -1,0 +1,269 @@
+"""The text methods on a tiny model of every open_clip family, offline, with tiny local tokenizers.
+
+configs/models/*-tiny.json shrink open_clip's own config of one model per family (2 text layers,
+width 64; the image tower of the same kind: timm's smallest variant of the family's timm tower,
+or a 1-block ViT). Each method trains two steps on the family's own image features (open_clip's
+`encode_image` for timm, FastViT and CoCa towers); CoOp's prompts are checked against the tower's
+`encode_text` of the same token sequence; one `tools/train.py` run per family trains CoOp end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import REPO, build_openclip, randomise_text_tower, run_tool_in_process, tiny_args
+
+import coop
+from coop.config.load import load_config
+from coop.methods import build_method
+from coop.model.prompt import PromptError, PromptLearner
+from coop.model.tokenizer import PromptTokenizer, load_tokenizer
+from coop.model.weights import resolve_model_name
+
+pytest.importorskip("transformers")
+from tiny_tokenizers import unigram, wordpiece  # noqa: E402
+
+# family: (config stem, tokenizer builder or None for CLIP's BPE)
+FAMILIES = {
+    "siglip": ("siglip-tiny", lambda p: unigram(p, pad="</s>")),
+    "eva02": ("eva02-tiny", None),
+    "pe-core": ("pe-core-tiny", None),
+    "metaclip2": ("metaclip2-tiny", unigram),
+    "clipa": ("clipa-tiny", wordpiece),
+    "mobileclip-s": ("mobileclip-s-tiny", None),
+    "coca": ("coca-tiny", None),
+}
+CLASSES = ["dog", "golden_retriever", "crane (bird)"]
+
+# method: config overrides (text methods; CoOp's positions, CSC, deep prompts, ctx_init)
+METHODS = {
+    "coop-end": ["method=coop", "prompt.n_ctx=4"],
+    "coop-middle": ["method=coop", "prompt.n_ctx=4", "prompt.position=middle"],
+    "coop-front-csc": ["method=coop", "prompt.n_ctx=4", "prompt.position=front", "prompt.csc=true"],
+    "coop-deep": ["method=coop", "prompt.n_ctx=4", "prompt.depth=2"],
+    "coop-init": ["method=coop", "prompt.ctx_init=a photo of a"],
+    "cocoop": ["method=cocoop", "prompt.n_ctx=4"],
+    "kgcoop": ["method=kgcoop", "prompt.n_ctx=4"],
+    "tcp": ["method=tcp", "tcp.layer=1"],
+    "dept": ["method=coop", "dept.enabled=true", "prompt.n_ctx=4"],
+    "clip_lora": ["method=clip_lora", "lora.towers=[text]", "lora.dropout=0"],
+}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(config path, tokenizer directory or None, our CLIP, open_clip's model): random weights,
+    the text tower's LayerNorms and biases randomised so that no term hides."""
+    stem, build = FAMILIES[request.param]
+    tok = build(tmp_path_factory.mktemp("tok") / "tok") if build else None
+    path = REPO / "configs" / "models" / f"{stem}.json"
+    name = resolve_model_name(str(path))
+    oc = randomise_text_tower(build_openclip(name))
+    clip = coop.CLIP.from_openclip(oc, tokenizer=load_tokenizer(name, tok), name=name)
+    return path, tok, clip, oc
+
+
+def images(clip, n: int = 6) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, clip.image_size, clip.image_size, generator=gen)
+
+
+@pytest.mark.parametrize("method_name", sorted(METHODS))
+def test_text_method_trains(family, method_name):
+    """Two SGD steps: the loss is finite and every learned tensor moves."""
+    clip = copy.deepcopy(family[2])  # CLIP-LoRA attaches its adapters to the tower it is given
+    cfg = load_config(None, METHODS[method_name])
+    if method_name == "tcp" and PromptTokenizer(clip.tokenizer).sos_id is None:  # SigLIP, MetaCLIP 2
+        with pytest.raises(PromptError, match="TCP needs a tokenizer with a start token"):
+            build_method(clip, CLASSES, cfg)
+        return
+    method = build_method(clip, CLASSES, cfg)
+    x = images(clip)
+    with torch.no_grad():
+        feats = clip.encode_image(x)
+    assert feats.shape == (len(x), clip.embed_dim) and bool(feats.isfinite().all())
+    inputs = x if method_name == "clip_lora" else feats  # CLIP-LoRA takes images
+    labels = torch.arange(len(x)) % len(CLASSES)
+    before = {k: v.detach().clone() for k, v in method.learnable().items()}
+    assert before
+    params = [p for p in method.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.5)
+    method.train()
+    for _ in range(2):
+        loss = method.loss(inputs, labels)[0]
+        assert bool(torch.isfinite(loss)), method_name
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = method.learnable()
+    moved = [k for k in before if not torch.equal(before[k], after[k].detach())]
+    assert moved, f"{method_name}: nothing learned"
+
+
+def test_zeroshot_is_open_clips_features(family):
+    _, _, clip, oc = family
+    cfg = load_config(None, ["method=zeroshot", "zeroshot.templates=a photo of a {}."])
+    method = build_method(clip, CLASSES, cfg)
+    with torch.no_grad():
+        text = method.prepare()
+        ref = oc.encode_text(clip.tokenize([f"a photo of a {c.replace('_', ' ')}." for c in CLASSES]))
+    torch.testing.assert_close(text, torch.nn.functional.normalize(ref, dim=-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["end", "middle", "front"])
+def test_coop_prompts_are_open_clips_encode_text_of_their_tokens(family, position):
+    """Context vectors set to the embeddings of 4 real tokens: the prompt features equal open_clip's
+    `encode_text` of the token sequence with those tokens at the context slots, padded to the
+    context length. (Deep prompts replace hidden states inside the tower: no token sequence gives
+    them; tests/test_text_families.py checks them against the full-sequence blocks.)"""
+    _, _, clip, oc = family
+    pt = PromptTokenizer(clip.tokenizer)
+    learner = PromptLearner(clip, CLASSES, n_ctx=4, position=position)
+    words = torch.tensor(pt.encode("a photo of the")[:4])
+    assert len(words) == 4
+    with torch.no_grad():
+        learner.ctx.copy_(clip.text.token_embedding(words))
+        ours = coop.PromptClassifier(clip, learner).text_features()
+        ids = learner.token_ids.scatter(1, learner.slots, words.expand(len(CLASSES), -1))
+        full = torch.full((len(ids), clip.context_length), pt.pad_id, dtype=ids.dtype)
+        full[:, : ids.shape[1]] = ids
+        ref = oc.encode_text(full, normalize=False)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_coop_run_end_to_end(family, image_folder, tmp_path):
+    """tools/train.py (in-process) trains CoOp with deep prompts on the family's model, offline."""
+    path, tok, _, _ = family
+    extra = {"model.name": path, "train.epochs": 2, "train.warmup_epochs": 0, "train.batch_size": 6}
+    if tok is not None:
+        extra["model.tokenizer"] = tok
+    out = tmp_path / "run"
+    args = tiny_args(image_folder, out, **extra) + ["prompt.n_ctx=4", "prompt.depth=2"]
+    res = run_tool_in_process(REPO / "tools" / "train.py", args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("family", ["clipa", "mobileclip-s", "siglip"], indirect=True)
+@pytest.mark.parametrize("position", ["end", "middle"])
+def test_cocoop_on_towers_without_the_cut(family, position):
+    """Where nothing can be shared (a tower that is not causal), CoCoOp runs each image's prompts
+    whole, [SOS] included: the features of running them through `encode_embeddings`."""
+    _, _, clip, _ = family
+    assert not clip.text.cuts  # causal towers share the prefix: tests/test_cocoop.py
+    cfg = load_config(None, ["method=cocoop", "prompt.n_ctx=4", f"prompt.position={position}"])
+    method = build_method(clip, CLASSES, cfg)
+    img = torch.randn(2, clip.embed_dim, generator=torch.Generator().manual_seed(1))
+    pl = method.prompt_learner
+    with torch.no_grad():
+        pl.ctx.normal_()
+        ours = method.text_features(img)  # (B, n_cls, E)
+        shift = method.meta_net(torch.nn.functional.normalize(img, dim=-1))
+        for b in range(2):
+            prompts, _ = pl(pl.ctx + shift[b])
+            ref = clip.text.encode_embeddings(prompts, pl.eos)
+            torch.testing.assert_close(ours[b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
+    """A CoOp run on the SigLIP-family model (a tower without the cut, its own tokenizer, a timm
+    image tower): tools/eval.py, export, load_classifier and tools/predict.py work on it and agree."""
+    import json
+
+    from coop.data.images import load_image
+    from coop.interop import export_run
+
+    tok = unigram(tmp_path / "tok", pad="</s>")
+    out = tmp_path / "run"
+    extra = {"model.name": REPO / "configs" / "models" / "siglip-tiny.json", "model.tokenizer": tok}
+    extra.update({"train.epochs": 2, "train.warmup_epochs": 0, "train.batch_size": 6})
+    res = run_tool_in_process(REPO / "tools" / "train.py", tiny_args(image_folder, out, **extra))
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_tool_in_process(REPO / "tools" / "eval.py", [out / "checkpoint.pt", "device=cpu"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    accuracy = json.loads((out / "metrics.json").read_text())["accuracy"]
+    exported = export_run(out, tmp_path / "prompts.safetensors")
+    clf = coop.load_classifier(exported)
+    paths = sorted((image_folder / "test").glob("*/*.png"))
+    images = torch.stack([clf.transform(load_image(p)) for p in paths])
+    labels = torch.tensor([clf.classnames.index(p.parent.name) for p in paths])
+    probs = clf.predict(images)
+    assert 100.0 * float((probs.argmax(-1) == labels).float().mean()) == pytest.approx(accuracy)
+    csv = tmp_path / "predictions.csv"
+    args = [exported, image_folder / "test", "--out", csv, "--device", "cpu"]
+    res = run_tool_in_process(REPO / "tools" / "predict.py", args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(csv.read_text().splitlines()) == len(paths) + 1
+
+
+@pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")
+def test_feature_methods_on_the_towers_image_features(family):
+    """The linear probe, Tip-Adapter and Tip-Adapter-F on the family's own image features (open_clip's
+    `encode_image` for timm, FastViT and CoCa towers): fitted, tuned on a val set, and (-F) trained."""
+    _, _, clip, _ = family
+    x = images(clip, 12)
+    with torch.no_grad():
+        feats = clip.encode_image(x)
+    labels = torch.arange(12) % len(CLASSES)
+    train, val = (feats[None, :6], labels[:6]), (feats[6:], labels[6:])
+    for name in ("linear_probe", "tip_adapter", "tip_adapter_f"):
+        method = build_method(clip, CLASSES, load_config(None, [f"method={name}"]))
+        method.fit(train)
+        chosen = method.tune(train, val)
+        assert "val_accuracy" in chosen, name
+        with torch.no_grad():
+            logits = method.logits(feats[6:], method.prepare())
+        assert logits.shape == (6, len(CLASSES)) and bool(logits.isfinite().all()), name
+    before = method.adapter.detach().clone()  # Tip-Adapter-F's keys train
+    opt = torch.optim.SGD([method.adapter], lr=0.5)
+    loss = method.loss(feats[:6], labels[:6])[0]
+    loss.backward()
+    opt.step()
+    assert bool(torch.isfinite(loss)) and not torch.equal(before, method.adapter.detach())
+
+
+@pytest.mark.parametrize("method", ["tcp", "mmrl"])
+def test_start_token_methods_are_refused_before_the_run_folder(method, image_folder, tmp_path):
+    """TCP and MMRL put tokens after [SOS]: with SigLIP's tokenizer (none) tools/train.py refuses in
+    one line before the run folder exists; CLIPA's [CLS] passes the same check."""
+    from coop.train.preflight import check_model_limits, start_token
+
+    tok = unigram(tmp_path / "tok", pad="</s>")
+    out = tmp_path / "run"
+    extra = {"model.name": REPO / "configs" / "models" / "siglip-tiny.json", "model.tokenizer": tok}
+    extra.update({"method": method, "tcp.layer": 1, "mmrl.layers": "[1]"})
+    res = run_tool_in_process(REPO / "tools" / "train.py", tiny_args(image_folder, out, **extra))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: method={method} needs a tokenizer with a start token; model siglip-tiny's has none"
+    )
+    assert not out.exists()
+    bert = wordpiece(tmp_path / "bert")
+    clipa = [f"model.name={REPO / 'configs' / 'models' / 'clipa-tiny.json'}", f"model.tokenizer={bert}"]
+    check_model_limits(load_config(None, [f"method={method}", "tcp.layer=1", "mmrl.layers=[1]", *clipa]))
+    assert start_token(str(REPO / "configs" / "models" / "clipa-tiny.json"), str(bert)) is True
+
+
+@pytest.mark.parametrize("family", ["siglip"], indirect=True)
+def test_siglip_logit_bias_leaves_the_class_softmax_unchanged(family):
+    """open_clip's SigLIP logits, logit_scale.exp() * cos + logit_bias, differ from ours (no bias) by
+    one constant per image: the softmax over classes, and so the cross-entropy, are the same."""
+    _, _, clip, oc = family
+    texts = [f"a photo of a {c.replace('_', ' ')}." for c in CLASSES]
+    method = build_method(
+        clip, CLASSES, load_config(None, ["method=zeroshot", "zeroshot.templates=a photo of a {}."])
+    )
+    x = images(clip, 4)
+    with torch.no_grad():
+        img, txt, scale, bias = oc(x, clip.tokenize(texts))
+        theirs = scale * img @ txt.T + bias
+        ours = method.logits(clip.encode_image(x), method.prepare())
+    assert float(bias.detach()) != 0 and not torch.allclose(theirs, ours, atol=1e-3)
+    torch.testing.assert_close(theirs.softmax(-1), ours.softmax(-1), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,74 @@
+"""Tiny Hugging Face tokenizers of the open_clip families, built offline with the `tokenizers`
+library and saved as directories that transformers loads (`model.tokenizer`): T5-like (SigLIP,
+MetaCLIP 2's mT5), BERT-like (CLIPA), Gemma-like (SigLIP2). Shared by the tests that need them."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+WORDS = "a photo of the dog cat golden retriever st bernard crane bird airliner long class name x".split()
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789.,()-'"
+
+
+def unigram(path, pad="<pad>", eos_last=False):
+    """A T5-like tokenizer: SentencePiece pieces ("▁word"), no start token, "$A </s>".
+
+    Specials <pad> 0, </s> 1, <unk> 2 (mT5's); `pad="</s>"` pads with </s> (open_clip's SigLIP);
+    `eos_last` puts </s> at the largest id instead, as CLIP's [EOS] is, for today's argmax pooling."""
+    specials = ["<pad>", "<unk>"] if eos_last else ["<pad>", "</s>", "<unk>"]
+    pieces = dict.fromkeys([*specials, *("▁" + w for w in WORDS), "▁", *CHARS, *("▁" + c for c in CHARS)])
+    vocab = [(p, 0.0 if p in specials else -2.0 if p[1:] in WORDS else -6.0) for p in pieces]
+    if eos_last:
+        vocab.append(("</s>", 0.0))
+    ids = [p for p, _ in vocab]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=ids.index("<unk>")))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", ids.index("</s>"))]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token=pad, unk_token="<unk>")
+    fast.save_pretrained(path)
+    return path
+
+
+def wordpiece(path):
+    """A BERT-like tokenizer: lower-cased WordPiece, "[CLS] $A [SEP]", [PAD] 0."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *CHARS, *("##" + c for c in CHARS[:26])]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(dict.fromkeys(vocab))}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+def gemma_like(path):
+    """A Gemma-like tokenizer (SigLIP2's): BPE on the raw text with spaces as "▁", no dummy prefix
+    ("dog" alone, "▁dog" after a word), "$A <eos>" (no <bos>, as open_clip asks), <pad> 0, <eos> 1."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab, merges = dict.fromkeys([*specials, "▁", *CHARS]), []
+    for word in [*WORDS, *("▁" + w for w in WORDS)]:
+        for i in range(2, len(word) + 1):
+            if word[:i] not in vocab:
+                vocab[word[:i]] = None
+                merges.append((word[: i - 1], word[i - 1]))
+    ids = {t: i for i, t in enumerate(vocab)}
+    tok = Tokenizer(models.BPE(ids, merges, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Replace("▁", " ")
+    tok.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(path)
+    return path
