@@ -10,6 +10,7 @@ from conftest import TINY_CONFIG, build_openclip
 import coop
 from coop.model import clip as coop_model
 from coop.model import weights as coop_weights
+from coop.model.text_support import TEXT_KEYS
 
 TEXTS = [
     "a photo of a dog.",
@@ -40,7 +41,7 @@ def test_encode_text_matches_open_clip(name):
 
 
 def test_state_dict_keys_equal_open_clip(tiny_openclip, tiny_clip):
-    ref = {k for k in tiny_openclip.state_dict() if k.startswith(coop_model.TEXT_KEYS)}
+    ref = {k for k in tiny_openclip.state_dict() if k.startswith(TEXT_KEYS)}
     assert set(tiny_clip.text.state_dict()) == ref
     # weights are copied: changing ours leaves open_clip's model untouched
     with torch.no_grad():

@@ -25,7 +25,7 @@ from torch import nn
 from coop.model.blocks import load_checked
 from coop.model.image_encoder import ImageTransformer, ModelError, vision_config_from_openclip
 from coop.model.text_encoder import TextTransformer
-from coop.model.text_support import TEXT_KEYS, text_config_from_openclip  # noqa: F401 (TEXT_KEYS: tests)
+from coop.model.text_support import text_config_from_openclip
 
 log = logging.getLogger(__name__)
 
