@@ -150,12 +150,26 @@ def text_steps(
     """
     learner = classifier.prompt_learner
     inputs = reference_inputs(oc, learner)
-    step = reference_chunk or learner.n_cls
+    return prompt_steps(
+        classifier, lambda rows: coop_text_features(oc, learner, inputs, classes=rows), reference_chunk
+    )
+
+
+def prompt_steps(
+    classifier: coop.PromptClassifier,
+    reference_rows: Callable[[slice], torch.Tensor],
+    chunk: int | None = None,
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """{"reference": `reference_rows` over slices of `chunk` classes (default: all), "coop": ours},
+    each one forward + backward of sum(features^2) into the prompt tensors, returning the
+    features (float32, detached); each slice's backward runs before the next slice's forward."""
+    n_cls = classifier.prompt_learner.n_cls
+    step = chunk or n_cls
 
     def reference() -> torch.Tensor:
         outs = []
-        for c in range(0, learner.n_cls, step):
-            out = coop_text_features(oc, learner, inputs, classes=slice(c, c + step))
+        for c in range(0, n_cls, step):
+            out = reference_rows(slice(c, c + step))
             out.float().square().sum().backward()
             outs.append(out.detach().float())
         return torch.cat(outs)

@@ -20,6 +20,7 @@ import copy
 
 import open_clip
 import torch
+from _bench import prompt_steps
 from open_clip.transformer import text_global_pool
 from torch import nn
 
@@ -97,26 +98,14 @@ def family_steps(oc: nn.Module, classifier: coop.PromptClassifier, chunk: int | 
     learner = classifier.prompt_learner
     t = oc.text if hasattr(oc, "text") else oc
     ids, name_lens, slots = reference_inputs(oc, learner)
-    step = chunk or learner.n_cls
 
-    def reference() -> torch.Tensor:
-        outs = []
-        for c in range(0, learner.n_cls, step):
-            rows = slice(c, c + step)
-            n = len(ids[rows])
-            ctx = learner.ctx[rows] if learner.csc else learner.ctx.unsqueeze(0).expand(n, -1, -1)
-            x = coop_layout(learner, t.token_embedding(ids[rows]), ctx, name_lens[rows])
-            deep = learner.deep_ctx
-            if deep is not None and learner.csc:
-                deep = deep[:, rows]
-            out = openclip_text(oc, x, ids[rows], slots[rows], deep)
-            out.float().square().sum().backward()
-            outs.append(out.detach().float())
-        return torch.cat(outs)
+    def rows_features(rows: slice) -> torch.Tensor:
+        n = len(ids[rows])
+        ctx = learner.ctx[rows] if learner.csc else learner.ctx.unsqueeze(0).expand(n, -1, -1)
+        x = coop_layout(learner, t.token_embedding(ids[rows]), ctx, name_lens[rows])
+        deep = learner.deep_ctx
+        if deep is not None and learner.csc:
+            deep = deep[:, rows]
+        return openclip_text(oc, x, ids[rows], slots[rows], deep)
 
-    def ours() -> torch.Tensor:
-        out = classifier.text_features()
-        out.float().square().sum().backward()
-        return out.detach().float()
-
-    return {"reference": reference, "coop": ours}
+    return prompt_steps(classifier, rows_features, chunk)
