@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 import coop
 from coop.config.load import load_config, to_yaml
 from coop.config.run_names import run_name
+from coop.model.tokenizer import TokenizerError
 from coop.results import attention_maps, nearest_words
 from coop.results.tables import load_runs, summarize, varying_keys
 from coop.train import sweep as sweep_lib
@@ -363,6 +364,11 @@ def test_interpret_prompt_tool(tiny_checkpoint):
     assert set(csv.columns) >= {"layer", "class", "slot", "metric", "rank", "word", "score"}
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         load_tool("interpret_prompt").main([str(tiny_checkpoint.parent / "missing.pt")])
+    # --tokenizer reaches the model (refused here: coop-tiny uses CLIP's BPE, which needs none)
+    with pytest.raises(
+        TokenizerError, match=f"model.tokenizer={tiny_checkpoint.parent}: model coop-tiny uses"
+    ):
+        load_tool("interpret_prompt").main([str(tiny_checkpoint), "--tokenizer", str(tiny_checkpoint.parent)])
 
 
 def test_attention_tool(tiny_checkpoint, tmp_path, capsys):

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import add_model_args, run_cli, setup_logging  # noqa: E402
+from _cli import add_model_args, run_cli, setup_logging, tokenizer_hint  # noqa: E402
 
 from coop.results.attention_maps import attention_figures  # noqa: E402
 from coop.train.checkpoint import load_trained  # noqa: E402
@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     setup_logging(args.verbose)
 
-    clip, learner, _ = load_trained(args.checkpoint, args.device, pretrained=args.pretrained)
+    with tokenizer_hint(args.tokenizer):
+        clip, learner, _ = load_trained(args.checkpoint, args.device, args.pretrained, args.tokenizer)
     classes = args.classes or learner.classnames[:2]
     positions = list(dict.fromkeys(["middle" if p == "mid" else p for p in args.positions]))
     if learner.position not in positions:
