@@ -129,6 +129,16 @@ class TextTransformer(nn.Module):
         at = length - 1 if self.cfg.pool == "last" else 0
         return torch.full((n,), at, dtype=torch.long, device=ids.device)
 
+    def pooled_index(self, eos: torch.Tensor, length: int, grown: int = 0) -> torch.Tensor:
+        """(N,) the pooled token's index in a full-sequence pass over `length` text positions
+        (`coop.model.text_full.encode_full`, `encode_with_attention`): the pooled position `eos`
+        (`pool_positions`), K = `grown` places to the right when K tokens were inserted after the
+        first one (except `first`, position 0); CoCa's class token, appended after the text, at
+        `length`."""
+        if self.cls_emb is not None:
+            return torch.full_like(eos, length + grown)
+        return eos if self.cfg.pool == "first" else eos + grown
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Encode token ids (N, L) (L: the context length) into unnormalised text features (N, E)."""
         eos = self.pool_positions(ids)
@@ -378,6 +388,8 @@ class TextTransformer(nn.Module):
         Returns:
             (N, E) features and (layers, N, H, L, L) weights: [l, n, h, t, s] is the probability
             that query t puts on key s in head h of block l (0 for a key the query does not see).
+            With CoCa's class token, L counts it (the last); the feature is read at the row
+            `pooled_index(eos, L - cfg.embed_cls)`.
         """
         x = x[:, : self.cut_length(eos, x.shape[1])] if self.cuts else self._whole(x)
         return encode_full(self, x, eos, deep_prompts, slots, need_weights=True)
