@@ -174,11 +174,13 @@ def test_cocoop_on_towers_without_the_cut(family, position):
 
 def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
     """A CoOp run on the SigLIP-family model (a tower without the cut, its own tokenizer, a timm
-    image tower): tools/eval.py, export, load_classifier and tools/predict.py work on it and agree."""
+    image tower): tools/eval.py, export, load_classifier and tools/predict.py work on it and agree,
+    also once its tokenizer directory has moved (as on another machine), given its new place."""
     import json
 
     from coop.data.images import load_image
     from coop.interop import export_run
+    from coop.model.tokenizer import TokenizerError
 
     tok = unigram(tmp_path / "tok", pad="</s>")
     out = tmp_path / "run"
@@ -186,19 +188,31 @@ def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
     extra.update({"train.epochs": 2, "train.warmup_epochs": 0, "train.batch_size": 6})
     res = run_tool_in_process(REPO / "tools" / "train.py", tiny_args(image_folder, out, **extra))
     assert res.returncode == 0, res.stderr[-2000:]
-    res = run_tool_in_process(REPO / "tools" / "eval.py", [out / "checkpoint.pt", "device=cpu"])
+    moved = tok.rename(tmp_path / "moved")  # the run's saved model.tokenizer no longer exists
+    exported = export_run(out, tmp_path / "prompts.safetensors")
+    csv = tmp_path / "predictions.csv"
+    calls = {
+        "eval.py": [out / "checkpoint.pt", "device=cpu"],
+        "predict.py": [exported, image_folder / "test", "--out", csv, "--device", "cpu"],
+    }
+    for tool, args in calls.items():  # without --tokenizer: one line that names it
+        res = run_tool_in_process(REPO / "tools" / tool, args)
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert res.stderr.count("\n") == 1 and f"model.tokenizer={tok}: no such directory" in res.stderr
+        assert "--tokenizer DIR" in res.stderr, tool
+    with pytest.raises(TokenizerError, match="no such directory"):
+        coop.load_classifier(exported)
+    res = run_tool_in_process(REPO / "tools" / "eval.py", [*calls["eval.py"], "--tokenizer", moved])
     assert res.returncode == 0, res.stderr[-2000:]
     accuracy = json.loads((out / "metrics.json").read_text())["accuracy"]
-    exported = export_run(out, tmp_path / "prompts.safetensors")
-    clf = coop.load_classifier(exported)
+    assert json.loads(res.stdout)["accuracy"] == pytest.approx(accuracy)
+    clf = coop.load_classifier(exported, tokenizer=moved)
     paths = sorted((image_folder / "test").glob("*/*.png"))
     images = torch.stack([clf.transform(load_image(p)) for p in paths])
     labels = torch.tensor([clf.classnames.index(p.parent.name) for p in paths])
     probs = clf.predict(images)
     assert 100.0 * float((probs.argmax(-1) == labels).float().mean()) == pytest.approx(accuracy)
-    csv = tmp_path / "predictions.csv"
-    args = [exported, image_folder / "test", "--out", csv, "--device", "cpu"]
-    res = run_tool_in_process(REPO / "tools" / "predict.py", args)
+    res = run_tool_in_process(REPO / "tools" / "predict.py", [*calls["predict.py"], "--tokenizer", moved])
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(csv.read_text().splitlines()) == len(paths) + 1
 

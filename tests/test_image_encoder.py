@@ -14,13 +14,14 @@ import open_clip
 import pytest
 import torch
 from conftest import TINY_CONFIG
+from open_clip.timm_model import TimmModel
 from torch import nn
 
 import coop
 from coop.model.clip import cosine_logits
 from coop.model.image_encoder import ImageTransformer, ModelError
 from coop.reference import ivlp_logits, maple_logits, vision_features, vpt_logits
-from coop.train.features import cache_key
+from coop.train.features import cache_key, weights_fingerprint
 
 # Every standard OpenCLIP ViT this forward covers, shrunk to a few layers and a small image; each
 # keeps its family's options: patch size, head width, MLP ratio, activation.
@@ -177,6 +178,54 @@ def test_load_clip_names_the_model_and_the_cache_key_records_the_forward(vit, tm
     # the same weights and state-dict keys, yet two forwards: the caches never mix
     assert cache_key(ours, *args) != cache_key(theirs, *args)
     assert cache_key(ours, *args) == cache_key(coop.CLIP.from_openclip(oc), *args)
+
+
+def _same_weights(tower: nn.Module, src: nn.Module) -> nn.Module:
+    tower.load_state_dict(src.state_dict())  # strict: every key and shape
+    assert weights_fingerprint(tower) == weights_fingerprint(src)
+    return tower.eval()
+
+
+def test_cache_key_records_how_the_tower_pools_not_only_its_weights(vit):
+    oc, ours = vit
+    args = ([], "transform", 1, None, "fp32", False)
+    images = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(3))
+
+    def key(visual: nn.Module) -> str:  # open_clip's forward of `visual`
+        return cache_key(coop.CLIP(visual, ours.text, oc.logit_scale, ours.tokenizer), *args)
+
+    def features(visual: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            out = visual(images)
+        return out[0] if isinstance(out, tuple) else out
+
+    base = key(oc.visual)
+    twin = _same_weights(build(shrunk_config("ViT-B-16", text_layers=3), seed=5).visual, oc.visual)
+    assert key(twin) == base  # identical settings and weights: one cache entry
+    # CLIPA's average pooling, then with ln_post after pooling: the same weights file, other features
+    towers = [oc.visual] + [
+        _same_weights(build(shrunk_config("ViT-B-16", text_layers=3, **vision)).visual, oc.visual)
+        for vision in ({"pool_type": "avg"}, {"pool_type": "avg", "final_ln_after_pool": True})
+    ]
+    for a, b in zip(towers[:-1], towers[1:], strict=True):
+        assert relative_error(features(a), features(b)) > 1e-3
+    assert len({key(t) for t in towers}) == 3
+    tokens = _same_weights(
+        build(shrunk_config("ViT-B-16", text_layers=3, output_tokens=True)).visual, oc.visual
+    )
+    assert key(tokens) != base  # its forward returns the tokens too
+    # our forward: QuickGELU or GELU is a setting, not a weight
+    quick = build(shrunk_config("ViT-B-16-quickgelu", text_layers=3))
+    quick.load_state_dict(oc.state_dict())
+    assert cache_key(coop.CLIP.from_openclip(quick), *args) != cache_key(ours, *args)
+    # a timm trunk pooled by its average or by its class token
+    avg = TimmModel("test_vit", 32, image_size=32, pool="avg").eval()
+    token = _same_weights(TimmModel("test_vit", 32, image_size=32, pool="token"), avg)
+    small = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert relative_error(token(small), avg(small)) > 1e-3
+    assert key(avg) != key(token)
+    assert key(avg) == key(_same_weights(TimmModel("test_vit", 32, image_size=32, pool="avg"), avg))
 
 
 def test_prompt_shapes_are_checked(vit):

@@ -12,12 +12,21 @@ import sys
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, make_image_folder, randomise_prompts, run_tool_in_process
+from conftest import (
+    REPO,
+    TINY_CONFIG,
+    build_openclip,
+    make_image_folder,
+    randomise_prompts,
+    run_tool_in_process,
+)
 from omegaconf import OmegaConf
 
 import coop
 from coop.config.load import load_config, to_yaml
 from coop.config.run_names import run_name
+from coop.model.tokenizer import TokenizerError
+from coop.model.weights import resolve_model_name
 from coop.results import attention_maps, nearest_words
 from coop.results.tables import load_runs, summarize, varying_keys
 from coop.train import sweep as sweep_lib
@@ -276,10 +285,11 @@ def test_attention_weights_path_matches_encoder(tiny_clip, position, csc, depth)
     learner = random_learner(tiny_clip, n_ctx=4, position=position, csc=csc, depth=depth)
     with torch.no_grad():
         ref = coop.PromptClassifier(tiny_clip, learner).text_features()
-    feats, attn = attention_maps.attention_maps(tiny_clip.text, learner)
+    feats, attn, pooled = attention_maps.attention_maps(tiny_clip.text, learner)
     assert float((feats - ref).abs().max() / ref.abs().max()) < 1e-5
     n_layers, length = len(tiny_clip.text.blocks), int(learner.eos.max()) + 1
     assert attn.shape == (n_layers, len(CLASSES), length, length)
+    assert torch.equal(pooled, learner.eos)  # CLIP's tower: the feature is read at [EOS]
 
 
 def test_attention_module_weights_are_causal_probabilities(tiny_clip):
@@ -306,17 +316,47 @@ def test_attention_roles_follow_the_causal_mask(tiny_clip):
     mass = {}
     for pos, lrn in layouts.items():
         assert torch.equal(lrn.ctx, learner.ctx)
-        _, attn = attention_maps.attention_maps(tiny_clip.text, lrn)
+        _, attn, pooled = attention_maps.attention_maps(tiny_clip.text, lrn)
         mass[pos] = attention_maps.attention_to_roles(
-            attn, attention_maps.token_roles(lrn, tiny_clip.tokenizer)
+            attn, attention_maps.token_roles(lrn, tiny_clip.tokenizer, pooled)
         )
     assert mass["end"]["ctx->cls"].abs().max() == 0 and mass["middle"]["ctx->cls"].min() > 0
     assert mass["front"]["cls->ctx"].abs().max() == 0 and mass["end"]["cls->ctx"].min() > 0
-    roles = attention_maps.token_roles(layouts["middle"], tiny_clip.tokenizer)[1]
+    roles = attention_maps.token_roles(layouts["middle"], tiny_clip.tokenizer, layouts["middle"].eos)[1]
     assert roles["labels"] == ["[SOS]", "v1", "v2", "golden", "retriever", "v3", "v4", ".", "[EOS]"]
     csc = random_learner(tiny_clip, n_ctx=2, csc=True)
     with pytest.raises(ValueError, match="not in the checkpoint's classes"):
         attention_maps.layout_learners(tiny_clip, csc, ["cat"], ["end"])
+
+
+def test_coca_attention_is_read_at_its_class_token(tmp_path):
+    """CoCa pools a class token appended after the text: the maps' pooled row is that token's,
+    which sees the text through the token after [EOS] (open_clip's mask, one place right)."""
+    path = REPO / "configs" / "models" / "coca-tiny.json"
+    name = resolve_model_name(str(path))
+    clip = coop.CLIP.from_openclip(build_openclip(name), name=name)
+    learner = random_learner(clip, n_ctx=4, position="middle", depth=2)
+    with torch.no_grad():
+        ref = coop.PromptClassifier(clip, learner).text_features()
+    feats, attn, pooled = attention_maps.attention_maps(clip.text, learner)
+    assert float((feats - ref).abs().max() / ref.abs().max()) < 1e-5
+    size = attn.shape[-1]
+    assert size == int(learner.eos.max()) + 3  # through the token after [EOS], then the class token
+    assert torch.equal(pooled, torch.full_like(learner.eos, size - 1))
+    rows = torch.arange(len(CLASSES))
+    after = attn[:, rows, pooled, learner.eos + 1]  # (layers, n_cls): the token after [EOS]
+    assert after.min() > 0 and attn[:, rows, learner.eos, learner.eos + 1].abs().max() == 0
+    seen = attention_maps.visible(clip.text, learner.eos, size)
+    assert torch.equal(attn > 0, seen.expand_as(attn))  # exactly the keys the mask shows
+    roles = attention_maps.token_roles(learner, clip.tokenizer, pooled)
+    assert all(r["labels"][-1] == "[cls_emb]" and r["keys"][-1] == size - 1 for r in roles)
+    mass = attention_maps.attention_to_roles(attn, roles)
+    expected = torch.stack([attn[:, c, size - 1, r["ctx"]].sum(-1) for c, r in enumerate(roles)]).mean(0)
+    assert torch.allclose(mass["pooled->ctx"], expected)
+    written, data = attention_maps.attention_figures(clip, learner, ["dog"], ["middle"], tmp_path)
+    tokens = data["positions"]["middle"]["classes"]["dog"]["tokens"]
+    matrix = data["positions"]["middle"]["classes"]["dog"]["attention"]
+    assert tokens[-2:] == ["[EOS]", "[cls_emb]"] and len(matrix[0]) == len(tokens) == len(matrix[0][0])
 
 
 def test_nearest_words_recover_planted_words(tiny_clip):
@@ -363,6 +403,11 @@ def test_interpret_prompt_tool(tiny_checkpoint):
     assert set(csv.columns) >= {"layer", "class", "slot", "metric", "rank", "word", "score"}
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         load_tool("interpret_prompt").main([str(tiny_checkpoint.parent / "missing.pt")])
+    # --tokenizer reaches the model (refused here: coop-tiny uses CLIP's BPE, which needs none)
+    with pytest.raises(
+        TokenizerError, match=f"model.tokenizer={tiny_checkpoint.parent}: model coop-tiny uses"
+    ):
+        load_tool("interpret_prompt").main([str(tiny_checkpoint), "--tokenizer", str(tiny_checkpoint.parent)])
 
 
 def test_attention_tool(tiny_checkpoint, tmp_path, capsys):

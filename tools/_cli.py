@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # torchrun's ranks but rank 0 draw no progress bars: tqdm reads TQDM_DISABLE when it is imported,
 # and every tool imports this module first.
@@ -28,13 +29,38 @@ def setup_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+TOKENIZER_HELP = (
+    "the saved Hugging Face tokenizer's directory on this machine, in place of the run's "
+    "model.tokenizer (an absolute path where the run was made); for runs and exports moved here"
+)
+
+
 def add_model_args(ap) -> None:
-    """--pretrained/--device/-v for tools that rebuild a run's model from its checkpoint."""
+    """--pretrained/--tokenizer/--device/-v for tools that rebuild a run's model from its checkpoint."""
     ap.add_argument(
         "--pretrained", default="config", help="weights override (tag or file) for the run's model"
     )
+    ap.add_argument("--tokenizer", metavar="DIR", help=TOKENIZER_HELP)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("-v", "--verbose", action="store_true")
+
+
+@contextmanager
+def tokenizer_hint(given: str | None) -> Iterator[None]:
+    """Around rebuilding a saved run's model: a TokenizerError (the run's `model.tokenizer` is not on
+    this machine, or the hub's tokenizer is neither cached nor reachable) also names --tokenizer,
+    unless it was given."""
+    from coop.model.tokenizer import TokenizerError
+
+    try:
+        yield
+    except TokenizerError as e:
+        if given is not None:
+            raise
+        raise TokenizerError(
+            f"{one_line(e)}; for a run or export made elsewhere, give the tokenizer's directory on this "
+            "machine with --tokenizer DIR"
+        ) from None
 
 
 def one_line(error: BaseException) -> str:

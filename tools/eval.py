@@ -12,7 +12,9 @@ With `eval.targets=[...]` every listed dataset is evaluated, each into eval_<dat
 the checkpoint, as a training run does after it finishes. The run is its folder or its
 checkpoint.pt (as the first argument, or --checkpoint). A federated FedOTP, FedPGP or latent-domain
 run is refused: its metrics.json holds its evaluations, and tools/predict.py scores images with it. `torchrun --nproc-per-node N
-tools/eval.py ...` shards the test images across N ranks (docs/distributed.md).
+tools/eval.py ...` shards the test images across N ranks (docs/distributed.md). A run made on
+another machine records that machine's tokenizer directory (`model.tokenizer`, SigLIP, MetaCLIP 2,
+...): --tokenizer DIR gives the directory here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import run_cli, setup_logging  # noqa: E402
+from _cli import TOKENIZER_HELP, run_cli, setup_logging, tokenizer_hint  # noqa: E402
 
 
 def main() -> int:
@@ -36,10 +38,13 @@ def main() -> int:
         help="the run (folder or checkpoint.pt), then key=value overrides",
     )
     ap.add_argument("--out", help="where to write the metrics JSON")
+    ap.add_argument("--tokenizer", metavar="DIR", help=f"{TOKENIZER_HELP} (the override model.tokenizer=DIR)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     runs = [o for o in args.overrides if "=" not in o]
     args.overrides = [o for o in args.overrides if "=" in o]
+    if args.tokenizer is not None:
+        args.overrides.append(f"model.tokenizer={args.tokenizer}")
     if len(runs) + (args.checkpoint is not None) != 1:
         ap.error("give one run: its folder or checkpoint.pt (first argument or --checkpoint)")
     setup_logging(args.verbose)
@@ -57,13 +62,16 @@ def main() -> int:
     if targets:
         names = list(load_config(None, targets[-1:]).eval.targets)
         rest = [o for o in args.overrides if o not in targets]
-        for name, metrics in evaluate_checkpoint_targets(args.checkpoint, names, rest).items():
+        with tokenizer_hint(args.tokenizer):
+            evaluated = evaluate_checkpoint_targets(args.checkpoint, names, rest)
+        for name, metrics in evaluated.items():
             if distributed.is_main():
                 print(
                     json.dumps({"file": name, **{k: metrics[k] for k in ("dataset", "accuracy", "n_test")}})
                 )
         return 0
-    metrics = evaluate_checkpoint(args.checkpoint, args.overrides)
+    with tokenizer_hint(args.tokenizer):
+        metrics = evaluate_checkpoint(args.checkpoint, args.overrides)
     classes = "" if metrics["subsample_classes"] == "all" else f"_{metrics['subsample_classes']}"
     name = f"eval_{metrics['dataset']}{classes}.json"
     out = Path(args.out) if args.out else Path(args.checkpoint).parent / name

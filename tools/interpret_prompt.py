@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import add_model_args, run_cli, setup_logging  # noqa: E402
+from _cli import add_model_args, run_cli, setup_logging, tokenizer_hint  # noqa: E402
 
 from coop.results.nearest_words import format_words_table, nearest_words  # noqa: E402
 from coop.train.checkpoint import load_trained  # noqa: E402
@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     if args.topk < 1:
         ap.error(f"--topk must be >= 1, got {args.topk}")
 
-    clip, learner, ckpt = load_trained(args.checkpoint, args.device, pretrained=args.pretrained)
+    with tokenizer_hint(args.tokenizer):
+        clip, learner, ckpt = load_trained(args.checkpoint, args.device, args.pretrained, args.tokenizer)
     rows = nearest_words(learner, clip.text.token_embedding.weight, clip.tokenizer, args.topk)
     model = ckpt["config"]["model"]
     print(

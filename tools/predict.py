@@ -7,7 +7,9 @@ Every image under IMAGES_DIR (recursively) gets one row: its path relative to IM
 top-k classes and their probabilities (class_1, prob_1, ..., class_k, prob_k), best first; an
 unreadable image gets a row with empty classes and a warning. --classnames scores other classes,
 where the method transfers (shared context, vision prompts). A federated run's folder gives its
-global model, or with --client K (FedOTP, FedPGP) client K's own.
+global model, or with --client K (FedOTP, FedPGP) client K's own. A run or export made on another
+machine records that machine's tokenizer directory (`model.tokenizer`, SigLIP, MetaCLIP 2, ...):
+--tokenizer DIR gives the directory here.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import run_cli, setup_logging  # noqa: E402
+from _cli import TOKENIZER_HELP, run_cli, setup_logging, tokenizer_hint  # noqa: E402
 
 
 def main() -> int:
@@ -34,6 +36,7 @@ def main() -> int:
     ap.add_argument("--classnames", nargs="+", metavar="NAME", help="score these classes instead")
     ap.add_argument("--client", type=int, help="a federated FedOTP/FedPGP run folder: client K's own model")
     ap.add_argument("--pretrained", default="config", help="weights override (tag or file) for the model")
+    ap.add_argument("--tokenizer", metavar="DIR", help=TOKENIZER_HELP)
     ap.add_argument("--device", default="auto")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
@@ -51,10 +54,11 @@ def main() -> int:
     if not files:
         print(f"error: no images under {root}", file=sys.stderr)
         return 2
-    clf = load_classifier(
-        args.source, device=args.device, classnames=args.classnames, pretrained=args.pretrained,
-        client=args.client,
-    )  # fmt: skip
+    with tokenizer_hint(args.tokenizer):
+        clf = load_classifier(
+            args.source, device=args.device, classnames=args.classnames, pretrained=args.pretrained,
+            client=args.client, tokenizer=args.tokenizer,
+        )  # fmt: skip
     k = min(args.topk, len(clf.classnames))
     out.parent.mkdir(parents=True, exist_ok=True)
     n_bad = 0

@@ -99,6 +99,7 @@ def load_classifier(
     classnames: list[str] | None = None,
     pretrained: str | None = "config",
     client: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> Classifier:
     """The classifier of a run folder, its `checkpoint.pt`, or a file from `tools/export.py`.
 
@@ -109,16 +110,20 @@ def load_classifier(
         pretrained: "config" for the run's `model.pretrained`, or another tag / weights file.
         client: a federated FedOTP or FedPGP run's client whose own model to use (default: the
             global model); for run folders only (an export holds one model).
+        tokenizer: a saved Hugging Face tokenizer's directory in place of the run's
+            `model.tokenizer` (a run or export made on another machine records that machine's
+            directory); None: the run's.
 
     Raises:
         CheckpointError, ExportError: the file cannot be read, or has no model for `client`.
         TransferError: the learned tensors cannot score `classnames`.
+        TokenizerError: the tokenizer cannot be loaded (`coop.model.tokenizer.load_tokenizer`).
     """
     tensors, config, trained, fl_method, model = read_prompts(path, client)
     cfg = load_config(None, [], base=config)
     device = resolve_device(str(device))
     weights = cfg.model.pretrained if pretrained == "config" else pretrained
-    clip = load_clip(cfg.model.name, weights, device, cfg.model.tokenizer)
+    clip = load_clip(cfg.model.name, weights, device, tokenizer or cfg.model.tokenizer)
     names = list(trained if classnames is None else classnames)
     torch.manual_seed(int(cfg.data.seed))  # any tensor the method does not load starts as in training
     if fl_method is None:

@@ -31,7 +31,7 @@ row: keys and values of the prefix are repeated once per chunk. The same layout 
 `size` is chosen from the lengths (`chunk_size`): the chunk layout's q, k, v and attention output
 are kept for the backward pass, so empty slots cost memory; 32 slots hold a single row of ~20
 tokens. On a CPU, long sequences are cut into class tiles (`tiles`), each packed on its own and
-run through the whole tower (`TextTransformer._encode_packed`): the same arithmetic per row.
+run through the whole tower (`coop.model.text_packed.encode_packed`): the same arithmetic per row.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ the text (pooled, with open_clip's padding mask), the activation, the LayerNorm 
 projection (a matrix, a linear layer with or without bias, or none).
 
 Causal towers pooled at [EOS] or at CoCa's class token (`cuts`: CLIP's, EVA, PE-Core, MetaCLIP 2,
-MobileCLIP-B, CoCa) run prompts through one packed pass (`coop.model.packing`), exact, with three
-savings:
+MobileCLIP-B, CoCa) run prompts through one packed pass (`coop.model.text_packed`, laid out by
+`coop.model.packing`), exact, with three savings:
   * positions after a row's [EOS] never influence its [EOS] under a causal mask, so each row
     computes `eos + 1` tokens instead of 77 (CoCa: through the padding token after [EOS], which
     its mask shows the class token, then the class token: `cut_length`, `row_lengths`);
@@ -29,7 +29,7 @@ Deep prompts: before block i (1 <= i < J) the hidden states at the context slots
 by fresh learnable tokens; no positional embedding is added to them. They come as a tensor
 (J-1, N or 1, M, W) for blocks 1..J-1, or keyed by block index ({i: (N or 1, M, W)}: TCP's
 class-aware tokens enter one block). Per-row tokens at slots inside a shared prefix end the
-sharing there: from that block on only [SOS] stays shared (`_unshare_prefix`).
+sharing there: from that block on only [SOS] stays shared (`coop.model.text_packed`).
 
 Inserted tokens (`InsertedTokens`, MMRL's representation tokens): K tokens enter after [SOS] at
 one block and are replaced at later ones. They are the same for every class, so from that block
@@ -51,12 +51,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from coop.model.blocks import Resblocks
 from coop.model.inserted import InsertedTokens
-from coop.model.packing import Packing, pack, tiles
 from coop.model.text_full import deep_by_block, encode_full
+from coop.model.text_packed import encode_packed
 from coop.model.text_support import POOLS, TextConfig
 
 
@@ -129,6 +128,16 @@ class TextTransformer(nn.Module):
         at = length - 1 if self.cfg.pool == "last" else 0
         return torch.full((n,), at, dtype=torch.long, device=ids.device)
 
+    def pooled_index(self, eos: torch.Tensor, length: int, grown: int = 0) -> torch.Tensor:
+        """(N,) the pooled token's index in a full-sequence pass over `length` text positions
+        (`coop.model.text_full.encode_full`, `encode_with_attention`): the pooled position `eos`
+        (`pool_positions`), K = `grown` places to the right when K tokens were inserted after the
+        first one (except `first`, position 0); CoCa's class token, appended after the text, at
+        `length`."""
+        if self.cls_emb is not None:
+            return torch.full_like(eos, length + grown)
+        return eos if self.cfg.pool == "first" else eos + grown
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Encode token ids (N, L) (L: the context length) into unnormalised text features (N, E)."""
         eos = self.pool_positions(ids)
@@ -160,7 +169,7 @@ class TextTransformer(nn.Module):
         """
         if not self.cuts:
             return encode_full(self, self._whole(x), eos, deep_prompts, slots)
-        return self._encode_packed(None, x.unsqueeze(0), eos, 0, deep_prompts, slots, self._recompute())[0]
+        return encode_packed(self, None, x.unsqueeze(0), eos, 0, deep_prompts, slots, self._recompute())[0]
 
     def encode_with_shared_prefix(
         self,
@@ -197,7 +206,7 @@ class TextTransformer(nn.Module):
             return encode_full(self, self._whole(x), eos, deep_prompts, slots, inserted)
         kv = self.prefix_keys_values(prefix, deep_prompts, slots, inserted)
         start = prefix.shape[1]
-        return self._encode_packed(kv, x.unsqueeze(0), eos, start, deep_prompts, slots, self._recompute())[0]
+        return encode_packed(self, kv, x.unsqueeze(0), eos, start, deep_prompts, slots, self._recompute())[0]
 
     def prefix_keys_values(
         self,
@@ -268,97 +277,7 @@ class TextTransformer(nn.Module):
         Returns:
             (G, N, E) projected [EOS] features.
         """
-        return self._encode_packed(kv, x, eos, kv[0][0].shape[2], deep_prompts, slots, recompute=False)
-
-    def _encode_packed(self, kv, x, eos, start: int, deep_prompts, slots, recompute: bool) -> torch.Tensor:
-        """The one forward pass of prompts: rows' tokens start.. packed, after G prefixes.
-
-        Rows run in class tiles (`coop.model.packing.tiles`), each through the whole tower in one
-        packing: the same arithmetic per row, with per-token tensors of a tile's size.
-
-        Args:
-            kv: per block, (G, H, P, Dh) prefix keys and values with P = start; None for start 0.
-            x: (G or 1, N, L, W) token embeddings of positions start.. .
-            eos, deep_prompts, slots: as in `encode_after_prefixes`.
-            recompute: checkpoint every block (recomputed in the backward pass).
-        Returns:
-            (G, N, E) projected [EOS] features.
-        """
-        g = 1 if kv is None else kv[0][0].shape[0]
-        deep = deep_by_block(deep_prompts)
-        per_row = {i for i, tokens in deep.items() if len(tokens) > 1}  # else (1, M, W), shared
-        needed = self.cut_length(eos, self.cfg.context_length)
-        if x.shape[2] + start < needed:
-            raise ValueError(
-                f"{self.describe()} reads {needed} tokens of these rows, got {x.shape[2] + start}"
-            )
-        feats = [
-            self._encode_tile(
-                kv,
-                x[:, rows],
-                eos[rows],
-                start,
-                {i: tokens[rows] if i in per_row else tokens for i, tokens in deep.items()},
-                per_row,
-                None if slots is None else slots[rows],
-                recompute,
-            )
-            for rows in tiles(self.row_lengths(eos) - start, g)
-        ]
-        return feats[0] if len(feats) == 1 else torch.cat(feats, 1)  # (G, N, E)
-
-    def _encode_tile(self, kv, x, eos, start: int, deep: dict, per_row: set, slots, recompute: bool):
-        """`_encode_packed` for one tile of rows; `deep` holds the tile's tokens by block, and
-        `per_row` the blocks whose tokens are one set per row."""
-        g = 1 if kv is None else kv[0][0].shape[0]
-        width = x.shape[-1]
-        packing = self._pack(eos, start, g)
-        own = x[:, packing.row, packing.pos.clamp(max=x.shape[2] - 1)]  # (G|1, T, W)
-        h = own + self.positional_embedding[start + packing.pos]
-        if self.cls_emb is not None:  # CoCa: each row's last token is the class token
-            cls = self.cls_emb + self.positional_embedding[self.cfg.context_length]  # (W,)
-            h = h.index_copy(1, packing.last, cls.to(h.dtype).expand(len(h), len(eos), -1))
-        h = h.expand(g, -1, -1)  # (G, T, W)
-        in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
-        last = len(self.blocks) - 1
-        kv = list(kv) if kv is not None else [(None, None)] * len(self.blocks)  # start 0: no prefix
-        for i, block in enumerate(self.blocks):
-            tokens = deep.get(i)
-            if tokens is not None and in_prefix and i in per_row:  # per-row tokens in prefix slots
-                h, packing, start = self._unshare_prefix(h, packing, eos, start, in_prefix, g)
-                kv[i:] = [(k[:, :, :1], v[:, :, :1]) for k, v in kv[i:]]  # [SOS] alone stays shared
-                in_prefix = 0
-            if tokens is not None and in_prefix < slots.shape[1]:  # slots among the rows' own tokens
-                own = slots[:, in_prefix:] - start + packing.offsets[:, None]  # (N, M-h) packed indices
-                rows = tokens[:, in_prefix:].expand(len(own), -1, -1).reshape(1, -1, width)  # (1, N(M-h), W)
-                h = h.index_copy(1, own.reshape(-1), rows.to(h.dtype).expand(g, -1, -1))
-            k, v = kv[i]
-            if k is not None and k.shape[2] != packing.prefix:  # the prefix grew (InsertedTokens)
-                packing = packing.with_prefix(k.shape[2])
-            if recompute:
-                h = checkpoint(block.forward_packed, h, packing, k, v, i == last, use_reentrant=False)
-            else:
-                h = block.forward_packed(h, packing, k, v, last=i == last)
-        return self._project(h)  # h: (G, N, W) at each row's [EOS]
-
-    def _pack(self, eos: torch.Tensor, start: int, g: int) -> Packing:
-        """The packed layout of rows of tokens start..`_ends` (and CoCa's class token, which sees
-        itself only when the text fills the context: open_clip's mask)."""
-        blind = eos < self.cfg.context_length - 1 if self.cls_emb is not None else None
-        return pack(self.row_lengths(eos) - start, start, g, blind=blind)
-
-    def _unshare_prefix(self, h, packing: Packing, eos, start: int, in_prefix: int, g: int):
-        """Re-pack rows that shared [SOS][v1..vh] so that only [SOS] stays shared.
-
-        Returns (G, T', W) packed tokens 1..eos of every row (the old own tokens moved, the h slot
-        positions zero: the caller replaces them), the new packing and the new start (1).
-        """
-        if start != 1 + in_prefix:
-            raise ValueError(f"a shared prefix of {start} tokens must be [SOS] and {in_prefix} context slots")
-        packed = self._pack(eos, 1, g)  # rows of their own tokens after [SOS]
-        moved = packed.offsets[packing.row] + packing.pos + start - 1  # (T,) old token -> new index
-        out = h.new_zeros(g, len(packed.row), h.shape[-1]).index_copy(1, moved, h)  # (G, T', W)
-        return out, packed, 1
+        return encode_packed(self, kv, x, eos, kv[0][0].shape[2], deep_prompts, slots, recompute=False)
 
     def encode_with_attention(
         self,
@@ -378,6 +297,8 @@ class TextTransformer(nn.Module):
         Returns:
             (N, E) features and (layers, N, H, L, L) weights: [l, n, h, t, s] is the probability
             that query t puts on key s in head h of block l (0 for a key the query does not see).
+            With CoCa's class token, L counts it (the last); the feature is read at the row
+            `pooled_index(eos, L - cfg.embed_cls)`.
         """
         x = x[:, : self.cut_length(eos, x.shape[1])] if self.cuts else self._whole(x)
         return encode_full(self, x, eos, deep_prompts, slots, need_weights=True)

@@ -75,23 +75,15 @@ def encode_full(
             x, w = block(x, need_weights=True, mask=mask)
             weights.append(w)
         elif i == last and one_query:  # only the pooled token's output is read
-            at = _pooled(text, eos, x, grown)
+            at = text.pooled_index(eos, length, grown)
             return text._project(block.forward_at(x, at, mask))
         elif recompute:
             x = checkpoint(block, x, False, mask, use_reentrant=False)
         else:
             x = block(x, mask=mask)
-    pooled = x[torch.arange(n, device=x.device), _pooled(text, eos, x, grown)]  # (N, W)
+    pooled = x[torch.arange(n, device=x.device), text.pooled_index(eos, length, grown)]  # (N, W)
     feats = text._project(pooled)
     return (feats, torch.stack(weights)) if need_weights else feats
-
-
-def _pooled(text, eos: torch.Tensor, x: torch.Tensor, grown: int) -> torch.Tensor:
-    """(N,) the pooled token's index in x (N, L', W): CoCa's class token is the last one; K
-    inserted tokens after the first move every later position K to the right."""
-    if text.cls_emb is not None:
-        return torch.full_like(eos, x.shape[1] - 1)
-    return eos if text.cfg.pool == "first" else eos + grown
 
 
 def coca_mask(eos: torch.Tensor, keys: torch.Tensor | None, length: int) -> torch.Tensor:

@@ -138,7 +138,10 @@ def learner_from_checkpoint(clip: CLIP, ckpt: dict, classnames: list[str] | None
 
 
 def load_trained(
-    path: str | os.PathLike, device: str | torch.device = "cpu", pretrained: str | None = "config"
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    pretrained: str | None = "config",
+    tokenizer: str | None = None,
 ) -> tuple[CLIP, PromptLearner, dict]:
     """CLIP + trained PromptLearner + checkpoint dict from a `checkpoint.pt`.
 
@@ -146,9 +149,11 @@ def load_trained(
         path: the checkpoint file.
         device: where to build the model.
         pretrained: "config" to use the run's `model.pretrained`, or an override (tag/file/None).
+        tokenizer: a saved Hugging Face tokenizer's directory in place of the run's `model.tokenizer`
+            (a run made on another machine records that machine's); None: the run's.
     """
     ckpt = load_checkpoint(path, device)
     model = ckpt["config"]["model"]
     weights = model["pretrained"] if pretrained == "config" else pretrained
-    clip = load_clip(model["name"], weights, device, model.get("tokenizer"))
+    clip = load_clip(model["name"], weights, device, tokenizer or model.get("tokenizer"))
     return clip, learner_from_checkpoint(clip, ckpt), ckpt

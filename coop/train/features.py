@@ -9,7 +9,8 @@ on disk, so that the seeds and ablation points of a sweep share them. Training c
     K  encode K random augmented views per image once and sample one view per step.
 
 A cache file is named by `cache_key`, which holds everything the features depend on: the image
-tower's weights and which forward ran them (`CLIP.image_forward`: our `ImageTransformer` for
+tower's weights, its settings (`forward_settings`: how it pools, normalises and activates, which
+no weight records) and which forward ran them (`CLIP.image_forward`: our `ImageTransformer` for
 standard ViTs, open_clip's module otherwise; equal in fp32 up to rounding, yet never mixed), the
 image list, the transform, the precision that really ran (`resolve_precision`),
 the number of views and their seed, and `skip_corrupt`. The file also records which images it
@@ -21,6 +22,7 @@ that `aug_views=0` gives image i in epoch v.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -78,6 +80,56 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+# Module attributes that never change what the forward computes without gradients.
+NOT_SETTINGS = frozenset({"training", "grad_checkpointing"})
+
+
+def forward_settings(module: torch.nn.Module) -> str:
+    """What the module computes besides its weights: per submodule, its path, class and settings.
+
+    Read off the built module generically, so that every tower's options count: open_clip's
+    `VisionTransformer.pool_type` ('tok', CLIPA's 'avg'), `final_ln_after_pool`, `output_tokens`,
+    an attentional pooler; a timm trunk's `global_pool` and its head's layers (`TimmModel`); an
+    activation (QuickGELU or GELU) or a LayerNorm eps (`extra_repr`); our `ImageTransformer`'s
+    `VisionConfig`. Two towers that load the same weights but pool differently give different
+    strings. Settings are a submodule's public attributes except `NOT_SETTINGS`, written by value
+    (numbers, strings, tuples, dicts, dataclasses), functions and classes by their qualified name,
+    other objects by their type.
+    """
+    lines = []
+    for path, m in module.named_modules():
+        attrs = (f"{k}={_setting(v)}" for k, v in sorted(vars(m).items()) if _is_setting(k))
+        lines.append(
+            f"{path or '.'} {type(m).__module__}.{type(m).__qualname__}({m.extra_repr()}) " + " ".join(attrs)
+        )
+    return "\n".join(lines)
+
+
+def _is_setting(name: str) -> bool:
+    return not name.startswith("_") and name not in NOT_SETTINGS
+
+
+def _setting(v) -> str:
+    """One attribute's value in `forward_settings`, the same in every process (no addresses)."""
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "(" + ",".join(_setting(x) for x in v) + ")"
+    if isinstance(v, dict):
+        return (
+            "{"
+            + ",".join(f"{k}:{_setting(x)}" for k, x in sorted(v.items(), key=lambda kv: str(kv[0])))
+            + "}"
+        )
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return repr(v)
+    if isinstance(v, torch.Tensor):  # a plain tensor attribute (not a parameter or buffer)
+        data = v.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+        return f"tensor{tuple(v.shape)}:{hashlib.sha1(data).hexdigest()[:16]}"
+    name = getattr(v, "__qualname__", None)  # functions and classes
+    return f"{getattr(v, '__module__', '')}.{name}" if name else type(v).__qualname__
+
+
 def cache_key(
     clip: CLIP,
     items: Sequence[Datum],
@@ -91,7 +143,8 @@ def cache_key(
     """The cache file name: a hash of everything the features depend on.
 
     Args:
-        clip: its image tower's weights (and their dtype) and `clip.image_forward` are hashed.
+        clip: its image tower's weights (and their dtype), its `forward_settings` and
+            `clip.image_forward` are hashed.
         items: the images, by path and label, in order.
         transform: hashed by its repr (sizes, interpolation, normalisation).
         views: how many passes; `seed` seeds their augmentations.
@@ -102,6 +155,7 @@ def cache_key(
     h = hashlib.sha1()
     h.update(f"format={CACHE_FORMAT}\n".encode())
     h.update(weights_fingerprint(clip.visual).encode())
+    h.update(forward_settings(clip.visual).encode())
     h.update(f"image_forward={clip.image_forward}\n".encode())
     h.update(repr(transform).encode())
     h.update(f"views={views} seed={seed} precision={precision} skip_corrupt={skip_corrupt}\n".encode())
