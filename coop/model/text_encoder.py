@@ -29,11 +29,13 @@ Deep prompts: before block i (1 <= i < J) the hidden states at the context slots
 by fresh learnable tokens; no positional embedding is added to them. They come as a tensor
 (J-1, N or 1, M, W) for blocks 1..J-1, or keyed by block index ({i: (N or 1, M, W)}: TCP's
 class-aware tokens enter one block). Per-row tokens at slots inside a shared prefix end the
-sharing there: from that block on only [SOS] stays shared (`_unshare_prefix`).
+sharing there: from that block on only [SOS] stays shared, nothing for a tokenizer without [SOS]
+(`_unshare_prefix`).
 
-Inserted tokens (`InsertedTokens`, MMRL's representation tokens): K tokens enter after [SOS] at
-one block and are replaced at later ones. They are the same for every class, so from that block
-on [SOS][r1..rK] is the shared prefix (`prefix_keys_values`); each row keeps its positions.
+Inserted tokens (`InsertedTokens`, MMRL's representation tokens): K tokens enter after [SOS] (at
+position 0 for a tokenizer without [SOS]) at one block and are replaced at later ones. They are
+the same for every class, so from that block on [SOS][r1..rK] ([r1..rK]) is the shared prefix
+(`prefix_keys_values`); each row keeps its positions.
 
 Attention runs through `F.scaled_dot_product_attention`, which returns no weights. Tools that
 need them (`coop.results.attention_maps`) call `encode_with_attention`: the full-sequence blocks, with each
@@ -185,9 +187,11 @@ class TextTransformer(nn.Module):
             eos: (N,) absolute index of each row's [EOS] (>= P).
             deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots, or
                 {block: (1 or N, M, W)}: per-row tokens (TCP's) at slots inside the prefix end
-                its sharing at their block, after which only [SOS] is shared.
-            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
-            inserted: tokens that join the prefix after [SOS] at a block (`prefix_keys_values`).
+                its sharing at their block, after which only [SOS] is shared (nothing without it).
+            slots: (N, M) absolute slot positions; those < P must be the prefix's last h positions
+                in every row (1..h after [SOS], 0..h-1 without it).
+            inserted: tokens that join the prefix after [SOS] (or open it, without [SOS]) at a
+                block (`prefix_keys_values`).
 
         Blocks are recomputed in the backward pass under `grad_checkpointing`. A tower without
         the cut (`cuts` False) runs every row, prefix included, in full (`coop.model.text_full`).
@@ -212,9 +216,11 @@ class TextTransformer(nn.Module):
             prefix: (G, P, W) token embeddings of positions 0..P-1, one prefix per group (CoCoOp:
                 one `[SOS][ctx_b]` per image).
             deep_prompts: optional (J-1, 1, M, W) deep tokens, the same for every group.
-            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
-            inserted: K tokens inserted after [SOS] at a block (replaced at later ones): they see
-                only [SOS] and each other, so they are prefix too, and P grows to P+K there.
+            slots: (N, M) absolute slot positions; those < P must be the prefix's last h positions
+                in every row (1..h after [SOS], 0..h-1 without it).
+            inserted: K tokens inserted after [SOS] (at 0 without it) at a block, replaced at later
+                ones: they see only [SOS] and each other, so they are prefix too, and P grows to P+K
+                there (from an empty prefix without [SOS]).
         Returns:
             Per block, the prefix's (keys, values), each (G, H, P, Dh) (P+K from the insertion on).
         Raises:
@@ -227,18 +233,19 @@ class TextTransformer(nn.Module):
         start = prefix.shape[1]
         deep = deep_by_block(deep_prompts)
         in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
+        lead = start - in_prefix  # before them: [SOS], or nothing
         p = prefix + self.positional_embedding[:start]  # (G, P, W)
         kv = []
         for i, block in enumerate(self.blocks):
             # per-row tokens end the sharing at their block; only [SOS]'s keys are read after it
             if i in deep and in_prefix and len(deep[i]) == 1:
                 tokens = deep[i][:, :in_prefix].to(p.dtype).expand(len(p), -1, -1)  # (G, h, W)
-                p = torch.cat([p[:, :1], tokens, p[:, 1 + in_prefix :]], dim=1)
+                p = torch.cat([p[:, :lead], tokens, p[:, start:]], dim=1)
             if inserted is not None:
                 p = inserted.before(i, p)  # (G, P+K, W) from the first listed block on
-            q, k, v = block.attn.qkv(block.ln_1(p))  # (G, H, P, Dh) each
+            q, k, v = block.attn.qkv(block.ln_1(p))  # (G, H, P, Dh) each; P may be 0 (no [SOS])
             kv.append((k, v))
-            if i + 1 < len(self.blocks):  # the last block's prefix output is never read
+            if i + 1 < len(self.blocks) and p.shape[1]:  # the last block's prefix output is never read
                 p = p + block.attn.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
                 p = p + block.mlp(block.ln_2(p))
         return kv
@@ -264,7 +271,7 @@ class TextTransformer(nn.Module):
             eos: (N,) absolute index of each row's [EOS] (>= P).
             deep_prompts: optional (J-1, 1 or N, M, W) deep tokens, shared by all rows or one set
                 per row (then none may sit in the prefix); the same in every group.
-            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
+            slots: (N, M) absolute slot positions; those < P must be the prefix's last h positions.
         Returns:
             (G, N, E) projected [EOS] features.
         """
@@ -326,7 +333,7 @@ class TextTransformer(nn.Module):
             tokens = deep.get(i)
             if tokens is not None and in_prefix and i in per_row:  # per-row tokens in prefix slots
                 h, packing, start = self._unshare_prefix(h, packing, eos, start, in_prefix, g)
-                kv[i:] = [(k[:, :, :1], v[:, :, :1]) for k, v in kv[i:]]  # [SOS] alone stays shared
+                kv[i:] = [(k[:, :, :start], v[:, :, :start]) for k, v in kv[i:]]  # [SOS] or nothing stays
                 in_prefix = 0
             if tokens is not None and in_prefix < slots.shape[1]:  # slots among the rows' own tokens
                 own = slots[:, in_prefix:] - start + packing.offsets[:, None]  # (N, M-h) packed indices
@@ -348,17 +355,20 @@ class TextTransformer(nn.Module):
         return pack(self.row_lengths(eos) - start, start, g, blind=blind)
 
     def _unshare_prefix(self, h, packing: Packing, eos, start: int, in_prefix: int, g: int):
-        """Re-pack rows that shared [SOS][v1..vh] so that only [SOS] stays shared.
+        """Re-pack rows that shared [SOS][v1..vh] ([v1..vh] without [SOS]) so that only [SOS] stays
+        shared (nothing without it).
 
-        Returns (G, T', W) packed tokens 1..eos of every row (the old own tokens moved, the h slot
-        positions zero: the caller replaces them), the new packing and the new start (1).
+        Returns (G, T', W) packed tokens lead..eos of every row (lead: 1 after [SOS], else 0; the
+        old own tokens moved, the h slot positions zero: the caller replaces them), the new
+        packing and the new start (lead).
         """
-        if start != 1 + in_prefix:
+        lead = start - in_prefix
+        if lead not in (0, 1):
             raise ValueError(f"a shared prefix of {start} tokens must be [SOS] and {in_prefix} context slots")
-        packed = self._pack(eos, 1, g)  # rows of their own tokens after [SOS]
-        moved = packed.offsets[packing.row] + packing.pos + start - 1  # (T,) old token -> new index
+        packed = self._pack(eos, lead, g)  # rows of their own tokens after [SOS] (or all of them)
+        moved = packed.offsets[packing.row] + packing.pos + start - lead  # (T,) old token -> new index
         out = h.new_zeros(g, len(packed.row), h.shape[-1]).index_copy(1, moved, h)  # (G, T', W)
-        return out, packed, 1
+        return out, packed, lead
 
     def encode_with_attention(
         self,
