@@ -72,17 +72,20 @@ def test_logits_and_gradients_equal_reference(tiny_clip, tiny_openclip, dataset,
     assert_equal_to_reference(method, ref, images, labels)
 
 
-@pytest.mark.parametrize("stem", ["metaclip2-tiny", "siglip-tiny"])
-def test_without_a_start_token_equals_reference(stem, tmp_path):
+@pytest.mark.parametrize(
+    ("stem", "tokenizer"), [("metaclip2-tiny", "mt5"), ("siglip-tiny", "t5"), ("siglip-tiny", "gemma")]
+)
+def test_without_a_start_token_equals_reference(stem, tokenizer, tmp_path):
     """Tokenizers without [SOS]: the context slots are positions 0..3, and the class tokens replace
     them at block `layer`. MetaCLIP 2 (mT5's tokenizer, a causal tower pooled at the first </s>):
-    [v1..v4] is the prefix shared until `layer`, nothing after it; SigLIP (T5's, padded with </s>,
-    no causal mask, pooled at the last position): every prompt runs whole."""
+    [v1..v4] is the prefix shared until `layer`, nothing after it; SigLIP (T5's, padded with </s>;
+    SigLIP2's Gemma-like, whose words after the context start with "▁"; no causal mask, pooled at
+    the last position): every prompt runs whole."""
     pytest.importorskip("transformers")
-    from tiny_tokenizers import unigram
+    from tiny_tokenizers import gemma_like, unigram
 
-    pad = "</s>" if stem.startswith("siglip") else "<pad>"
-    clip, oc = build_family(stem, unigram(tmp_path / "tok", pad=pad))
+    builders = {"mt5": unigram, "t5": lambda p: unigram(p, pad="</s>"), "gemma": gemma_like}
+    clip, oc = build_family(stem, builders[tokenizer](tmp_path / "tok"))
     method = tcp(clip, layer=1)
     pl = method.prompt_learner
     assert pl.n_sos == 0 and pl.shared_prefix == 4 and pl.slots.tolist() == [[0, 1, 2, 3]] * len(CLASSES)
