@@ -188,10 +188,8 @@ class TextTransformer(nn.Module):
             deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots, or
                 {block: (1 or N, M, W)}: per-row tokens (TCP's) at slots inside the prefix end
                 its sharing at their block, after which only [SOS] is shared (nothing without it).
-            slots: (N, M) absolute slot positions; those < P must be the prefix's last h positions
-                in every row (1..h after [SOS], 0..h-1 without it).
-            inserted: tokens that join the prefix after [SOS] (or open it, without [SOS]) at a
-                block (`prefix_keys_values`).
+            slots: (N, M) absolute slot positions; those < P: the prefix's last h in every row.
+            inserted: tokens that join the prefix at a block (`prefix_keys_values`).
 
         Blocks are recomputed in the backward pass under `grad_checkpointing`. A tower without
         the cut (`cuts` False) runs every row, prefix included, in full (`coop.model.text_full`).
@@ -219,8 +217,7 @@ class TextTransformer(nn.Module):
             slots: (N, M) absolute slot positions; those < P must be the prefix's last h positions
                 in every row (1..h after [SOS], 0..h-1 without it).
             inserted: K tokens inserted after [SOS] (at 0 without it) at a block, replaced at later
-                ones: they see only [SOS] and each other, so they are prefix too, and P grows to P+K
-                there (from an empty prefix without [SOS]).
+                ones: they see only [SOS] and each other, so they are prefix too: P grows to P+K.
         Returns:
             Per block, the prefix's (keys, values), each (G, H, P, Dh) (P+K from the insertion on).
         Raises:
@@ -271,7 +268,7 @@ class TextTransformer(nn.Module):
             eos: (N,) absolute index of each row's [EOS] (>= P).
             deep_prompts: optional (J-1, 1 or N, M, W) deep tokens, shared by all rows or one set
                 per row (then none may sit in the prefix); the same in every group.
-            slots: (N, M) absolute slot positions; those < P must be the prefix's last h positions.
+            slots: (N, M) absolute slot positions; those < P: the prefix's last h in every row.
         Returns:
             (G, N, E) projected [EOS] features.
         """
@@ -355,12 +352,9 @@ class TextTransformer(nn.Module):
         return pack(self.row_lengths(eos) - start, start, g, blind=blind)
 
     def _unshare_prefix(self, h, packing: Packing, eos, start: int, in_prefix: int, g: int):
-        """Re-pack rows that shared [SOS][v1..vh] ([v1..vh] without [SOS]) so that only [SOS] stays
-        shared (nothing without it).
-
-        Returns (G, T', W) packed tokens lead..eos of every row (lead: 1 after [SOS], else 0; the
-        old own tokens moved, the h slot positions zero: the caller replaces them), the new
-        packing and the new start (lead).
+        """Re-pack rows that shared [SOS][v1..vh] (or [v1..vh]) so that only [SOS] (or nothing) stays
+        shared. Returns (G, T', W) packed tokens lead..eos of every row (lead 1 or 0; the old own
+        tokens moved, the h slot positions zero: the caller replaces them), the new packing, lead.
         """
         lead = start - in_prefix
         if lead not in (0, 1):
