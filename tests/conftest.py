@@ -47,6 +47,22 @@ def build_openclip(name: str, seed: int = 0) -> torch.nn.Module:
     return randomise_text_tower(model, seed).eval()
 
 
+def build_family(stem: str, tokenizer: Path | None = None, seed: int = 0, edit=None):
+    """(our CLIP, open_clip's model) of the tiny family model configs/models/{stem}.json: random
+    weights, the text tower's LayerNorms and biases randomised, the tokenizer read from directory
+    `tokenizer` (tests/tiny_tokenizers.py; None: CLIP's BPE); `edit(model)` runs on open_clip's
+    model before ours copies its weights."""
+    import coop
+    from coop.model.tokenizer import load_tokenizer
+    from coop.model.weights import resolve_model_name
+
+    name = resolve_model_name(str(REPO / "configs" / "models" / f"{stem}.json"))
+    oc = build_openclip(name, seed)
+    if edit is not None:
+        edit(oc)
+    return coop.CLIP.from_openclip(oc, tokenizer=load_tokenizer(name, tokenizer), name=name), oc
+
+
 @pytest.fixture(scope="session")
 def tiny_name() -> str:
     open_clip.add_model_config(TINY_CONFIG)

@@ -1,5 +1,5 @@
 """MMRL: our towers with representation tokens against the reference on open_clip modules (loss,
-logits and the gradient of every learned tensor), the layer lists of each tower (ViT-L-14's 12
+logits and the gradient of every learned tensor; tokenizers without a start token), the layer lists of each tower (ViT-L-14's 12
 text and 24 image blocks), split logits at evaluation, the recipe and its per-dataset table, and a
 tiny run end to end (base-to-new, ImageNet-A, interrupted and resumed with a worker)."""
 
@@ -12,7 +12,7 @@ import json
 import open_clip
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, interrupted_at
+from conftest import REPO, TINY_CONFIG, build_family, interrupted_at
 from test_image_encoder import build, randomise, shrunk_config
 from test_protocols import data_root  # noqa: F401  (a fixture)
 
@@ -22,8 +22,9 @@ from coop.config.run_names import run_name
 from coop.methods import build_method
 from coop.methods.base import TransferError
 from coop.model.clip import CLIP
+from coop.model.inserted import InsertedTokens
 from coop.model.packing import pack
-from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
+from coop.reference.mmrl import mmrl_frozen_text, mmrl_step, mmrl_text_features
 from coop.train.evaluation import evaluate_checkpoint
 from coop.train.runner import train_run
 
@@ -72,6 +73,7 @@ def reference_step(oc, method, images, labels):
         method.vision_blocks,
         method.alpha,
         method.reg_weight,
+        after=method.n_sos,
     )
 
 
@@ -80,17 +82,30 @@ def reference_step(oc, method, images, labels):
     [
         ("vit-b-16", ["mmrl.layers=[2,3]", "mmrl.vision_layers=[2,3]"]),
         ("tiny-wide", ["mmrl.layers=[2,3]", "mmrl.vision_layers=[1,2]", "mmrl.n_tokens=3"]),
+        ("metaclip2-mt5", ["mmrl.layers=[1,2]", "mmrl.vision_layers=[1]"]),
+        ("metaclip2-mt5", ["mmrl.layers=[2]", "mmrl.vision_layers=[1]"]),
     ],
 )
-def test_loss_logits_and_every_gradient_match_the_reference(case, overrides):
-    """A shrunk ViT-B-16 (vision 128 / text 64 wide, 3 + 3 blocks) and a tiny model with 2 image
-    blocks whose tokens enter at the very first block: ours (packed text with [SOS] + tokens as
-    the shared prefix; frozen image pass sharing the blocks before the insertion) against the
-    reference's 77+K text and 1+P+K image sequences and its second, full image pass."""
-    cfg = shrunk_config("ViT-B-16", text_layers=3) if case == "vit-b-16" else TINY_WIDE
-    oc = build(cfg) if case == "vit-b-16" else randomise(open_clip.CLIP(**cfg), seed=1)
-    clip = CLIP.from_openclip(oc, name=case)
+def test_loss_logits_and_every_gradient_match_the_reference(case, overrides, tmp_path):
+    """A shrunk ViT-B-16 (vision 128 / text 64 wide, 3 + 3 blocks), a tiny model with 2 image
+    blocks whose tokens enter at the very first block, and MetaCLIP 2's family with mT5's tokenizer
+    (no [SOS]: the text tokens enter at position 0, where the first text token sees them, of block
+    1, or of block 2 after a block with no shared prefix; its [EOS], found by id, moves K to the
+    right): ours (packed text with [SOS] +
+    tokens as the shared prefix; frozen image pass sharing the blocks before the insertion)
+    against the reference's 77+K text and 1+P+K image sequences and its second, full image pass."""
+    if case == "metaclip2-mt5":
+        pytest.importorskip("transformers")
+        from tiny_tokenizers import unigram
+
+        edit = lambda oc: randomise(oc.visual, seed=1)  # noqa: E731
+        clip, oc = build_family("metaclip2-tiny", unigram(tmp_path / "tok"), edit=edit)
+    else:
+        cfg = shrunk_config("ViT-B-16", text_layers=3) if case == "vit-b-16" else TINY_WIDE
+        oc = build(cfg) if case == "vit-b-16" else randomise(open_clip.CLIP(**cfg), seed=1)
+        clip = CLIP.from_openclip(oc, name=case)
     method = mmrl(clip, *overrides, "mmrl.reg_weight=3.0", "mmrl.alpha=0.6")
+    assert method.n_sos == (0 if case == "metaclip2-mt5" else 1)
     size = clip.image_size
     gen = torch.Generator().manual_seed(0)
     images, labels = torch.randn(3, 3, size, size, generator=gen), torch.tensor([0, 3, 1])
@@ -110,6 +125,33 @@ def test_loss_logits_and_every_gradient_match_the_reference(case, overrides):
     # the regularisers matter: lambda = 0 gives another loss
     method.reg_weight = 0.0
     assert abs(float(method.loss(images, labels)[0].detach() - ours.detach())) > 1e-3
+
+
+def test_text_tokens_at_the_start_on_a_tower_without_the_causal_mask(tmp_path):
+    """SigLIP's family (T5's tokenizer: no [SOS]; no causal mask; pooled at the last position):
+    the text tokens enter at position 0 of block 0 and replace positions 0..K-1 at block 1, and
+    the text features are the reference's over the whole 64+K sequence, read at its last position.
+    (Without the mask, where they enter changes nothing: positions are added before, and attention
+    without a mask does not see order. MMRL itself stops at SigLIP's timm image tower:
+    tests/test_families_e2e.py.)"""
+    pytest.importorskip("transformers")
+    from tiny_tokenizers import unigram
+
+    clip, oc = build_family("siglip-tiny", unigram(tmp_path / "tok", pad="</s>"))
+    assert not clip.text.cuts
+    ids = clip.tokenize([f"a photo of a {c.replace('_', ' ')}." for c in CLASSES])  # (n_cls, 64)
+    gen = torch.Generator().manual_seed(0)
+    tokens, layers = [torch.randn(2, clip.width, generator=gen) for _ in range(2)], [0, 1]
+    x = clip.text.token_embedding(ids)
+    with torch.no_grad():
+        inserted = InsertedTokens(tokens, layers, after=0)
+        ours = clip.text.encode_with_shared_prefix(
+            x[:1, :0], x, clip.text.pool_positions(ids), inserted=inserted
+        )
+        want = mmrl_text_features(oc, ids, tokens, layers, after=0)
+        plain = oc.encode_text(ids)
+    assert relative_error(ours, want) < TOL
+    assert relative_error(plain, want) > 1e-2  # the tokens matter
 
 
 def test_new_classes_score_with_the_class_token_logits_training_classes_with_the_fusion(tiny_clip):

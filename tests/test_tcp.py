@@ -1,11 +1,12 @@
 """TCP against its reference on OpenCLIP's modules (logits and every learned gradient, classes of
-mixed token lengths), transfer to other classes, recipe and config errors."""
+mixed token lengths; tokenizers without a start token), transfer to other classes, recipe and
+config errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, build_family
 from omegaconf import OmegaConf
 
 from coop.config.checks import ConfigError
@@ -30,14 +31,33 @@ def tcp(clip, classes=CLASSES, dataset="oxford_pets", layer=2, weight=8.0, seed=
     return method
 
 
-def reference(oc, method, dataset, classes, images, labels):
-    teacher = tcp_teacher(oc, classes, TEACHER_TEMPLATES[dataset])
+def reference(oc, method, dataset, classes, images, labels, tokenizer=None, placeholder="X"):
+    """(loss, logits) of the reference; `tokenizer` and "x" placeholders for a family's tokenizer."""
+    teacher = tcp_teacher(oc, classes, TEACHER_TEMPLATES[dataset], tokenizer)
     meta = {
         k.removeprefix("meta_net."): t for k, t in method.learnable().items() if k.startswith("meta_net.")
     }
-    ctx = method.prompt_learner.ctx
-    text = tcp_text_features(oc, classes, PROMPT_TEMPLATES[dataset], teacher, ctx, meta, method.layer)
+    pl = method.prompt_learner
+    template = PROMPT_TEMPLATES[dataset].replace("X", placeholder)
+    text = tcp_text_features(
+        oc, classes, template, teacher, pl.ctx, meta, method.layer, tokenizer, sos=bool(pl.n_sos)
+    )
     return tcp_loss(oc, images, labels, text, teacher, method.weight)
+
+
+def assert_equal_to_reference(method, ref, images, labels):
+    """Logits, loss and the gradient of every learned tensor equal the reference's."""
+    loss, logits = method.loss(images, labels)
+    want_loss, want_logits = ref
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    params = [t for t in method.learnable().values()]
+    assert len(params) == 5  # ctx and the meta-net's two linear layers
+    grads = torch.autograd.grad(loss, params)
+    want = torch.autograd.grad(want_loss, params)
+    for name, g, w in zip(method.learnable(), grads, want, strict=True):
+        assert w.abs().sum() > 0, name
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize(("dataset", "layer"), [("oxford_pets", 2), ("ucf101", 1), ("stanford_cars", 2)])
@@ -48,17 +68,30 @@ def test_logits_and_gradients_equal_reference(tiny_clip, tiny_openclip, dataset,
     lengths = {len(tiny_clip.tokenizer.encode(c.replace("_", " "))) for c in CLASSES}
     assert len(lengths) >= 3  # the packed rows really differ in length
     images, labels = torch.randn(5, tiny_clip.embed_dim), torch.tensor([0, 1, 2, 3, 1])
-    loss, logits = method.loss(images, labels)
-    want_loss, want_logits = reference(tiny_openclip, method, dataset, CLASSES, images, labels)
-    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
-    params = [t for t in method.learnable().values()]
-    assert len(params) == 5  # ctx and the meta-net's two linear layers
-    grads = torch.autograd.grad(loss, params)
-    want = torch.autograd.grad(want_loss, params)
-    for name, g, w in zip(method.learnable(), grads, want, strict=True):
-        assert w.abs().sum() > 0, name
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
+    ref = reference(tiny_openclip, method, dataset, CLASSES, images, labels)
+    assert_equal_to_reference(method, ref, images, labels)
+
+
+@pytest.mark.parametrize(
+    ("stem", "tokenizer"), [("metaclip2-tiny", "mt5"), ("siglip-tiny", "t5"), ("siglip-tiny", "gemma")]
+)
+def test_without_a_start_token_equals_reference(stem, tokenizer, tmp_path):
+    """Tokenizers without [SOS]: the context slots are positions 0..3, and the class tokens replace
+    them at block `layer`. MetaCLIP 2 (mT5's tokenizer, a causal tower pooled at the first </s>):
+    [v1..v4] is the prefix shared until `layer`, nothing after it; SigLIP (T5's, padded with </s>;
+    SigLIP2's Gemma-like, whose words after the context start with "▁"; no causal mask, pooled at
+    the last position): every prompt runs whole."""
+    pytest.importorskip("transformers")
+    from tiny_tokenizers import gemma_like, unigram
+
+    builders = {"mt5": unigram, "t5": lambda p: unigram(p, pad="</s>"), "gemma": gemma_like}
+    clip, oc = build_family(stem, builders[tokenizer](tmp_path / "tok"))
+    method = tcp(clip, layer=1)
+    pl = method.prompt_learner
+    assert pl.n_sos == 0 and pl.shared_prefix == 4 and pl.slots.tolist() == [[0, 1, 2, 3]] * len(CLASSES)
+    images, labels = torch.randn(5, clip.embed_dim), torch.tensor([0, 1, 2, 3, 1])
+    ref = reference(oc, method, "oxford_pets", CLASSES, images, labels, clip.tokenizer, placeholder="x")
+    assert_equal_to_reference(method, ref, images, labels)
 
 
 def test_class_tokens_change_text_from_their_layer_on(tiny_clip, tiny_openclip):

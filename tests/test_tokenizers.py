@@ -181,15 +181,21 @@ def test_learner_without_sos_matches_the_plain_prompt(no_sos_clip):
     torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("position,csc", [("end", False), ("middle", False), ("front", False), ("end", True)])
-def test_learner_without_sos_shared_prefix_equals_full_pass(no_sos_clip, position, csc):
-    """[v1..vM] (no [SOS]) as the shared prefix, or nothing shared: the same as every row run whole."""
-    learner = PromptLearner(no_sos_clip, CLASSES, n_ctx=4, position=position, csc=csc)
+@pytest.mark.parametrize(
+    "position,csc,depth",
+    [("end", False, 1), ("middle", False, 1), ("front", False, 1), ("end", True, 1), ("end", False, 3)]
+    + [("middle", False, 2)],
+)
+def test_learner_without_sos_shared_prefix_equals_full_pass(no_sos_clip, position, csc, depth):
+    """[v1..vM] (no [SOS]) as the shared prefix, or nothing shared: the same as every row run whole;
+    deep prompts replace the prefix's slots at positions 0.. (no [SOS] kept before them)."""
+    learner = PromptLearner(no_sos_clip, CLASSES, n_ctx=4, position=position, csc=csc, depth=depth)
     with torch.no_grad():
-        learner.ctx.normal_()
+        for p in learner.parameters():
+            p.normal_()
         ours = coop.PromptClassifier(no_sos_clip, learner).text_features()
-        prompts, _ = learner()
-        full = no_sos_clip.text.encode_embeddings(prompts, learner.eos)
+        prompts, deep = learner()
+        full = no_sos_clip.text.encode_embeddings(prompts, learner.eos, deep, learner.slots)
     torch.testing.assert_close(ours, full, rtol=1e-5, atol=1e-5)
     assert learner.shared_prefix == (0 if csc or position == "front" else 4 if position == "end" else 2)
 
@@ -234,13 +240,6 @@ def test_tokenizer_key_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
     with pytest.raises(TokenizerError, match=r"pip install 'coop\[hf\]'"):
         load_tokenizer("ViT-B-16-SigLIP", tmp_path)
-
-
-@pytest.mark.parametrize("method", ["tcp", "mmrl"])
-def test_methods_that_need_sos_refuse_a_tokenizer_without(no_sos_clip, method):
-    cfg = load_config(None, [f"method={method}", "tcp.layer=2", "mmrl.layers=[1]", "mmrl.vision_layers=[1]"])
-    with pytest.raises(ValueError, match="needs a tokenizer with a start token; model tiny-t5's has none"):
-        coop.methods.build_method(no_sos_clip, CLASSES, cfg)
 
 
 def test_a_run_reads_model_tokenizer_and_records_it(image_folder, tmp_path, monkeypatch):

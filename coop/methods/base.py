@@ -123,7 +123,6 @@ class Method(nn.Module):
     phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
     image_tokens = False  # True: "features" are every projected token (B, 1+P, E) (FedOTP)
     text_prompt = False  # True: a learned text context, `prompt.*` (`coop.model.prompt.PromptLearner`)
-    needs_start_token = False  # True: the tokenizer must write [SOS] (checked before a run: preflight)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__()

@@ -6,8 +6,10 @@ K = `mmrl.n_tokens`:
     R                  (K, d_r) representation tokens, N(0, 0.02)
     r_t^l = T_l(R)     (K, W_t) for each text block l in `mmrl.layers`       (Linear d_r -> W_t)
     r_v^l = V_l(R)     (K, W_v) for each image block l in `mmrl.vision_layers` (Linear d_r -> W_v)
-    text  = the dataset's hand-crafted prompt (CoOp's template), r_t inserted after [SOS] at the
-            first listed block and replaced at the later ones (`coop.model.inserted`)         (n_cls, E)
+    text  = the dataset's hand-crafted prompt (CoOp's template), r_t inserted after [SOS] (at
+            position 0, before the first text token, for a tokenizer without [SOS]: SigLIP's,
+            MetaCLIP 2's) at the first listed block and replaced at the later ones
+            (`coop.model.inserted`); the pooled token stays the same token           (n_cls, E)
     image = r_v inserted after [CLS] the same way; f_cls = ln_post(x[:, 0]) @ proj (frozen),
             f_rep = mean_k ln_post(x[:, 1+k]) @ proj_rep                                (B, E) each
     logits = s * norm(f_cls) @ norm(text).T,  logits_rep = s * norm(f_rep) @ norm(text).T
@@ -47,7 +49,7 @@ from coop.methods.base import TowerLayers
 from coop.methods.promptsrc import frozen_text_features
 from coop.methods.vpt import VisionPromptMethod
 from coop.methods.zeroshot import resolve_templates
-from coop.model.clip import CLIP, ModelError
+from coop.model.clip import CLIP
 from coop.model.inserted import InsertedTokens
 from coop.model.tokenizer import prompt_tokenizer
 
@@ -130,7 +132,6 @@ class MMRL(VisionPromptMethod):
     """
 
     name = "mmrl"
-    needs_start_token = True  # its tokens are inserted after [SOS]
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
@@ -144,9 +145,8 @@ class MMRL(VisionPromptMethod):
             block_indices(cfg.mmrl.vision_layers, towers.image, "mmrl.vision_layers")
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
-        super().__init__(clip, classnames, cfg)
-        if prompt_tokenizer(clip.tokenizer).sos_id is None:  # its tokens are inserted after [SOS]
-            raise ModelError(f"MMRL needs a tokenizer with a start token; model {clip.name}'s has none")
+        super().__init__(clip, classnames, cfg)  # ModelError: an image tower we do not reproduce
+        self.n_sos = int(prompt_tokenizer(clip.tokenizer).sos_id is not None)  # the text tokens go after it
         m = cfg.mmrl
         self.n_tokens, self.rep_dim = int(m.n_tokens), int(m.rep_dim)
         self.alpha, self.reg_weight = float(m.alpha), float(m.reg_weight)
@@ -177,11 +177,12 @@ class MMRL(VisionPromptMethod):
 
     def text_features(self, tokens: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Unnormalised (n_cls, E) features of the template with the text tokens (packed; [SOS] and
-        the tokens are the prefix every class shares)."""
+        the tokens, or the tokens alone without [SOS], are the prefix every class shares)."""
         tokens = self.rep()[0] if tokens is None else tokens
         x = self.clip.text.token_embedding(self.ids)  # (n_cls, L, W_t)
-        inserted = InsertedTokens(tokens, self.text_blocks)
-        return self.clip.text.encode_with_shared_prefix(x[:1, :1], x[:, 1:], self.eos, inserted=inserted)
+        n = self.n_sos
+        inserted = InsertedTokens(tokens, self.text_blocks, after=n)
+        return self.clip.text.encode_with_shared_prefix(x[:1, :n], x[:, n:], self.eos, inserted=inserted)
 
     def image_features(self, images: torch.Tensor, tokens: list[torch.Tensor], frozen: bool = False):
         """(f_cls, f_rep, f_cls^zs or None), each unnormalised (B, E)."""

@@ -3,7 +3,9 @@
     t_zs     = norm(CLIP text features of the dataset's teacher template)        (n_cls, E), frozen
     tokens   = meta_net(t_zs).view(n_cls, M, W)     meta_net = Linear(E, E/4) -> QuickGELU -> Linear(E/4, M W)
     prompt   = [SOS][ctx x M] + the dataset's prompt template after its four placeholders
-               ("X X X X {}, a type of pet." -> [SOS][v1..v4] {class}, a type of pet.)
+               ("X X X X {}, a type of pet." -> [SOS][v1..v4] {class}, a type of pet.);
+               the context slots are the prompt's first M positions: 1..M after [SOS], 0..M-1
+               for a tokenizer without one (SigLIP's, MetaCLIP 2's: [v1..v4] {class}, ...)
     text     = text tower, the M context slots replaced by `tokens` at the input of block
                `tcp.layer` (8), with no positional embedding; blocks >= 8 see class-specific rows
     logits   = logit_scale.exp() * norm(img) @ norm(text).T
@@ -13,9 +15,10 @@ Only `ctx` (M, W), N(0, 0.02), and the meta-net (default init) train; TCP runs o
 features. Other classes (base-to-new's new half, another dataset) rebuild t_zs and the prompts
 from their own names with the learned ctx and meta-net.
 
-The text pass keeps the exact fast paths: [SOS][v1..vM] is computed once for every class in
-blocks 0..layer-1; at `tcp.layer` the rows stop sharing it (only [SOS] stays shared) because
-their context slots now differ (`coop.model.text_encoder.deep_by_block`).
+The text pass keeps the exact fast paths: [SOS][v1..vM] ([v1..vM] without [SOS]) is computed
+once for every class in blocks 0..layer-1; at `tcp.layer` the rows stop sharing it (only [SOS]
+stays shared, nothing without it) because their context slots now differ
+(`coop.model.text_encoder.deep_by_block`).
 
 Widths come from the model (the original's `reshape(..., 512)` and fixed four tokens break on
 ViT-L and for M != 4); the weight is `tcp.weight` (the original hard-codes 8.0 and ignores its `W`
@@ -114,7 +117,6 @@ class TCP(Method):
     """
 
     name = "tcp"
-    needs_start_token = True  # its class tokens replace slots after [SOS]
     trainer = "sgd"
     text_prompt = True
 
@@ -148,8 +150,6 @@ class TCP(Method):
             clip, classnames, n_ctx=n_ctx, ctx_init=p.ctx_init, template=prompt_suffix(self.prompt_template)
         )
         pl = self.prompt_learner
-        if not pl.n_sos:  # the class tokens replace slots 1..M of a prefix that starts with [SOS]
-            raise PromptError(f"TCP needs a tokenizer with a start token; model {clip.name}'s has none")
         self.meta_net = ClassTokenNet(clip.embed_dim, pl.n_ctx, clip.width).to(pl.ctx.device)
         self._teacher: torch.Tensor | None = None  # (n_cls, E), normalised, once per run
 
@@ -175,7 +175,7 @@ class TCP(Method):
         """Unnormalised class text features (n_cls, E)."""
         pl = self.prompt_learner
         prompts, _ = pl()  # (n_cls, L, W)
-        start = pl.shared_prefix  # [SOS][v1..vM]: shared by every class before block `layer`
+        start = pl.shared_prefix  # [SOS][v1..vM] or [v1..vM]: shared by every class before `layer`
         deep = {self.layer: self.class_tokens()}
         return self.clip.text.encode_with_shared_prefix(
             prompts[:1, :start], prompts[:, start:], pl.eos, deep, pl.slots

@@ -29,11 +29,13 @@ Deep prompts: before block i (1 <= i < J) the hidden states at the context slots
 by fresh learnable tokens; no positional embedding is added to them. They come as a tensor
 (J-1, N or 1, M, W) for blocks 1..J-1, or keyed by block index ({i: (N or 1, M, W)}: TCP's
 class-aware tokens enter one block). Per-row tokens at slots inside a shared prefix end the
-sharing there: from that block on only [SOS] stays shared (`coop.model.text_packed`).
+sharing there: from that block on only [SOS] stays shared, nothing for a tokenizer without [SOS]
+(`coop.model.text_packed`).
 
-Inserted tokens (`InsertedTokens`, MMRL's representation tokens): K tokens enter after [SOS] at
-one block and are replaced at later ones. They are the same for every class, so from that block
-on [SOS][r1..rK] is the shared prefix (`prefix_keys_values`); each row keeps its positions.
+Inserted tokens (`InsertedTokens`, MMRL's representation tokens): K tokens enter after [SOS] (at
+position 0 for a tokenizer without [SOS]) at one block and are replaced at later ones. They are
+the same for every class, so from that block on [SOS][r1..rK] ([r1..rK]) is the shared prefix
+(`prefix_keys_values`); each row keeps its positions.
 
 Attention runs through `F.scaled_dot_product_attention`, which returns no weights. Tools that
 need them (`coop.results.attention_maps`) call `encode_with_attention`: the full-sequence blocks, with each
@@ -128,15 +130,16 @@ class TextTransformer(nn.Module):
         at = length - 1 if self.cfg.pool == "last" else 0
         return torch.full((n,), at, dtype=torch.long, device=ids.device)
 
-    def pooled_index(self, eos: torch.Tensor, length: int, grown: int = 0) -> torch.Tensor:
+    def pooled_index(self, eos: torch.Tensor, length: int, inserted=None) -> torch.Tensor:
         """(N,) the pooled token's index in a full-sequence pass over `length` text positions
         (`coop.model.text_full.encode_full`, `encode_with_attention`): the pooled position `eos`
-        (`pool_positions`), K = `grown` places to the right when K tokens were inserted after the
-        first one (except `first`, position 0); CoCa's class token, appended after the text, at
-        `length`."""
+        (`pool_positions`), moved by `inserted.shift` when tokens were inserted (`InsertedTokens`,
+        already in the sequence), so that it stays the same token; CoCa's class token, appended
+        after the text (and the inserted tokens), at the end."""
         if self.cls_emb is not None:
-            return torch.full_like(eos, length + grown)
-        return eos if self.cfg.pool == "first" else eos + grown
+            k = 0 if inserted is None else inserted.tokens[0].shape[0]
+            return torch.full_like(eos, length + k)
+        return eos if inserted is None else inserted.shift(eos)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Encode token ids (N, L) (L: the context length) into unnormalised text features (N, E)."""
@@ -194,9 +197,9 @@ class TextTransformer(nn.Module):
             eos: (N,) absolute index of each row's [EOS] (>= P).
             deep_prompts: optional (J-1, 1, M, W) shared deep tokens for the context slots, or
                 {block: (1 or N, M, W)}: per-row tokens (TCP's) at slots inside the prefix end
-                its sharing at their block, after which only [SOS] is shared.
-            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
-            inserted: tokens that join the prefix after [SOS] at a block (`prefix_keys_values`).
+                its sharing at their block, after which only [SOS] is shared (nothing without it).
+            slots: (N, M) absolute slot positions; those < P: the prefix's last h in every row.
+            inserted: tokens that join the prefix at a block (`prefix_keys_values`).
 
         Blocks are recomputed in the backward pass under `grad_checkpointing`. A tower without
         the cut (`cuts` False) runs every row, prefix included, in full (`coop.model.text_full`).
@@ -221,9 +224,10 @@ class TextTransformer(nn.Module):
             prefix: (G, P, W) token embeddings of positions 0..P-1, one prefix per group (CoCoOp:
                 one `[SOS][ctx_b]` per image).
             deep_prompts: optional (J-1, 1, M, W) deep tokens, the same for every group.
-            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
-            inserted: K tokens inserted after [SOS] at a block (replaced at later ones): they see
-                only [SOS] and each other, so they are prefix too, and P grows to P+K there.
+            slots: (N, M) absolute slot positions; those < P must be the prefix's last h positions
+                in every row (1..h after [SOS], 0..h-1 without it).
+            inserted: K tokens inserted after [SOS] (at 0 without it) at a block, replaced at later
+                ones: they see only [SOS] and each other, so they are prefix too: P grows to P+K.
         Returns:
             Per block, the prefix's (keys, values), each (G, H, P, Dh) (P+K from the insertion on).
         Raises:
@@ -236,18 +240,19 @@ class TextTransformer(nn.Module):
         start = prefix.shape[1]
         deep = deep_by_block(deep_prompts)
         in_prefix = int((slots[0] < start).sum()) if deep else 0  # h slots sit in the prefix
+        lead = start - in_prefix  # before them: [SOS], or nothing
         p = prefix + self.positional_embedding[:start]  # (G, P, W)
         kv = []
         for i, block in enumerate(self.blocks):
             # per-row tokens end the sharing at their block; only [SOS]'s keys are read after it
             if i in deep and in_prefix and len(deep[i]) == 1:
                 tokens = deep[i][:, :in_prefix].to(p.dtype).expand(len(p), -1, -1)  # (G, h, W)
-                p = torch.cat([p[:, :1], tokens, p[:, 1 + in_prefix :]], dim=1)
+                p = torch.cat([p[:, :lead], tokens, p[:, start:]], dim=1)
             if inserted is not None:
                 p = inserted.before(i, p)  # (G, P+K, W) from the first listed block on
-            q, k, v = block.attn.qkv(block.ln_1(p))  # (G, H, P, Dh) each
+            q, k, v = block.attn.qkv(block.ln_1(p))  # (G, H, P, Dh) each; P may be 0 (no [SOS])
             kv.append((k, v))
-            if i + 1 < len(self.blocks):  # the last block's prefix output is never read
+            if i + 1 < len(self.blocks) and p.shape[1]:  # the last block's prefix output is never read
                 p = p + block.attn.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
                 p = p + block.mlp(block.ln_2(p))
         return kv
@@ -273,7 +278,7 @@ class TextTransformer(nn.Module):
             eos: (N,) absolute index of each row's [EOS] (>= P).
             deep_prompts: optional (J-1, 1 or N, M, W) deep tokens, shared by all rows or one set
                 per row (then none may sit in the prefix); the same in every group.
-            slots: (N, M) absolute slot positions; those < P must be 1..h in every row.
+            slots: (N, M) absolute slot positions; those < P: the prefix's last h in every row.
         Returns:
             (G, N, E) projected [EOS] features.
         """

@@ -7,8 +7,8 @@ causal mask (SigLIP, CLIPA, MobileCLIP-S*), which see every token, padding inclu
 ids with its padding id inside the text (open_clip hides that key too); and the attention maps of
 `encode_with_attention`, which need the explicit (L, L) probabilities. Prompts enter as in the
 packed pass: deep tokens replace the hidden states at the context slots, inserted tokens (MMRL)
-grow the sequence after its first token. CoCa's class token, appended after the text, attends
-under open_clip's padding mask (`coca_mask`).
+grow the sequence after [SOS] (at its start for a tokenizer without one). CoCa's class token,
+appended after the text, attends under open_clip's padding mask (`coca_mask`).
 """
 
 from __future__ import annotations
@@ -67,21 +67,22 @@ def encode_full(
     for i, block in enumerate(text.blocks):
         if inserted is not None:
             x = inserted.before(i, x)  # (N, L+K, W) from its first block on
-        grown = x.shape[1] - length - text.cfg.embed_cls  # K inserted tokens, 0 before
+        grown = x.shape[1] > length + text.cfg.embed_cls  # K tokens inserted: later positions moved
         if i in deep:
             tokens = deep[i].to(x.dtype).expand(n, -1, -1)  # (N, M, W)
-            x = x.scatter(1, (slots + grown).unsqueeze(-1).expand(-1, -1, width), tokens)
+            at = inserted.shift(slots) if grown else slots  # (N, M)
+            x = x.scatter(1, at.unsqueeze(-1).expand(-1, -1, width), tokens)
         if need_weights:
             x, w = block(x, need_weights=True, mask=mask)
             weights.append(w)
         elif i == last and one_query:  # only the pooled token's output is read
-            at = text.pooled_index(eos, length, grown)
+            at = text.pooled_index(eos, length, inserted if grown else None)
             return text._project(block.forward_at(x, at, mask))
         elif recompute:
             x = checkpoint(block, x, False, mask, use_reentrant=False)
         else:
             x = block(x, mask=mask)
-    pooled = x[torch.arange(n, device=x.device), text.pooled_index(eos, length, grown)]  # (N, W)
+    pooled = x[torch.arange(n, device=x.device), text.pooled_index(eos, length, inserted if grown else None)]  # (N, W)
     feats = text._project(pooled)
     return (feats, torch.stack(weights)) if need_weights else feats
 

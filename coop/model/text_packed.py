@@ -7,7 +7,8 @@ tower pooled at [EOS] or at CoCa's class token): each row computes its own token
 one its pooled token sees, after G prefixes whose keys and values were computed once
 (`TextTransformer.prefix_keys_values`), packed into one sequence per tile of rows
 (`coop.model.packing`). Deep tokens replace the hidden states at the context slots; per-row tokens
-at slots inside a shared prefix end the sharing there (`_unshare_prefix`).
+at slots inside a shared prefix end the sharing there: only [SOS] stays shared, nothing for a
+tokenizer without [SOS] (`_unshare_prefix`).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _encode_tile(text, kv, x, eos, start: int, deep: dict, per_row: set, slots, 
         tokens = deep.get(i)
         if tokens is not None and in_prefix and i in per_row:  # per-row tokens in prefix slots
             h, packing, start = _unshare_prefix(text, h, packing, eos, start, in_prefix, g)
-            kv[i:] = [(k[:, :, :1], v[:, :, :1]) for k, v in kv[i:]]  # [SOS] alone stays shared
+            kv[i:] = [(k[:, :, :start], v[:, :, :start]) for k, v in kv[i:]]  # [SOS] or nothing stays
             in_prefix = 0
         if tokens is not None and in_prefix < slots.shape[1]:  # slots among the rows' own tokens
             own = slots[:, in_prefix:] - start + packing.offsets[:, None]  # (N, M-h) packed indices
@@ -100,14 +101,14 @@ def _pack(text, eos: torch.Tensor, start: int, g: int) -> Packing:
 
 
 def _unshare_prefix(text, h, packing: Packing, eos, start: int, in_prefix: int, g: int):
-    """Re-pack rows that shared [SOS][v1..vh] so that only [SOS] stays shared.
-
-    Returns (G, T', W) packed tokens 1..eos of every row (the old own tokens moved, the h slot
-    positions zero: the caller replaces them), the new packing and the new start (1).
+    """Re-pack rows that shared [SOS][v1..vh] (or [v1..vh]) so that only [SOS] (or nothing) stays
+    shared. Returns (G, T', W) packed tokens lead..eos of every row (lead 1 or 0; the old own
+    tokens moved, the h slot positions zero: the caller replaces them), the new packing, lead.
     """
-    if start != 1 + in_prefix:
+    lead = start - in_prefix
+    if lead not in (0, 1):
         raise ValueError(f"a shared prefix of {start} tokens must be [SOS] and {in_prefix} context slots")
-    packed = _pack(text, eos, 1, g)  # rows of their own tokens after [SOS]
-    moved = packed.offsets[packing.row] + packing.pos + start - 1  # (T,) old token -> new index
+    packed = _pack(text, eos, lead, g)  # rows of their own tokens after [SOS] (or all of them)
+    moved = packed.offsets[packing.row] + packing.pos + start - lead  # (T,) old token -> new index
     out = h.new_zeros(g, len(packed.row), h.shape[-1]).index_copy(1, moved, h)  # (G, T', W)
-    return out, packed, 1
+    return out, packed, lead

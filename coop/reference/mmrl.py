@@ -5,6 +5,11 @@ over the longer sequence, [EOS] read at its index + K), every image's sequence a
 ViT-B/16, tokens put in place with `torch.cat` before each listed block, and the frozen tower's
 features come from a second, complete pass over the same images. Slow on purpose: ground truth
 for the tests and the baseline of `tools/bench_vl.py --method mmrl`.
+
+The original knows CLIP's tokenizer only. The text side runs on any family's text modules
+(`coop.reference.text_parts`: its mask, over 77+K when causal, and its pooled token); with a
+tokenizer without a start token (`after=0`: SigLIP's, MetaCLIP 2's) the text tokens enter at
+position 0, before the first text token, and the pooled token moves K to the right with the rest.
 """
 
 from __future__ import annotations
@@ -13,34 +18,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coop.reference import eos_features, vision_features, vit_embeddings
+from coop.reference import vision_features, vit_embeddings
+from coop.reference.text_parts import pool_index, pooled_features, text_parts
 
 
-def _put_tokens(x: torch.Tensor, tokens: torch.Tensor, first: bool) -> torch.Tensor:
-    """[x_0][tokens][x_1..] at the first listed block, [x_0][tokens][x_(1+K)..] at a later one."""
+def _put_tokens(x: torch.Tensor, tokens: torch.Tensor, first: bool, after: int = 1) -> torch.Tensor:
+    """[x_0][tokens][x_1..] at the first listed block, [x_0][tokens][x_(1+K)..] at a later one;
+    with `after=0`, [tokens][x_0..] and then [tokens][x_K..]."""
     b, k = len(x), len(tokens)
-    rest = x[:, 1:] if first else x[:, 1 + k :]
-    return torch.cat([x[:, :1], tokens.to(x.dtype).unsqueeze(0).expand(b, -1, -1), rest], dim=1)
+    rest = x[:, after:] if first else x[:, after + k :]
+    return torch.cat([x[:, :after], tokens.to(x.dtype).unsqueeze(0).expand(b, -1, -1), rest], dim=1)
 
 
-def mmrl_text_features(oc: nn.Module, ids: torch.Tensor, tokens, layers) -> torch.Tensor:
+def mmrl_text_features(oc: nn.Module, ids: torch.Tensor, tokens, layers, after: int = 1) -> torch.Tensor:
     """(n_cls, E) text features of full-length prompts with the text tokens.
 
     Args:
-        oc: an open_clip CLIP.
+        oc: an open_clip CLIP (or CustomTextCLIP).
         ids: (n_cls, 77) ids of the templated class names.
         tokens: one (K, W_t) tensor per listed block.
         layers: 0-based text blocks, increasing.
+        after: 1: the tokens follow [SOS]; 0: a tokenizer without it, the tokens come first.
     """
-    x = oc.token_embedding(ids) + oc.positional_embedding  # (n_cls, 77, W)
-    for i, block in enumerate(oc.transformer.resblocks):
+    t = text_parts(oc)
+    x = t.token_embedding(ids) + t.positional_embedding  # (n_cls, 77, W)
+    for i, block in enumerate(t.transformer.resblocks):
         if i in layers:
             j = layers.index(i)
-            x = _put_tokens(x, tokens[j], first=j == 0)  # (n_cls, 77+K, W)
+            x = _put_tokens(x, tokens[j], first=j == 0, after=after)  # (n_cls, 77+K, W)
         length = x.shape[1]
-        mask = torch.full((length, length), float("-inf"), device=x.device).triu(1)  # over 77+K
+        mask = None  # a tower without the causal mask; else one over 77+K
+        if t.attn_mask is not None:
+            mask = torch.full((length, length), float("-inf"), device=x.device).triu(1)
         x = block(x, attn_mask=mask)
-    return eos_features(oc, x, ids.argmax(dim=-1) + len(tokens[0]))  # [EOS] moved K to the right
+    index = pool_index(oc, ids)  # (n_cls,) before the insertion
+    return pooled_features(oc, x, index + len(tokens[0]) * (index >= after))  # moved K to the right
 
 
 def mmrl_image_features(visual: nn.Module, images: torch.Tensor, tokens, layers, proj_rep: torch.Tensor):
@@ -85,6 +97,7 @@ def mmrl_step(
     vision_layers,
     alpha: float,
     reg_weight: float,
+    after: int = 1,
 ):
     """One MMRL training step's (loss, logits, logits_rep) as the original computes them.
 
@@ -97,13 +110,14 @@ def mmrl_step(
         proj_rep: (W_v, E).
         text_layers, vision_layers: 0-based listed blocks of each tower.
         alpha, reg_weight: the fusion weight and lambda.
+        after: where the text tokens enter (`mmrl_text_features`): 1 after [SOS], 0 without it.
     """
     text_tokens = [F.linear(rep_tokens, w, b) for w, b in to_text]
     vision_tokens = [F.linear(rep_tokens, w, b) for w, b in to_vision]
     with torch.no_grad():
         image_zs = vision_features(oc.visual, images)  # the second, complete image pass
         image_zs = image_zs / image_zs.norm(dim=-1, keepdim=True)
-    text = mmrl_text_features(oc, ids, text_tokens, text_layers)
+    text = mmrl_text_features(oc, ids, text_tokens, text_layers, after)
     image, image_rep = mmrl_image_features(oc.visual, images, vision_tokens, vision_layers, proj_rep)
     image = image / image.norm(dim=-1, keepdim=True)
     image_rep = image_rep / image_rep.norm(dim=-1, keepdim=True)

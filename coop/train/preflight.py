@@ -1,7 +1,6 @@
 """Checks of a run config against its method and model, before anything is built or written.
 
-    check_model_limits(cfg)   # ConfigError: prompt.depth above the text tower's layers, TCP
-                              # or MMRL with a tokenizer without a start token, ...
+    check_model_limits(cfg)   # ConfigError: prompt.depth above the text tower's layers, ...
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
 
 The towers' block counts come from OpenCLIP's model config (a name, or a model-config .json),
@@ -17,12 +16,11 @@ from __future__ import annotations
 import functools
 
 import open_clip
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from coop.config.checks import ConfigError
 from coop.methods import METHODS
 from coop.methods.base import TowerLayers
-from coop.model.tokenizer import TokenizerError, load_tokenizer, prompt_tokenizer
 from coop.model.weights import resolve_model_name
 
 
@@ -45,24 +43,6 @@ def check_model_limits(cfg: DictConfig) -> None:
     if towers is None:
         return  # not a tower we can read: building the model reports it
     METHODS[cfg.method].check_config(cfg, towers)
-    if METHODS[cfg.method].needs_start_token:
-        tokenizer = OmegaConf.select(cfg, "model.tokenizer", default=None)
-        if start_token(str(cfg.model.name), None if tokenizer is None else str(tokenizer)) is False:
-            name = resolve_model_name(str(cfg.model.name))
-            raise ConfigError(
-                f"method={cfg.method} needs a tokenizer with a start token; model {name}'s has none"
-            )
-
-
-@functools.cache
-def start_token(model: str, directory: str | None) -> bool | None:
-    """Whether the model's tokenizer (read from `directory`, `model.tokenizer`, when given) writes
-    a start token ([SOS], [CLS]); None when it cannot be loaded here (building the model says why)."""
-    try:
-        tokenizer = load_tokenizer(resolve_model_name(model), directory)
-    except TokenizerError:
-        return None
-    return prompt_tokenizer(tokenizer).sos_id is not None
 
 
 def check_base_to_new(cfg: DictConfig) -> None:
