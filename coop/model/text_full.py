@@ -82,7 +82,8 @@ def encode_full(
             x = checkpoint(block, x, False, mask, use_reentrant=False)
         else:
             x = block(x, mask=mask)
-    pooled = x[torch.arange(n, device=x.device), text.pooled_index(eos, length, inserted if grown else None)]  # (N, W)
+    at = text.pooled_index(eos, length, inserted if grown else None)  # (N,)
+    pooled = x[torch.arange(n, device=x.device), at]  # (N, W)
     feats = text._project(pooled)
     return (feats, torch.stack(weights)) if need_weights else feats
 
