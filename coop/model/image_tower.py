@@ -163,7 +163,9 @@ class ImageTower(nn.Module):
         own = x if self.pool_prompts else torch.cat([x[:, :n], x[:, n + k :]], dim=1)
         return self.pool(own), self.final_tokens(x[:, n : n + k]), plain
 
-    def _run(self, i: int, x: torch.Tensor, rope: torch.Tensor | None, grad_checkpointing: bool) -> torch.Tensor:
+    def _run(
+        self, i: int, x: torch.Tensor, rope: torch.Tensor | None, grad_checkpointing: bool
+    ) -> torch.Tensor:
         """Block i, recomputed in the backward pass under `grad_checkpointing` (with gradients on)."""
         if grad_checkpointing and torch.is_grad_enabled():
             return checkpoint(self.run_block, i, x, rope, use_reentrant=False)

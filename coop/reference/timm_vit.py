@@ -10,8 +10,8 @@ a copy of the tower and places the added tokens the way timm places its own pref
     before block i (1 <= i < J):                      x[:, N:N+M] = prompts[i]
     after the final norm (`trunk.norm`'s output):     the M rows dropped, unless pool_prompts
 
-MMRL's inserted tokens take the same places from block `layers[0]` on, and their rows after the
-final norm (and fc_norm) are returned. The two placements differ in the tokens' order only, which
+MMRL's inserted tokens take the same places at the input of block `layers[0]` (after norm_pre,
+even at block 0) and after, and their rows after the final norm (and fc_norm) are returned. The two placements differ in the tokens' order only, which
 attention without a mask does not see; on RoPE trunks they agree exactly when an appended prompt's
 rotation is the identity, which is what the test of this rule checks.
 """
@@ -68,10 +68,10 @@ def timm_vision_features(
 
         return hook
 
-    if layers[0] == 0:  # prompts[0]: after the positions, before norm_pre
+    if prompts is not None:  # prompts[0]: after the positions, before norm_pre
         trunk.pos_drop.register_forward_hook(lambda module, args, out: place(out, tokens[0], first=True))
     for i, block in enumerate(trunk.blocks):
-        if i in layers and i > 0:
+        if i in layers and (i > 0 or prompts is None):  # inserted tokens: at the block's input
             block.register_forward_pre_hook(enter(i), with_kwargs=True)
         if i >= layers[0] and hasattr(block.attn, "num_prefix_tokens"):
             block.attn.num_prefix_tokens += m  # RoPE skips them, as it skips timm's own prefix
