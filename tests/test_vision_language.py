@@ -300,7 +300,7 @@ def test_errors_are_one_line(tiny_clip, tmp_path):
     path.write_text(json.dumps(resnet))
     rn = load_clip(str(path), pretrained=None)
     with pytest.raises(
-        ModelError, match="method=vpt prompts the image tower, and model rn-tiny has a Modified"
+        ModelError, match="method=vpt prompts the image tower, and model rn-tiny.s image tower is a ResNet"
     ):
         build_method(rn, CLASSES, load_config(None, ["method=vpt", f"model.name={path}"]))
     assert build_method(rn, CLASSES, load_config(None, [f"model.name={path}"])).name == "coop"  # as today

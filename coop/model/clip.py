@@ -1,13 +1,15 @@
-"""CLIP for prompt learning: our own text Transformer and (for standard ViTs) our own image tower.
+"""CLIP for prompt learning: our own text Transformer and (for ViT towers) our own image forward.
 
     clip = coop.load_clip("ViT-B-16", pretrained="openai")      # or pretrained=None / a file
     clip = coop.CLIP.from_openclip(open_clip_model)              # wrap an already-built model
 
-`from_openclip` copies the text-tower weights into `coop.model.text_encoder.TextTransformer` and, for a
-standard OpenCLIP ViT, the image-tower weights into `coop.model.image_encoder.ImageTransformer` (same
-state-dict keys, checked one by one), so both sides run one forward of ours, with or without
-prompts. Other image towers (ResNets, attentional pooling, ...) keep open_clip's module; they
-serve the feature-based methods exactly as before and refuse vision prompts (`ModelError`).
+`from_openclip` copies the text-tower weights into `coop.model.text_encoder.TextTransformer` and the
+image tower into a `coop.model.image_tower.ImageTower`: open_clip's ViT into our
+`coop.model.image_encoder.ImageTransformer` (same state-dict keys, checked one by one), a timm ViT or
+EVA trunk into `coop.model.image_timm.TimmImageTower` (timm's modules, walked by our forward). Both
+sides then run one forward of ours, with or without prompts. Towers without tokens (ResNets,
+ConvNeXt, FastViT, ...) keep open_clip's module; they serve the feature-based methods exactly as
+before and refuse vision prompts (`ModelError`).
 
 `coop.model.weights.load_clip` builds the model by name and loads its weights (an OpenCLIP tag or a
 local file).
@@ -19,11 +21,15 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from open_clip.modified_resnet import ModifiedResNet
+from open_clip.timm_model import TimmModel
 from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.blocks import load_checked
-from coop.model.image_encoder import ImageTransformer, ModelError, vision_config_from_openclip
+from coop.model.image_encoder import ImageTransformer, vision_config_from_openclip
+from coop.model.image_timm import TimmImageTower, timm_config_refusal
+from coop.model.image_tower import ImageTower, ModelError
 from coop.model.text_encoder import TextTransformer
 from coop.model.text_support import text_config_from_openclip
 
@@ -32,15 +38,15 @@ log = logging.getLogger(__name__)
 
 class CLIP(nn.Module):
     """A frozen CLIP model whose text side runs through `TextTransformer` and whose image side runs
-    through `ImageTransformer` for standard ViTs (open_clip's own module otherwise).
+    through an `ImageTower` for ViTs (open_clip's own module otherwise).
 
     Args:
-        visual: an `ImageTransformer`, or open_clip's image tower.
+        visual: an `ImageTower`, or open_clip's image tower.
         text: the text encoder.
         logit_scale: CLIP's learned temperature (log scale).
         tokenizer: texts -> (N, 77) ids.
         name: the model's name, for messages.
-        vision_refusal: why `visual` cannot take vision prompts (None for an `ImageTransformer`).
+        vision_refusal: why `visual` cannot take vision prompts (None for an `ImageTower`).
     """
 
     def __init__(
@@ -59,7 +65,7 @@ class CLIP(nn.Module):
         self.tokenizer = tokenizer
         self.name = name or "CLIP"
         self.vision_refusal = None
-        if not isinstance(visual, ImageTransformer):
+        if not isinstance(visual, ImageTower):
             default = f"model {self.name}'s image tower {type(visual).__name__} takes no vision prompts"
             self.vision_refusal = vision_refusal or default
         self.requires_grad_(False)
@@ -79,12 +85,15 @@ class CLIP(nn.Module):
 
     @property
     def supports_vision_prompts(self) -> bool:
-        """Whether the image side is our `ImageTransformer` (a standard ViT), which takes prompts."""
-        return isinstance(self.visual, ImageTransformer)
+        """Whether the image side is one of our `ImageTower`s (a ViT), which take prompts."""
+        return isinstance(self.visual, ImageTower)
 
     @property
     def image_forward(self) -> str:
-        """Which code computes image features: "coop" (`ImageTransformer`) or "open_clip"."""
+        """Which code computes image features: "coop" (`ImageTransformer`), "coop-timm"
+        (`TimmImageTower`) or "open_clip" (open_clip's module)."""
+        if isinstance(self.visual, TimmImageTower):
+            return "coop-timm"
         return "coop" if self.supports_vision_prompts else "open_clip"
 
     def require_vision_prompts(self) -> None:
@@ -137,10 +146,10 @@ class CLIP(nn.Module):
 
         Args:
             images: (N, 3, H, W) normalised pixels.
-            prompts: None, or J vision-prompt tensors (see `ImageTransformer.forward`); a
-                ModelError naming the model when the image tower is not a standard ViT.
+            prompts: None, or J vision-prompt tensors (see `ImageTower.forward`); a ModelError
+                naming the model when the image tower takes none.
             grad_checkpointing: recompute the image tower's blocks in the backward pass (ViTs).
-            tokens: every token after ln_post, projected, (N, 1+P, E) (ViTs; see `ImageTransformer`).
+            tokens: every token after the final norm, projected, (N, T, E) (see `ImageTower.forward`).
         """
         if not self.supports_vision_prompts:
             if prompts is not None or tokens:
@@ -155,12 +164,26 @@ class CLIP(nn.Module):
 
 
 def _image_tower(visual: nn.Module, name: str) -> tuple[nn.Module, str | None]:
-    """Our `ImageTransformer` copy of a standard ViT tower, else open_clip's module and the reason."""
+    """Our `ImageTower` over the image tower (open_clip's ViT: `ImageTransformer`; timm's ViT and EVA
+    trunks: `TimmImageTower`), else open_clip's module and the reason."""
+    if isinstance(visual, TimmModel):
+        refusal = timm_config_refusal(visual, name)
+        return (visual, refusal) if refusal else (TimmImageTower.from_openclip(visual, name), None)
     try:
         vision_config_from_openclip(visual, name)
     except ModelError as e:
-        return visual, str(e)
+        return visual, _cnn_refusal(visual, name) or str(e)
     return ImageTransformer.from_openclip(visual, name), None
+
+
+def _cnn_refusal(visual: nn.Module, name: str) -> str | None:
+    """The one line for open_clip's ResNet towers, which have no tokens at all."""
+    if isinstance(visual, ModifiedResNet):
+        return (
+            f"model {name}'s image tower is a ResNet (a CNN): it has no tokens, so it takes no vision "
+            "prompts (CLIP-LoRA runs with lora.towers=[text])"
+        )
+    return None
 
 
 def cosine_logits(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor):

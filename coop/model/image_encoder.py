@@ -1,53 +1,45 @@
-"""CLIP's ViT image tower, re-implemented so that vision prompts can enter the sequence.
+"""open_clip's ViT image tower, re-implemented: one back end of `coop.model.image_tower.ImageTower`.
 
-The module mirrors OpenCLIP's standard `VisionTransformer` parameter for parameter (the state-dict
-keys equal open_clip's `visual.*` keys without the prefix, checked one by one at load), but it is
-our own forward code, built from the same blocks as `coop.model.text_encoder` without the causal mask:
+The module mirrors OpenCLIP's `VisionTransformer` parameter for parameter (the state-dict keys
+equal open_clip's `visual.*` keys without the prefix, checked one by one at load), but it is our
+own forward code, built from the same blocks as `coop.model.text_encoder` without the causal mask.
+The stages `ImageTower` runs, with the prompts it places:
 
-    x = conv1(images)                                         # (B, W, gh, gw) patch embedding
-    x = [class_embedding; patches] + positional_embedding     # (B, 1+P, W)
-    x = [x; prompts[0]]                                       # (B, 1+P+M, W) vision prompts appended,
-    x = ln_pre(x)                                             #   without positional embedding
-    for each block i:  if 1 <= i < J: x[:, -M:] = prompts[i]  # replaced, not added
-                       x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))       (no mask)
-    feats = ln_post(x[:, 0]) @ proj                           # (B, E)
-
-MMRL's representation tokens take another path, `encode_with_inserted`: K tokens inserted after
-[CLS] at one block and replaced at later ones (`coop.model.inserted.InsertedTokens`), with the
-frozen tower's features of the same images from the blocks before the insertion on, shared.
+    x = [class_embedding; conv1(images) patches] + positional_embedding     embed  (B, 1+P, W)
+    x = ln_pre(x)                                                           pre    (identity: CLIPA)
+    x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))                            blocks (no mask)
+    feats = ln_post(x[:, 0]) @ proj                                         pool   (class token)
+          = ln_post(mean of the patches) @ proj                                    (CLIPA: average,
+                                                                                    LayerNorm after it)
+          = ln_post(attn_pool(x))[:, 0] @ proj                                     (CoCa: attention pool)
 
 These are the vision-prompt semantics of the MaPLe/IVLP/VPT code (their `VisionTransformer_MaPLe`
-and `ResidualAttentionBlock_IVLP`): J = len(prompts) counts the input layer, blocks >= J carry the
-previous outputs, and every image shares the same tokens. Without prompts the forward is exactly
-open_clip's `encode_image`.
+and `ResidualAttentionBlock_IVLP`): prompts appended after the positions, before ln_pre, replaced
+at blocks 1..J-1. Without prompts the forward is exactly open_clip's `encode_image`.
 
-Towers this forward does not cover (ResNets, timm towers, attentional pooling, average pooling,
-layer scale, custom blocks, no ln_pre, patch dropout) are refused by `vision_config_from_openclip`
-with a one-line `ModelError` that names the model; `coop.model.clip.CLIP` then keeps open_clip's module.
+Towers this back end does not cover (ResNets, layer scale, custom blocks, patch dropout, CoCa's
+"parallel"/"cascade" pools) are refused by `vision_config_from_openclip` with a one-line
+`ModelError` that names the model; `coop.model.clip` then tries the timm back end or keeps
+open_clip's module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
 from dataclasses import dataclass
 
 import torch
 from open_clip.transformer import QuickGELU as OpenClipQuickGELU
 from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from coop.model.blocks import Resblocks, load_checked
-from coop.model.inserted import InsertedTokens
-
-
-class ModelError(ValueError):
-    """The model name, pretrained tag, weights file or tower cannot be used; the message says which."""
+from coop.model.image_tower import ImageTower, ModelError
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """Sizes of a standard ViT tower; the block fields share `TextConfig`'s names (same blocks)."""
+    """Sizes of open_clip's ViT tower; the block fields share `TextConfig`'s names (same blocks)."""
 
     image_size: int = 224
     patch_size: int = 16
@@ -59,6 +51,9 @@ class VisionConfig:
     quick_gelu: bool = False
     gelu_approximate: str = "none"
     ln_eps: float = 1e-5
+    ln_pre: bool = True  # False: CLIPA
+    pool: str = "tok"  # "tok": the class token; "avg": the mean of the patches (CLIPA)
+    final_ln_after_pool: bool = False  # CLIPA: ln_post on the pooled feature, not on every token
 
     @property
     def grid(self) -> int:
@@ -70,20 +65,26 @@ class VisionConfig:
         return 1 + self.grid**2
 
 
-class ImageTransformer(nn.Module):
-    """CLIP's ViT image encoder; `state_dict()` keys equal OpenCLIP's `visual.*` keys."""
+class ImageTransformer(ImageTower):
+    """open_clip's ViT image encoder; `state_dict()` keys equal OpenCLIP's `visual.*` keys.
 
-    def __init__(self, cfg: VisionConfig):
+    Args:
+        cfg: the sizes.
+        attn_pool: open_clip's `AttentionalPooler` (CoCa), kept as open_clip's module, or None.
+    """
+
+    def __init__(self, cfg: VisionConfig, attn_pool: nn.Module | None = None):
         super().__init__()
         self.cfg = cfg
         w = cfg.width
         self.conv1 = nn.Conv2d(3, w, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False)
         self.class_embedding = nn.Parameter(torch.empty(w))
         self.positional_embedding = nn.Parameter(torch.empty(cfg.tokens, w))
-        self.ln_pre = nn.LayerNorm(w, eps=cfg.ln_eps)
+        self.ln_pre = nn.LayerNorm(w, eps=cfg.ln_eps) if cfg.ln_pre else nn.Identity()
         self.transformer = Resblocks(cfg, causal=False)
-        self.ln_post = nn.LayerNorm(w, eps=cfg.ln_eps)
-        self.proj = nn.Parameter(torch.empty(w, cfg.output_dim))
+        self.attn_pool = attn_pool
+        self.ln_post = nn.LayerNorm(w if attn_pool is None else cfg.output_dim, eps=cfg.ln_eps)
+        self.proj = nn.Parameter(torch.empty(self.ln_post.normalized_shape[0], cfg.output_dim))
         # What `coop.model.clip.CLIP` reads off an image tower (open_clip's attributes of the same names).
         self.image_size = (cfg.image_size, cfg.image_size)
         self.preprocess_cfg: dict = {}
@@ -96,152 +97,77 @@ class ImageTransformer(nn.Module):
             visual: open_clip's image tower (`model.visual`).
             name: the model's name, for error messages.
         Raises:
-            ModelError: the tower is not a standard ViT (`vision_config_from_openclip`).
+            ModelError: the tower is not one this back end covers (`vision_config_from_openclip`).
             ValueError: its state-dict keys or shapes differ from ours.
         """
-        tower = cls(vision_config_from_openclip(visual, name))
+        pool = copy.deepcopy(visual.attn_pool) if visual.attn_pool is not None else None
+        tower = cls(vision_config_from_openclip(visual, name), pool)
         load_checked(tower, visual.state_dict(), "image", prefix="visual.")
         tower.preprocess_cfg = dict(getattr(visual, "preprocess_cfg", {}) or {})
         return tower.to(next(visual.parameters()).device)
-
-    @property
-    def layers(self) -> int:
-        return self.cfg.layers
 
     @property
     def width(self) -> int:
         return self.cfg.width
 
     @property
+    def output_dim(self) -> int:
+        return self.cfg.output_dim
+
+    @property
     def blocks(self) -> nn.ModuleList:
         return self.transformer.resblocks
 
-    def forward(
-        self,
-        images: torch.Tensor,
-        prompts: Sequence[torch.Tensor] | None = None,
-        grad_checkpointing: bool = False,
-        tokens: bool = False,
-    ) -> torch.Tensor:
-        """Encode images (B, 3, H, W) into unnormalised image features (B, E).
-
-        Args:
-            images: (B, 3, H, W) normalised pixels at the tower's image size.
-            prompts: None (plain CLIP) or J tensors, one per prompted layer, each (M, W) shared by
-                all images or (B, M, W) per image: `prompts[0]` is appended after the positional
-                embedding, `prompts[i]` replaces the last M hidden states before block i (i < J).
-            grad_checkpointing: recompute each block in the backward pass instead of storing its
-                activations (when gradients are enabled).
-            tokens: return every token after ln_post, projected: (B, 1+P(+M), E), [CLS] first
-                (FedOTP's patch features; open_clip's `output_tokens` gives them unprojected).
-        """
-        depth, m = self._check_prompts(prompts)
-        x = self.embed(images)  # (B, 1+P, W)
-        b = len(x)
-        if depth:
-            x = torch.cat([x, _per_image(prompts[0], b, x.dtype)], dim=1)  # (B, 1+P+M, W)
-        x = self.ln_pre(x)
-        for i, block in enumerate(self.blocks):
-            if 1 <= i < depth:
-                x = torch.cat([x[:, :-m], _per_image(prompts[i], b, x.dtype)], dim=1)  # replace the last M
-            x = _run(block, x, grad_checkpointing)
-        if tokens:
-            return self.ln_post(x) @ self.proj  # (B, T, W) @ (W, E) -> (B, T, E)
-        return self.ln_post(x[:, 0]) @ self.proj  # (B, W) @ (W, E) -> (B, E)
-
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
+    def embed(self, images: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Patch embeddings after the class token, plus positions: (B, 1+P, W), before ln_pre."""
         x = self.conv1(images)  # (B, W, gh, gw)
         b, width = x.shape[:2]
         x = x.reshape(b, width, -1).transpose(1, 2)  # (B, W, P) -> (B, P, W)
         cls = self.class_embedding.to(x.dtype).expand(b, 1, -1)  # (B, 1, W)
-        return torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, 1+P, W)
+        return torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype), None  # (B, 1+P, W)
 
-    def encode_with_inserted(
-        self,
-        images: torch.Tensor,
-        inserted: InsertedTokens,
-        frozen: bool = False,
-        grad_checkpointing: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """MMRL's image tower: K tokens inserted after [CLS] at block `inserted.layers[0]` and
-        replaced at the later listed blocks.
+    def pre(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_pre(x)
 
-        Args:
-            images: (B, 3, H, W) normalised pixels.
-            inserted: the tokens, each (K, W), and their 0-based blocks.
-            frozen: also return the plain tower's features of the same images; the blocks before
-                the insertion are the same computation for both, so they run once.
-            grad_checkpointing: as in `forward`.
-        Returns:
-            (features (B, E) = ln_post(x[:, 0]) @ proj, the K tokens' final hidden states after
-            ln_post (B, K, W), the frozen tower's features (B, E) without gradients or None).
-        """
-        first, k = inserted.layers[0], inserted.tokens[0].shape[0]
-        x = self.ln_pre(self.embed(images))  # (B, 1+P, W)
-        for block in self.blocks[:first]:
-            x = _run(block, x, grad_checkpointing)
-        plain = None
-        if frozen:
-            with torch.no_grad():
-                z = x
-                for block in self.blocks[first:]:
-                    z = block(z)
-                plain = self.ln_post(z[:, 0]) @ self.proj  # (B, E)
-        for i in range(first, self.layers):
-            x = _run(self.blocks[i], inserted.before(i, x), grad_checkpointing)  # (B, 1+K+P, W)
-        x = self.ln_post(x[:, : 1 + k])  # (B, 1+K, W): [CLS] and the inserted tokens
-        return x[:, 0] @ self.proj, x[:, 1:], plain
+    def run_block(self, i: int, x: torch.Tensor, rope: None) -> torch.Tensor:
+        return self.blocks[i](x)
 
-    def _check_prompts(self, prompts) -> tuple[int, int]:
-        """(J, M) of the prompts, (0, 0) for none; one-line errors for shapes that cannot work."""
-        if prompts is None:
-            return 0, 0
-        depth = len(prompts)
-        if depth < 1:
-            raise ValueError("vision prompts: got an empty list (pass None for no prompts)")
-        if depth > self.layers:
-            raise ValueError(f"vision prompt depth {depth} exceeds the image tower's {self.layers} layers")
-        m = prompts[0].shape[-2]
-        if m < 1:
-            raise ValueError("vision prompts need at least 1 token per layer (vision.n_ctx >= 1)")
-        for i, p in enumerate(prompts):
-            if p.dim() not in (2, 3) or p.shape[-2:] != (m, self.width):
-                raise ValueError(
-                    f"vision prompts[{i}] has shape {tuple(p.shape)}; expected ({m}, {self.width}) or (B, {m}, {self.width})"
-                )
-        return depth, m
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, W) final hidden states -> (B, E) features, open_clip's `_pool` and `proj`."""
+        if self.attn_pool is not None:
+            return self.ln_post(self.attn_pool(x))[:, 0] @ self.proj  # CoCa: the first query
+        if self.cfg.final_ln_after_pool:
+            return self.ln_post(self._pooled(x)) @ self.proj
+        return self._pooled(self.ln_post(x)) @ self.proj
 
+    def _pooled(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, 1:].mean(dim=1) if self.cfg.pool == "avg" else x[:, 0]  # (B, W)
 
-def _run(block: nn.Module, x: torch.Tensor, grad_checkpointing: bool) -> torch.Tensor:
-    """One block, recomputed in the backward pass under `grad_checkpointing` (with gradients on)."""
-    if grad_checkpointing and torch.is_grad_enabled():
-        return checkpoint(block, x, use_reentrant=False)
-    return block(x)
+    def final_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Every token after ln_post (B, T, W); a ModelError for CoCa, whose ln_post and
+        projection act on the attention pool's queries, so no token has a feature of its own."""
+        if self.attn_pool is not None:
+            raise ModelError("an attention-pooled ViT (CoCa) has no per-token features (FedOTP's, MMRL's)")
+        return self.ln_post(x)
 
-
-def _per_image(p: torch.Tensor, b: int, dtype: torch.dtype) -> torch.Tensor:
-    """(M, W) shared tokens or (B, M, W) per-image tokens -> (B, M, W) in the stream's dtype."""
-    return p.to(dtype).expand(b, -1, -1)
+    def project(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens @ self.proj  # (B, T, W) @ (W, E) -> (B, T, E)
 
 
 def vision_config_from_openclip(visual: nn.Module, name: str | None = None) -> VisionConfig:
-    """Read the sizes off an OpenCLIP image tower; a ModelError naming the model if it is not a
-    standard ViT (conv patches, class token, learned positions, ln_pre, plain pre-LN blocks,
-    class-token pooling, ln_post, proj)."""
+    """Read the sizes off an OpenCLIP ViT image tower; a ModelError naming the model if this back
+    end does not cover it (conv patches, class token, learned positions, plain pre-LN blocks,
+    class-token or average pooling or CoCa's attention pool, ln_post, proj)."""
     name = name or type(visual).__name__
     if not isinstance(visual, VisionTransformer):
-        raise ModelError(
-            f"model {name} has a {type(visual).__name__} image tower, not a standard OpenCLIP ViT; "
-            "vision prompts need ViT-B-32, ViT-B-16, ViT-L-14, ViT-H-14 or a config of the same kind"
-        )
+        raise ModelError(f"model {name} has a {type(visual).__name__} image tower, not open_clip's ViT")
     problems = []
-    if visual.attn_pool is not None:
-        problems.append("attentional pooling")
-    if visual.pool_type != "tok":
-        problems.append(f"pooling '{visual.pool_type}' instead of the class token")
-    if not isinstance(visual.ln_pre, nn.LayerNorm):
-        problems.append("no ln_pre")
+    if visual.attn_pool is not None and getattr(visual, "attn_pool_contrastive", None) is not None:
+        problems.append(f"'{visual.attn_pool_type}' attention pooling")
+    if visual.pool_type not in ("tok", "avg"):
+        problems.append(f"pooling '{visual.pool_type}'")
+    if not isinstance(visual.ln_pre, (nn.LayerNorm, nn.Identity)):
+        problems.append(f"ln_pre {type(visual.ln_pre).__name__}")
     if not isinstance(visual.patch_dropout, nn.Identity):
         problems.append("patch dropout")
     if visual.proj is None:
@@ -265,7 +191,7 @@ def vision_config_from_openclip(visual: nn.Module, name: str | None = None) -> V
     if act is not None and not isinstance(act, (OpenClipQuickGELU, nn.GELU)):
         problems.append(f"MLP activation {type(act).__name__}")
     if problems:
-        raise ModelError(f"model {name}'s image tower is not a standard OpenCLIP ViT: {', '.join(problems)}")
+        raise ModelError(f"model {name}'s image tower is not one our ViT covers: {', '.join(problems)}")
     block = visual.transformer.resblocks[0]
     quick = isinstance(act, OpenClipQuickGELU)
     return VisionConfig(
@@ -278,5 +204,8 @@ def vision_config_from_openclip(visual: nn.Module, name: str | None = None) -> V
         output_dim=visual.proj.shape[1],
         quick_gelu=quick,
         gelu_approximate="none" if quick else act.approximate,
-        ln_eps=visual.ln_pre.eps,
+        ln_eps=visual.ln_post.eps,
+        ln_pre=isinstance(visual.ln_pre, nn.LayerNorm),
+        pool=visual.pool_type,
+        final_ln_after_pool=bool(visual.final_ln_after_pool),
     )

@@ -193,10 +193,12 @@ def vision_features(visual: nn.Module, images: torch.Tensor, prompts=None) -> to
     As the MaPLe repository's vision tower: patches, class token prepended, positional embedding
     added; then prompts[0] appended at the end (no positional embedding) and ln_pre over the whole
     sequence; before block i (1 <= i < J) the last M hidden states are cut off and prompts[i]
-    concatenated in their place; ln_post of the class token, times proj.
+    concatenated in their place; the prompts' outputs dropped, then open_clip's own pooling
+    (`_pool`: ln_post of the class token; CLIPA's average of the patches with ln_post after it;
+    CoCa's attention pool) times proj.
 
     Args:
-        visual: open_clip's image tower (`model.visual`), a standard ViT.
+        visual: open_clip's image tower (`model.visual`), a ViT.
         images: (B, 3, H, W).
         prompts: None or J tensors (M, W), shared by all images.
     """
@@ -214,7 +216,10 @@ def vision_features(visual: nn.Module, images: torch.Tensor, prompts=None) -> to
             x = block(x)
         else:
             x = block(x.transpose(0, 1)).transpose(0, 1)  # (B, L, W) <-> (L, B, W)
-    return visual.ln_post(x[:, 0]) @ visual.proj
+    if prompts:
+        x = x[:, : x.shape[1] - len(prompts[-1])]  # the pool reads the tower's own tokens
+    pooled, _ = visual._pool(x)
+    return pooled @ visual.proj
 
 
 def deep_text_features(
