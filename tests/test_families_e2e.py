@@ -75,24 +75,55 @@ def images(clip, n: int = 6) -> torch.Tensor:
     return torch.randn(n, 3, clip.image_size, clip.image_size, generator=gen)
 
 
+@pytest.fixture(scope="module")
+def family_features(family):
+    """6 images and the family's image features of them, encoded once per family (the image towers
+    at 224-384 pixels cost most of a text method's test), with a copy of the model's state that the
+    tests sharing the model check it against."""
+    clip = family[2]
+    x = images(clip)
+    with torch.no_grad():
+        feats = clip.encode_image(x)
+    return x, feats, state(clip)
+
+
+def state(module: torch.nn.Module) -> dict:
+    """What a method could change in a frozen model it is given: tensors, modes, flags and hooks."""
+    return {
+        "tensors": {k: v.clone() for k, v in module.state_dict().items()},
+        "modes": [(n, type(m).__name__, m.training) for n, m in module.named_modules()],
+        "grad": [(n, p.requires_grad) for n, p in module.named_parameters()],
+        "hooks": [(n, len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in module.named_modules()],
+    }
+
+
+def assert_unchanged(module: torch.nn.Module, before: dict) -> None:
+    now = state(module)
+    assert now["tensors"].keys() == before["tensors"].keys()
+    changed = [k for k, v in before["tensors"].items() if not torch.equal(v, now["tensors"][k])]
+    assert not changed, changed
+    for what in ("modes", "grad", "hooks"):
+        assert now[what] == before[what], what
+
+
 @pytest.mark.parametrize("method_name", sorted(METHODS))
-def test_text_method_trains(family, method_name):
-    """Two SGD steps: the loss is finite and every learned tensor moves."""
-    clip = copy.deepcopy(family[2])  # CLIP-LoRA attaches its adapters to the tower it is given
+def test_text_method_trains(family, family_features, method_name):
+    """Two SGD steps: the loss is finite and every learned tensor moves; the model the methods share
+    is left as it was."""
+    x, feats, before = family_features
+    lora = method_name == "clip_lora"  # CLIP-LoRA attaches its adapters to the tower it is given
+    clip = copy.deepcopy(family[2]) if lora else family[2]
     cfg = load_config(None, METHODS[method_name])
     if method_name == "tcp" and PromptTokenizer(clip.tokenizer).sos_id is None:  # SigLIP, MetaCLIP 2
         with pytest.raises(PromptError, match="TCP needs a tokenizer with a start token"):
             build_method(clip, CLASSES, cfg)
         return
     method = build_method(clip, CLASSES, cfg)
-    x = images(clip)
-    with torch.no_grad():
-        feats = clip.encode_image(x)
     assert feats.shape == (len(x), clip.embed_dim) and bool(feats.isfinite().all())
-    inputs = x if method_name == "clip_lora" else feats  # CLIP-LoRA takes images
+    inputs = x if lora else feats  # CLIP-LoRA takes images
     labels = torch.arange(len(x)) % len(CLASSES)
-    before = {k: v.detach().clone() for k, v in method.learnable().items()}
-    assert before
+    learned = {k: v.detach().clone() for k, v in method.learnable().items()}
+    assert learned
     params = [p for p in method.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.5)
     method.train()
@@ -103,8 +134,10 @@ def test_text_method_trains(family, method_name):
         loss.backward()
         opt.step()
     after = method.learnable()
-    moved = [k for k in before if not torch.equal(before[k], after[k].detach())]
+    moved = [k for k in learned if not torch.equal(learned[k], after[k].detach())]
     assert moved, f"{method_name}: nothing learned"
+    if not lora:
+        assert_unchanged(clip, before)
 
 
 def test_zeroshot_is_open_clips_features(family):
