@@ -41,9 +41,10 @@ def randomise_prompts(learner: torch.nn.Module, seed: int = 0) -> torch.nn.Modul
     return learner
 
 
-def build_openclip(name: str, seed: int = 0) -> torch.nn.Module:
+def build_openclip(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """open_clip's model `name` with random weights (`overrides`: config entries that replace its own)."""
     torch.manual_seed(seed)
-    model = open_clip.create_model(name, pretrained=None)
+    model = open_clip.create_model(name, pretrained=None, **overrides)
     return randomise_text_tower(model, seed).eval()
 
 
