@@ -41,9 +41,10 @@ def randomise_prompts(learner: torch.nn.Module, seed: int = 0) -> torch.nn.Modul
     return learner
 
 
-def build_openclip(name: str, seed: int = 0) -> torch.nn.Module:
+def build_openclip(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """open_clip's model `name` with random weights (`overrides`: config entries that replace its own)."""
     torch.manual_seed(seed)
-    model = open_clip.create_model(name, pretrained=None)
+    model = open_clip.create_model(name, pretrained=None, **overrides)
     return randomise_text_tower(model, seed).eval()
 
 
@@ -251,11 +252,13 @@ def interrupted_at(epoch: int):
         coop.train.runner.train_one_epoch = real
 
 
-def run_tool_in_process(script: Path, args: list[str]):
+def run_tool_in_process(script: Path, args: list[str], log: bool = False):
     """Run `python <script> <args>` in this process: the script's own `__main__` path, its exit code,
     stdout and stderr, as `subprocess.run(..., capture_output=True, text=True)` returns them, without
-    the 5-10 s of starting Python and importing torch. For bad-input tests whose message is printed,
-    not logged (the tools' logging is set up once per process); keep a real subprocess test per tool.
+    the 5-10 s of starting Python and importing torch. What the tool prints is in stderr; what it
+    logs (the tools' logging is set up once per process, and pytest holds the root logger's
+    handlers) only with `log=True`: coop's log lines, as a tool's console shows them. Keep a real
+    subprocess test per tool.
     """
     import contextlib
     import io
@@ -266,6 +269,10 @@ def run_tool_in_process(script: Path, args: list[str]):
     argv, path = [str(script), *map(str, args)], list(sys.path)
     levels = {name: logging.getLogger(name).level for name in ("", "coop")}
     out, err, code = io.StringIO(), io.StringIO(), 0
+    console = logging.StreamHandler(err)
+    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    if log:
+        logging.getLogger("coop").addHandler(console)
     old_argv, sys.argv = sys.argv, argv
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -276,6 +283,7 @@ def run_tool_in_process(script: Path, args: list[str]):
             err.write(f"{e.code}\n")  # sys.exit("message") prints it, as the interpreter would
     finally:
         sys.argv, sys.path[:] = old_argv, path
+        logging.getLogger("coop").removeHandler(console)
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_tool_in_process
 
 sys.path.insert(0, str(REPO / "tools"))
 import _cli  # noqa: E402
@@ -154,7 +153,9 @@ def test_cuda_out_of_memory_error_gets_the_hint(oom, capsys):
         ("prompt.depth=9", "error: prompt.depth must be in 1..3 (the text tower's layers), got 9"),
     ],
 )
-def test_train_tool_bad_model_or_prompt_is_one_line(image_folder, tmp_path, override, message):
+def test_train_tool_bad_model_or_prompt_is_one_line(image_folder, tmp_path, monkeypatch, override, message):
+    # in-process (the message is printed; train.py's real process is tested in test_train.py)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = [
         f"model.name={REPO / 'configs' / 'models' / 'coop-tiny.json'}",
         "model.pretrained=none",
@@ -165,13 +166,7 @@ def test_train_tool_bad_model_or_prompt_is_one_line(image_folder, tmp_path, over
         f"output_dir={tmp_path / 'run'}",
         override,
     ]
-    res = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "train.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    res = run_tool_in_process(REPO / "tools" / "train.py", args)
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(message) and "Traceback" not in res.stderr

@@ -72,16 +72,49 @@ def images(clip, n: int = 6) -> torch.Tensor:
     return torch.randn(n, 3, clip.image_size, clip.image_size, generator=gen)
 
 
-@pytest.mark.parametrize("method_name", sorted(METHODS))
-def test_text_method_trains(family, method_name):
-    """Two SGD steps: the loss is finite and every learned tensor moves."""
-    clip = copy.deepcopy(family[2])  # CLIP-LoRA attaches its adapters to the tower it is given
-    method = build_method(clip, CLASSES, load_config(None, METHODS[method_name]))
+@pytest.fixture(scope="module")
+def family_features(family):
+    """6 images and the family's image features of them, encoded once per family (the image towers
+    at 224-384 pixels cost most of a text method's test), with a copy of the model's state that the
+    tests sharing the model check it against."""
+    clip = family[2]
     x = images(clip)
     with torch.no_grad():
         feats = clip.encode_image(x)
+    return x, feats, state(clip)
+
+
+def state(module: torch.nn.Module) -> dict:
+    """What a method could change in a frozen model it is given: tensors, modes, flags and hooks."""
+    return {
+        "tensors": {k: v.clone() for k, v in module.state_dict().items()},
+        "modes": [(n, type(m).__name__, m.training) for n, m in module.named_modules()],
+        "grad": [(n, p.requires_grad) for n, p in module.named_parameters()],
+        "hooks": [(n, len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in module.named_modules()],
+    }
+
+
+def assert_unchanged(module: torch.nn.Module, before: dict) -> None:
+    now = state(module)
+    assert now["tensors"].keys() == before["tensors"].keys()
+    changed = [k for k, v in before["tensors"].items() if not torch.equal(v, now["tensors"][k])]
+    assert not changed, changed
+    for what in ("modes", "grad", "hooks"):
+        assert now[what] == before[what], what
+
+
+@pytest.mark.parametrize("method_name", sorted(METHODS))
+def test_text_method_trains(family, family_features, method_name):
+    """Two SGD steps: the loss is finite and every learned tensor moves; the model the methods share
+    is left as it was."""
+    x, feats, before = family_features
+    lora = method_name == "clip_lora"  # CLIP-LoRA attaches its adapters to the tower it is given
+    clip = copy.deepcopy(family[2]) if lora else family[2]
+    method = build_method(clip, CLASSES, load_config(None, METHODS[method_name]))
     assert feats.shape == (len(x), clip.embed_dim) and bool(feats.isfinite().all())
-    trains_two_steps(method, x if method_name == "clip_lora" else feats)  # CLIP-LoRA takes images
+    trains_two_steps(method, x if lora else feats)  # CLIP-LoRA takes images
+    if not lora:
+        assert_unchanged(clip, before)
 
 
 def trains_two_steps(method, inputs: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 
 import pytest
-from conftest import REPO, tiny_args
+from conftest import REPO, run_tool_in_process, tiny_args
 from PIL import Image
 
 from coop.config.checks import ConfigError
@@ -97,7 +97,10 @@ def test_fewshot_cache_records_the_split_file(tmp_path, caplog):
 
 def test_bad_class_is_one_line(tmp_path):
     folder = class_folder(tmp_path / "set", {"red_thing": 5, "green_thing": 2})
-    res = run(folder, "--out", tmp_path / "s.json")
+    # in-process, log lines included (the tool's real process: the test above)
+    res = run_tool_in_process(
+        REPO / "tools" / "make_split.py", [folder, "--out", tmp_path / "s.json"], log=True
+    )
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert "class 'green_thing' has 2 image(s), too few for val=0.2 test=0.3" in res.stderr
     assert not (tmp_path / "s.json").exists()

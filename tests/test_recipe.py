@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, interrupted_at, make_image_folder, tiny_args
+from conftest import REPO, TINY_CONFIG, interrupted_at, make_image_folder, run_tool_in_process, tiny_args
 
 import coop
 from coop.config.checks import ConfigError
@@ -326,15 +323,11 @@ def test_resume_from_unusable_checkpoint_is_one_line(trained, image_folder, tmp_
 
 def test_eval_tool_prints_one_line_for_an_unusable_checkpoint(trained, tmp_path):
     (random_bytes, _), _, _ = bad_checkpoints(trained, tmp_path / "files")
-    res = run_tool("eval.py", "--checkpoint", str(random_bytes))
+    # in-process: tools/eval.py's real process is tested in test_train.py
+    res = run_tool_in_process(REPO / "tools" / "eval.py", ["--checkpoint", random_bytes])
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert errors == [f"error: cannot read checkpoint {random_bytes}: not a torch.save file"]
-
-
-def run_tool(name: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "tools" / name), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ.copy())
 
 
 # --- 7. no training images ------------------------------------------------------------------

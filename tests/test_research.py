@@ -71,6 +71,12 @@ def run_tool(name, *args, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env or os.environ.copy())
 
 
+def sweep_here(*args):
+    """tools/sweep.py in this process, log lines included (its real process: `swept`, the submitit
+    test); the runs it starts are processes of their own either way."""
+    return run_tool_in_process(TOOLS / "sweep.py", list(args), log=True)
+
+
 def tiny_keys(data):
     return [f"model.name={TINY_CONFIG}", "model.pretrained=none", "data.name=imagefolder",
             f"data.root={data}", "data.shots=4", "data.num_workers=0", "train.epochs=2",
@@ -136,10 +142,10 @@ def test_collect_table_matches_metrics(swept):
     assert "| end | 2 |" in res.stdout
 
 
-def test_second_sweep_skips_finished_runs(swept, cache_env, capsys):
+def test_second_sweep_skips_finished_runs(swept, capsys):
     root, grid, _ = swept
     stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").rglob("checkpoint.pt")}
-    res = run_tool("sweep", "--grid", grid, "--out", root / "runs", "data.seed=[1,2]", env=cache_env)
+    res = sweep_here("--grid", grid, "--out", root / "runs", "data.seed=[1,2]")
     assert res.returncode == 0 and "4 done" in res.stderr and "nothing to do" in res.stderr
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").rglob("checkpoint.pt")}
     dry = load_tool("sweep").main(
@@ -166,26 +172,28 @@ def test_sweep_through_submitit_local_executor(tmp_path, tiny_data, cache_env):
 # ---------------------------------------------------------------- sweep mechanics (fake trainer)
 
 
-def test_sweep_reports_failures_and_resumes(tmp_path, capsys):
+def test_sweep_reports_failures_and_resumes(tmp_path, capsys, monkeypatch):
     fake = tmp_path / "fake_train.py"
     fake.write_text(FAKE_TRAIN)
     args = ["--out", tmp_path / "runs", "--train-script", fake, "--jobs", 2, "data.name=textile"]
     args += ["train.lr=[0.002,0.666]", "data.seed=[1,2]"]
-    res = run_tool("sweep", *args, env={**os.environ, "FAIL": "1"})
+    monkeypatch.setenv("FAIL", "1")  # the fake trainer fails at train.lr=0.666
+    res = sweep_here(*args)
+    monkeypatch.delenv("FAIL")
     assert res.returncode == 1
     failed = [ln for ln in res.stderr.splitlines() if ln.startswith("  ")]
     assert len(failed) == 2 and all("_lr0.666/seed" in ln and "loss is NaN" in ln for ln in failed)
     assert len(list((tmp_path / "runs").rglob("metrics.json"))) == 2  # the others still ran
     assert load_tool("sweep").main([*map(str, args), "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "4 runs: 2 done, 2 to resume, 0 new"
-    again = run_tool("sweep", *args)  # the failed runs are rerun, the finished ones skipped
+    again = sweep_here(*args)  # the failed runs are rerun, the finished ones skipped
     assert again.returncode == 0 and "2 of 2 runs finished" in again.stderr
     assert len(list((tmp_path / "runs").rglob("metrics.json"))) == 4
 
 
 def test_sweep_rejects_bad_points_before_running(tmp_path):
     out = tmp_path / "runs"
-    res = run_tool("sweep", "--grid", GRIDS / "position.yaml", "--out", out, "prompt.colour=[red,blue]")
+    res = sweep_here("--grid", GRIDS / "position.yaml", "--out", out, "prompt.colour=[red,blue]")
     assert res.returncode == 2 and "'prompt.colour'" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not out.exists()

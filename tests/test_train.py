@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,14 @@ EVAL = [sys.executable, str(REPO / "tools" / "eval.py")]
 
 def run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ.copy(), **kw)
+
+
+def run_here(cmd):
+    """`run(cmd)` in this process, log lines included (`run_tool_in_process`): the tools' real
+    processes (exit code, console, a SIGKILL) are tested by the first run of
+    test_train_writes_run_folder, the kill of test_resume_after_sigkill_is_exact, the first eval of
+    test_eval_same_and_other_dataset and test_corrupt_image_is_named_or_skipped's loader workers."""
+    return run_tool_in_process(Path(cmd[1]), cmd[2:], log=True)
 
 
 def load_ckpt(path):
@@ -62,11 +71,11 @@ def test_train_writes_run_folder(image_folder, tmp_path):
 
     # a finished run is not trained again
     mtime = (out / "checkpoint.pt").stat().st_mtime_ns
-    again = run(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 2, "prompt.csc": "true"}))
+    again = run_here(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 2, "prompt.csc": "true"}))
     assert again.returncode == 0 and "not training again" in again.stderr
     assert (out / "checkpoint.pt").stat().st_mtime_ns == mtime
     # ... and a different config on the same folder is refused with one line
-    other = run(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 3, "prompt.csc": "true"}))
+    other = run_here(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 3, "prompt.csc": "true"}))
     assert other.returncode == 2 and "different config (prompt.depth" in other.stderr
     assert "Traceback" not in other.stderr
 
@@ -75,14 +84,14 @@ def test_train_writes_run_folder(image_folder, tmp_path):
 def test_resume_after_sigkill_is_exact(image_folder, tmp_path, aug_views):
     extra = {"train.epochs": 30, "train.aug_views": aug_views}
     ref = tmp_path / "uninterrupted"
-    assert run(TRAIN + tiny_args(image_folder, ref, **extra)).returncode == 0
+    assert run_here(TRAIN + tiny_args(image_folder, ref, **extra)).returncode == 0
 
     out = tmp_path / "killed"
     kill_at_first_checkpoint(TRAIN + tiny_args(image_folder, out, **extra), out)
     killed_at = load_ckpt(out / "checkpoint.pt")["epoch"] if (out / "checkpoint.pt").exists() else 0
     assert killed_at < 30, "the kill came too late to test resuming"
 
-    res = run(TRAIN + tiny_args(image_folder, out, **extra))
+    res = run_here(TRAIN + tiny_args(image_folder, out, **extra))
     assert res.returncode == 0, res.stderr[-2000:]
     a, b = load_ckpt(ref / "checkpoint.pt"), load_ckpt(out / "checkpoint.pt")
     assert torch.equal(a["prompt"]["ctx"], b["prompt"]["ctx"])
@@ -94,7 +103,7 @@ def test_resume_after_sigkill_is_exact(image_folder, tmp_path, aug_views):
 
 def test_eval_same_and_other_dataset(image_folder, tmp_path):
     out = tmp_path / "run"
-    assert run(TRAIN + tiny_args(image_folder, out)).returncode == 0
+    assert run_here(TRAIN + tiny_args(image_folder, out)).returncode == 0
     metrics = json.loads((out / "metrics.json").read_text())
     res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt")])
     assert res.returncode == 0, res.stderr[-2000:]
@@ -102,7 +111,7 @@ def test_eval_same_and_other_dataset(image_folder, tmp_path):
     assert again["accuracy"] == metrics["accuracy"] and again["n_test"] == metrics["n_test"]
 
     other = make_image_folder(tmp_path / "other", classes=("yellow_thing", "red_thing"), n_test=3)
-    res = run(
+    res = run_here(
         EVAL
         + [
             "--checkpoint",
@@ -119,16 +128,17 @@ def test_eval_same_and_other_dataset(image_folder, tmp_path):
 def test_eval_refuses_csc_transfer(image_folder, tmp_path):
     out = tmp_path / "run"
     assert (
-        run(TRAIN + tiny_args(image_folder, out, **{"prompt.csc": "true", "train.epochs": 2})).returncode == 0
+        run_here(TRAIN + tiny_args(image_folder, out, **{"prompt.csc": "true", "train.epochs": 2})).returncode
+        == 0
     )
     other = make_image_folder(tmp_path / "other", classes=("a_thing", "b_thing"), n_test=2)
-    res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), f"data.root={other}"])
+    res = run_here(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), f"data.root={other}"])
     assert res.returncode == 2 and "class-specific context" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_non_finite_loss_stops_with_last_good_checkpoint(image_folder, tmp_path):
     out = tmp_path / "run"
-    res = run(TRAIN + tiny_args(image_folder, out, **{"train.lr": 1e38, "train.epochs": 5}))
+    res = run_here(TRAIN + tiny_args(image_folder, out, **{"train.lr": 1e38, "train.epochs": 5}))
     assert res.returncode == 1 and "non-finite" in res.stderr and "last good checkpoint" in res.stderr
     ckpt = load_ckpt(out / "checkpoint.pt")
     assert ckpt["epoch"] >= 1 and not ckpt["finished"]
@@ -174,13 +184,14 @@ def test_corrupt_image_is_named_or_skipped(tmp_path, workers):
     bad = folder / "train" / "red_thing" / "1.png"
     bad.write_bytes(b"not a png at all")
     extra = {"data.num_workers": workers, "train.epochs": 1, "train.warmup_epochs": 0}
-    res = run(TRAIN + tiny_args(folder, tmp_path / "run", **extra))
+    tool = run if workers else run_here  # the workers log the skipped image: a real process's stderr
+    res = tool(TRAIN + tiny_args(folder, tmp_path / "run", **extra))
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"cannot read image {bad}" in errors[0]
     assert "Traceback" not in res.stderr
 
-    res = run(TRAIN + tiny_args(folder, tmp_path / "run2", **extra, **{"data.skip_corrupt": "true"}))
+    res = tool(TRAIN + tiny_args(folder, tmp_path / "run2", **extra, **{"data.skip_corrupt": "true"}))
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"skipping cannot read image {bad}" in res.stderr
 
@@ -193,7 +204,7 @@ def test_zero_epochs_is_the_zero_shot_baseline(image_folder, tmp_path):
     from coop.train.features import encode_images
 
     out = tmp_path / "zs"
-    res = run(
+    res = run_here(
         TRAIN + tiny_args(image_folder, out, **{"train.epochs": 0, "prompt.ctx_init": "'a photo of a'"})
     )
     assert res.returncode == 0, res.stderr[-2000:]
@@ -209,7 +220,7 @@ def test_zero_epochs_is_the_zero_shot_baseline(image_folder, tmp_path):
         preds = coop.cosine_logits(feats, text, clip.logit_scale).argmax(-1)
     assert metrics["accuracy"] == pytest.approx(100.0 * float((preds == labels).float().mean()))
 
-    bad = run(TRAIN + tiny_args(image_folder, tmp_path / "x", **{"train.epochs": 0}))
+    bad = run_here(TRAIN + tiny_args(image_folder, tmp_path / "x", **{"train.epochs": 0}))
     assert bad.returncode == 2 and "set prompt.ctx_init" in bad.stderr
 
 
@@ -225,11 +236,11 @@ def test_base_to_new(tmp_path):
     assert len(base.test) + len(new.test) == len(full.test)
 
     out = tmp_path / "run"
-    res = run(TRAIN + tiny_args(folder, out, **{"data.subsample_classes": "base", "train.epochs": 2}))
+    res = run_here(TRAIN + tiny_args(folder, out, **{"data.subsample_classes": "base", "train.epochs": 2}))
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((out / "metrics.json").read_text())["n_test"] == 4
     assert load_ckpt(out / "checkpoint.pt")["classnames"] == ["a_thing", "b_thing"]
-    res = run(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), "data.subsample_classes=new"])
+    res = run_here(EVAL + ["--checkpoint", str(out / "checkpoint.pt"), "data.subsample_classes=new"])
     assert res.returncode == 0, res.stderr[-2000:]
     new_metrics = json.loads((out / "eval_imagefolder_new.json").read_text())
     assert new_metrics["n_test"] == 2 and new_metrics["accuracy"] == 100.0  # one class: always right

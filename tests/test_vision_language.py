@@ -5,14 +5,14 @@ eval.targets, one table with coop and maple rows)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+from pathlib import Path
 
 import open_clip
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY_CONFIG, kill_at_first_checkpoint, randomise_prompts
+from conftest import REPO, TINY_CONFIG, kill_at_first_checkpoint, randomise_prompts, run_tool_in_process
 from test_image_encoder import randomise
 from test_protocols import data_root  # noqa: F401  (a fixture)
 
@@ -318,7 +318,7 @@ def test_errors_are_one_line(tiny_clip, tmp_path):
         vl_cfg("maple", "vision.depth=3")
     with pytest.raises(ConfigError, match="train.aug_views=2 caches image features"):
         train_run(tiny_cfg(tmp_path / "aug", "method=vpt", "vision.depth=2", "train.aug_views=2"))
-    res = subprocess.run(TRAIN + ["method=maple", "vision.n_ctx=3"], capture_output=True, text=True, cwd=REPO)
+    res = run_tool_in_process(Path(TRAIN[1]), ["method=maple", "vision.n_ctx=3"])  # a real run: test_train
     lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert (
         res.returncode == 2 and len(lines) == 1 and "vision.n_ctx=3 conflicts with prompt.n_ctx=2" in lines[0]
