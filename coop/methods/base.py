@@ -121,7 +121,7 @@ class Method(nn.Module):
     tunes_on_val = False  # whether the runner calls `tune` with the val split's features
     fit_request: FeatureRequest | None = None  # the training features `fit` and `tune` take
     phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
-    image_tokens = False  # True: "features" are every projected token (B, 1+P, E) (FedOTP)
+    image_tokens = False  # True: "features" are every projected token (B, n_prefix+P, E) (FedOTP)
     text_prompt = False  # True: a learned text context, `prompt.*` (`coop.model.prompt.PromptLearner`)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
