@@ -8,8 +8,8 @@ patches, `shrunk_timm`; the family's own text tower and tokenizer; random weight
     pe-core  vit_pe_core_tiny_patch16_384: RoPE, a class token, attention (MAP) pool
 
 VPT, IVLP, MaPLe, PromptSRC, MMRL and FedOTP each train two steps on each family (finite loss, the
-learned tensors move, no frozen weight gets a gradient); MaPLe and VPT equal their references
-(timm's own forward, prompts as extra prefix tokens); `vision.pool_prompts`; FedOTP's patch tokens
+learned tensors move, no frozen weight gets a gradient); MaPLe, VPT and MMRL equal their references
+(timm's own forward, the added tokens as extra prefix tokens); `vision.pool_prompts`; FedOTP's patch tokens
 are the tokens after the prefix; vision prompts on a tower without tokens are refused before the
 run folder exists; PromptSRC (with GPA) on SigLIP runs through `train_run`, killed with SIGKILL and
 resumed, bit-identical; MMRL and MaPLe run end to end on the other two families.
@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO, build_family, kill_at_first_checkpoint, shrunk_timm, tiny_args
 from test_image_timm import randomise
+from test_mmrl import mmrl
+from test_mmrl import reference_step as mmrl_reference_step
 
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
@@ -210,6 +212,24 @@ def test_maple_and_vpt_match_their_references(family):
         ref_grads = torch.autograd.grad(ref_loss, list(tensors.values()))
         for key, a, b in zip(tensors, ours_grads, ref_grads, strict=True):
             assert b.abs().max() > 0 and relative_error(a, b) < 1e-4, (case, key)
+
+
+def test_mmrl_matches_its_reference(family):
+    """MMRL's loss, fused logits and every gradient against `coop.reference.mmrl.mmrl_step` on timm's
+    own forward: its tokens after the prefix (first on SigLIP), f_cls the tower's own pool (MAP on
+    SigLIP and PE-Core), f_rep from the K rows after the final norms."""
+    clip, oc = family[4], family[5]
+    method = mmrl(clip, *METHODS["mmrl"][1:], "mmrl.reg_weight=3.0", "mmrl.alpha=0.6", classes=CLASSES)
+    x, labels = images(clip, 3, seed=1), torch.tensor([0, 2, 1])
+    tensors = method.learnable()
+    ours, fused = method.loss(x, labels)
+    ref, logits, logits_rep = mmrl_reference_step(oc, method, x, labels)
+    assert abs(float(ours.detach() - ref.detach())) < 1e-5 * abs(float(ref.detach()))
+    assert relative_error(fused, 0.6 * logits + 0.4 * logits_rep) < 1e-5
+    grads = torch.autograd.grad(ours, list(tensors.values()))
+    ref_grads = torch.autograd.grad(ref, list(tensors.values()))
+    for key, a, b in zip(tensors, grads, ref_grads, strict=True):
+        assert b.abs().max() > 0 and relative_error(a, b) < 1e-4, key
 
 
 @pytest.mark.parametrize("model", ["mobileclip-s-tiny", "RN50"])

@@ -5,8 +5,8 @@ to the context length, CLIP's Transformer run on all of it; CoCoOp once per imag
 vision prompts of VPT, IVLP and MaPLe concatenated onto the sequence of open_clip's own
 `VisionTransformer` modules, as the MaPLe repository's `VisionTransformer_MaPLe` and
 `ResidualAttentionBlock_IVLP` do; on open_clip's timm towers, timm's own forward with the prompts
-as extra prefix tokens, `coop.reference.timm_vit`; a `CustomTextCLIP`'s text modules are read from
-its `text`). It is slow on purpose and serves as ground truth for the tests
+as extra prefix tokens, `coop.reference.timm_vit`; a `CustomTextCLIP`'s text modules are found by
+`coop.reference.text_parts`). It is slow on purpose and serves as ground truth for the tests
 and as the baseline of `tools/bench_text.py`, `tools/bench_cocoop.py` and `tools/bench_vl.py`.
 
 Methods added later keep their reference in a module of their own, `coop.reference.<method>`.
@@ -23,6 +23,7 @@ from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.prompt import PromptLearner
+from coop.reference.text_parts import text_parts
 from coop.reference.timm_vit import timm_vision_features
 
 
@@ -51,12 +52,6 @@ def coop_layout(learner: PromptLearner, embeds: torch.Tensor, ctx: torch.Tensor,
             parts = [prefix[i : i + 1], cls, ctx[i : i + 1], rest]
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0)
-
-
-def text_modules(openclip_model: nn.Module) -> nn.Module:
-    """The module that holds open_clip's text tower: the model itself (`CLIP`), or its `text`
-    (`CustomTextCLIP`: EVA, PE-Core, SigLIP, CoCa), whose `TextTransformer` names its parts alike."""
-    return getattr(openclip_model, "text", openclip_model)
 
 
 def reference_inputs(openclip_model: nn.Module, learner: PromptLearner) -> tuple:
@@ -97,7 +92,7 @@ def coop_text_features(
         classes: only these classes' prompts (default: all); every class is computed on its own,
             so a benchmark may run the classes in slices to bound the memory.
     """
-    oc = text_modules(openclip_model)
+    oc = text_parts(openclip_model)
     ids, name_lens, slots = inputs if inputs is not None else reference_inputs(openclip_model, learner)
     rows = slice(None) if classes is None else classes
     ids, name_lens, slots = ids[rows], name_lens[rows], slots[rows]
@@ -115,7 +110,7 @@ def coop_text_features(
 def eos_features(openclip_model: nn.Module, x: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """The end of open_clip's text tower, written out: ln_final of the last block's output x
     (n, L, W), each row's hidden state at its [EOS] index eos (n,), times text_projection: (n, E)."""
-    oc = text_modules(openclip_model)
+    oc = text_parts(openclip_model)
     x = oc.ln_final(x)
     pooled = x[torch.arange(len(x), device=x.device), eos]  # (n, W)
     proj = oc.text_projection
@@ -142,7 +137,7 @@ def text_tower(
     Returns:
         (n_cls, E) unnormalised text features.
     """
-    oc = text_modules(openclip_model)
+    oc = text_parts(openclip_model)
     n_cls, _, width = x.shape
     x = x + oc.positional_embedding
     n_deep = 0 if deep is None else len(deep)
@@ -256,7 +251,7 @@ def deep_text_features(
         ctx: (M, W) shared or (n_cls, M, W) class-specific input-layer context.
         deep: optional (J-1, M, W) or (J-1, n_cls, M, W) deep text prompts.
     """
-    oc = text_modules(openclip_model)
+    oc = text_parts(openclip_model)
     n_cls = len(ids)
     width = oc.token_embedding.weight.shape[1]
     embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
