@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO, build_family, kill_at_first_checkpoint, shrunk_timm, tiny_args
+from test_bench import load_tool
 from test_image_timm import randomise
 from test_mmrl import mmrl
 from test_mmrl import reference_step as mmrl_reference_step
@@ -230,6 +231,23 @@ def test_mmrl_matches_its_reference(family):
     ref_grads = torch.autograd.grad(ref, list(tensors.values()))
     for key, a, b in zip(tensors, grads, ref_grads, strict=True):
         assert b.abs().max() > 0 and relative_error(a, b) < 1e-4, key
+
+
+@pytest.mark.parametrize("family", ["eva02", "pe-core"], indirect=True)  # CLIP's BPE: the text reference's
+def test_bench_vl_runs_on_the_tower(family, tmp_path, capsys):
+    """tools/bench_vl.py --model on a timm tower: MaPLe's step equals the reference's, and the
+    image tokens of the bound are the tower's own (class token + 16 patches) plus the 2 prompts."""
+    path, kwargs = family[1], family[3]
+    out = tmp_path / "vl.json"
+    args = ["--method", "maple", "--model", str(path), "--classes", "4", "--batch", "2"]
+    with shrunk_timm(**kwargs):
+        assert (
+            load_tool("bench_vl").main([*args, "--set", "prompt.depth=2", "--no-memory", "--json", str(out)])
+            == 0
+        )
+    step = json.loads(out.read_text())["steps"][0]
+    assert step["image"] == 2 * (1 + 16 + 2)
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
 
 
 @pytest.mark.parametrize("model", ["mobileclip-s-tiny", "RN50"])
