@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, build_family, kill_at_first_checkpoint, shrunk_timm, tiny_args
+from conftest import REPO, build_family, kill_at_first_checkpoint, make_image_folder, shrunk_timm, tiny_args
 from test_bench import load_tool
 from test_image_timm import randomise
 from test_mmrl import mmrl
@@ -158,6 +158,31 @@ def test_fedotp_trains_on_the_patch_tokens(family):
             edited[:, row] = torch.randn_like(edited[:, row])
             assert (not torch.equal(method.logits(edited, text), logits)) == changes, row
     trains_two_steps(method, tokens)
+
+
+@pytest.mark.parametrize("family", ["siglip"], indirect=True)
+def test_fedotp_runs_federated_on_a_tower_without_a_class_token(family, tmp_path):
+    """FedOTP through Flower's Message API in one process (tests/test_personal_fl.py's grid), on
+    SigLIP's tower: its cached features are every token, all of them patches; one round, 2 clients."""
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_personal_fl import BASE, LocalGrid, run_inprocess
+
+    _, path, tok, kwargs = family[:4]
+    data = make_image_folder(tmp_path / "four", classes=("r", "g", "b", "y"), n_train=5, n_test=3)
+    overrides = [o for o in BASE if not o.startswith("model.name=")]
+    overrides += [f"model.name={path}", f"model.tokenizer={tok}", f"data.root={data}", "fl.method=fedotp"]
+    overrides += ["fl.rounds=1", "prompt.n_ctx=4"]
+    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # a ServerApp's, as there
+    try:
+        with shrunk_timm(**kwargs):
+            metrics = run_inprocess(tmp_path / "run", overrides, LocalGrid(2))
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    assert 0 <= metrics["local_accuracy"] <= 100 and len(metrics["local_per_client"]) == 2
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert set(ckpt["prompt"]) == {"global.ctx"} and bool(ckpt["prompt"]["global.ctx"].isfinite().all())
 
 
 def test_pool_prompts_changes_an_attention_pool_only(family):
