@@ -48,8 +48,9 @@ def build_openclip(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return randomise_text_tower(model, seed).eval()
 
 
-def build_family(stem: str, tokenizer: Path | None = None, seed: int = 0, edit=None):
-    """(our CLIP, open_clip's model) of the tiny family model configs/models/{stem}.json: random
+def build_family(stem: str | Path, tokenizer: Path | None = None, seed: int = 0, edit=None):
+    """(our CLIP, open_clip's model) of the tiny family model configs/models/{stem}.json (or of the
+    model config file `stem`, a Path): random
     weights, the text tower's LayerNorms and biases randomised, the tokenizer read from directory
     `tokenizer` (tests/tiny_tokenizers.py; None: CLIP's BPE); `edit(model)` runs on open_clip's
     model before ours copies its weights."""
@@ -57,11 +58,29 @@ def build_family(stem: str, tokenizer: Path | None = None, seed: int = 0, edit=N
     from coop.model.tokenizer import load_tokenizer
     from coop.model.weights import resolve_model_name
 
-    name = resolve_model_name(str(REPO / "configs" / "models" / f"{stem}.json"))
+    path = stem if isinstance(stem, Path) else REPO / "configs" / "models" / f"{stem}.json"
+    name = resolve_model_name(str(path))
     oc = build_openclip(name, seed)
     if edit is not None:
         edit(oc)
     return coop.CLIP.from_openclip(oc, tokenizer=load_tokenizer(name, tokenizer), name=name), oc
+
+
+@contextmanager
+def shrunk_timm(**kwargs):
+    """Inside the block, every timm trunk is built with `kwargs` added (e.g. depth=2, img_size=64,
+    embed_dim=64): open_clip's config names no depth or size for a timm tower, so this is how a test
+    builds one small (open_clip calls `timm.create_model` through the `timm` module)."""
+    import functools
+
+    import timm
+
+    original = timm.create_model
+    timm.create_model = functools.partial(original, **kwargs)
+    try:
+        yield
+    finally:
+        timm.create_model = original
 
 
 @pytest.fixture(scope="session")

@@ -12,13 +12,12 @@ Tolerances (relative to the largest |feature|): fp32 1e-5, bf16 autocast 2e-2.
 from __future__ import annotations
 
 import copy
-import functools
 import re
 
 import open_clip
 import pytest
-import timm
 import torch
+from conftest import shrunk_timm
 from open_clip.model import _build_vision_tower
 from torch import nn
 
@@ -66,15 +65,12 @@ def small_tower(name: str, seed: int = 0, shrink_width: bool = True) -> nn.Modul
     kwargs = {"depth": 2, "img_size": size}
     if shrink_width and "vitamin" not in arch:
         kwargs.update(embed_dim=64, num_heads=2)
-    original = timm.create_model
     torch.manual_seed(seed)
-    open_clip.timm_model.timm.create_model = functools.partial(original, **kwargs)
     try:
-        visual = _build_vision_tower(cfg["embed_dim"], cfg["vision_cfg"])
+        with shrunk_timm(**kwargs):
+            visual = _build_vision_tower(cfg["embed_dim"], cfg["vision_cfg"])
     except AssertionError:  # a head without projection must keep the trunk's width (MobileCLIP-B)
         visual = None
-    finally:
-        open_clip.timm_model.timm.create_model = original
     if visual is None:
         return small_tower(name, seed, shrink_width=False)
     randomise(visual, seed)

@@ -132,8 +132,7 @@ def test_text_tokens_at_the_start_on_a_tower_without_the_causal_mask(tmp_path):
     the text tokens enter at position 0 of block 0 and replace positions 0..K-1 at block 1, and
     the text features are the reference's over the whole 64+K sequence, read at its last position.
     (Without the mask, where they enter changes nothing: positions are added before, and attention
-    without a mask does not see order. MMRL itself stops at SigLIP's timm image tower:
-    tests/test_families_e2e.py.)"""
+    without a mask does not see order. MMRL on SigLIP's timm image tower: tests/test_vision_families.py.)"""
     pytest.importorskip("transformers")
     from tiny_tokenizers import unigram
 

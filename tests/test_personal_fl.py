@@ -458,7 +458,8 @@ def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation(tmp_p
     (tmp_path / "tiny-rn.json").write_text(json.dumps(resnet))
     args = ["fl.method=fedotp", f"model.name={tmp_path / 'tiny-rn.json'}", "model.pretrained=none"]
     with pytest.raises(
-        ModelError, match="fl.method=fedotp reads patch tokens from our ViT tower: .*ModifiedResNet"
+        ModelError,
+        match="fl.method=fedotp reads patch tokens from our ViT tower: model tiny-rn.s image tower is a ResNet",
     ):
         task.check_model(load_config(None, args, base=task.FEDERATED_BASE))
 

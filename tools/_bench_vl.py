@@ -7,6 +7,8 @@ Which computation the reference follows for each method is described in tools/be
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from _bench import imagenet_method
@@ -106,12 +108,22 @@ def mmrl_reference(oc, method, ids, text_zs):
     )[0]
 
 
+def image_sizes(clip) -> SimpleNamespace:
+    """The image tower's `tokens` per image (prefix and patches), `layers` and `width`, read off
+    either back end (open_clip's ViT, a timm trunk) by embedding one blank image."""
+    tower, size = clip.visual, clip.image_size
+    dtype = next(tower.parameters()).dtype
+    with torch.no_grad():
+        x, _ = tower.embed(torch.zeros(1, 3, size, size, device=clip.logit_scale.device, dtype=dtype))
+    return SimpleNamespace(tokens=x.shape[1], layers=tower.layers, width=tower.width)
+
+
 def mmrl_token_bound(method, clip, batch: int) -> dict:
     """MMRL's tokens per step, as token-blocks / blocks (K more from the first listed block on):
     text, reference n_cls x (77+K) against ours, each row's own tokens plus [SOS] and the K tokens
     once; image, the student pass on both sides plus the frozen forward (1/3 of a training pass),
     over all blocks in the reference, after the shared blocks in ours."""
-    t, v = clip.text.cfg, clip.visual.cfg
+    t, v = clip.text.cfg, image_sizes(clip)
     k, n_cls = method.n_tokens, len(method.classnames)
     t0, v0 = method.text_blocks[0], method.vision_blocks[0]
     ref_text = n_cls * (CONTEXT * t.layers + k * (t.layers - t0)) / t.layers
@@ -158,11 +170,11 @@ def token_bound(name: str, method, clip, batch: int) -> dict:
     """Tokens per step of both sides and the speed-up they bound (tokens x layers x width^2)."""
     if name == "mmrl":
         return mmrl_token_bound(method, clip, batch)
-    tower = clip.visual
+    v = image_sizes(clip)
     prompts = method.vision_prompts() if hasattr(method, "vision_prompts") else [torch.zeros(0)]
-    image = batch * (tower.cfg.tokens + prompts[0].shape[0])
+    image = batch * (v.tokens + prompts[0].shape[0])
     if name == "promptsrc":  # both sides also run the frozen tower forward: ~1/3 of a training pass
-        image += batch * tower.cfg.tokens // 3
+        image += batch * v.tokens // 3
     n_cls = len(method.classnames)
     if name == "vpt":  # neither side runs the text tower per step
         ref_text = ours_text = 0
@@ -170,7 +182,7 @@ def token_bound(name: str, method, clip, batch: int) -> dict:
         ref_text, ours_text = n_cls * CONTEXT, method.prefix + int((method.eos + 1 - method.prefix).sum())
     else:
         ref_text, ours_text = n_cls * CONTEXT, int((method.prompt_learner.eos + 1).sum())
-    t, v = clip.text.cfg, tower.cfg
+    t = clip.text.cfg
     text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
     bound = (ref_text * text_cost + image * image_cost) / (ours_text * text_cost + image * image_cost)
     ratio = (ref_text + image) / (ours_text + image)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def model_tag(name: str) -> str:
@@ -20,7 +20,14 @@ def model_tag(name: str) -> str:
 
 
 def method_settings(cfg: DictConfig) -> str:
-    """The settings part of a run name: what the method's results depend on.
+    """The settings part of a run name: what the method's results depend on (`_settings`), and
+    "_poolprompts" with `vision.pool_prompts=true`."""
+    pool = "_poolprompts" if OmegaConf.select(cfg, "vision.pool_prompts", default=False) else ""
+    return _settings(cfg) + pool
+
+
+def _settings(cfg: DictConfig) -> str:
+    """The settings part of a run name but for `vision.pool_prompts`.
 
     coop: nctx<M>_csc<C>_pos<P>_depth<J>; cocoop, kgcoop, ivlp, maple, promptsrc and tcp: the same
     after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by

@@ -51,6 +51,7 @@ class PromptConfig:
 class VisionConfig:  # image-tower prompts (vpt, ivlp, promptsrc); null: unset
     n_ctx: int | None = key(None, ">= 1")
     depth: int | None = key(None, ">= 1")
+    pool_prompts: bool = False  # an average or attention pool also reads the added tokens (vpt..mmrl)
 
 
 @dataclass

@@ -2,13 +2,15 @@
 by unbalanced optimal transport (the `GLP_OT` trainer of HongxiaLee/FedOTP).
 
     method = FedOTP(clip, classnames, cfg)         # fl.method=fedotp; cfg.fedotp.* below
-    logits = method.logits(tokens, method.prepare())   # tokens (B, 1+P, E): CLIP.encode_image(tokens=True)
+    logits = method.logits(tokens, method.prepare())   # tokens (B, N+P, E): CLIP.encode_image(tokens=True)
 
 Learned: `global.ctx` and `local.ctx`, each (M, W), N(0, 0.02) and the same start on every client
 (the original's `ctx` (N = 2, M, W), row 0 global, row 1 local). `global.ctx` is sent and averaged
 by the server; `local.ctx` stays the client's (`personal_keys`). With s = logit_scale.exp():
 
-    patches  f_bm = normalize(tokens[:, 1:])          (B, M, E)   [CLS] dropped, M = P patches
+    patches  f_bm = normalize(tokens[:, N:])          (B, M, E)   the N prefix tokens ([CLS],
+                                                                  registers; none on SigLIP)
+                                                                  dropped, M = P patches
     prompts  t_nc = normalize(text(ctx_n, class c))   (N, C, E)   N = 2 prompts per class
     sim      S_bc[m, n] = <f_bm, t_nc>;  cost 1 - S;  kernel K = exp(-(1 - S) / eps)  (no gradient)
     plan     T_bc = ot(K_bc, a = 1/M (patches), b = gamma/N (prompts))           (no gradient)
@@ -101,6 +103,7 @@ class FedOTP(Method):
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)
         clip.require_vision_prompts()  # our own ViT tower, which returns the patch tokens
+        self.n_prefix = int(clip.visual.n_prefix)  # tokens before the patches
         self.global_prompt = PromptClassifier(clip, build_learner(clip, cfg, classnames))
         self.local_prompt = PromptClassifier(clip, build_learner(clip, cfg, classnames))
         o = cfg.fedotp
@@ -121,10 +124,10 @@ class FedOTP(Method):
         return torch.stack([p.text_features() for p in prompts])  # (N, C, E)
 
     def logits(self, image_features: torch.Tensor, prepared: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, C) from token features (B, 1+P, E)."""
+        """Logits (B, C) from token features (B, N+P, E), N = the tower's prefix tokens."""
         text = self.prepare() if prepared is None else prepared
         with torch.autocast(image_features.device.type, enabled=False):
-            patches = F.normalize(image_features[:, 1:].float(), dim=-1)  # (B, M, E), [CLS] dropped
+            patches = F.normalize(image_features[:, self.n_prefix :].float(), dim=-1)  # (B, M, E)
             txt = F.normalize(text.float(), dim=-1)  # (N, C, E)
             sim = torch.einsum("bme,nce->bcmn", patches, txt)  # (B, C, M, N)
             b, c, m, n = sim.shape

@@ -279,7 +279,7 @@ def features(cfg: DictConfig, clip: CLIP, items, device, *, train: bool, what: s
     """Image features ((V, N, E), labels) of `items`: V = train.aug_views for training, else 1.
 
     Computed at the run's precision (`run_precision`), in CLIP's dtype (half after fp16's cast).
-    With `tokens` (a method's `image_tokens`, FedOTP) every projected token: (V, N, 1+P, E).
+    With `tokens` (a method's `image_tokens`, FedOTP) every projected token: (V, N, n_prefix+P, E).
     """
     device = torch.device(device)
     train_tf, test_tf = transforms(clip)

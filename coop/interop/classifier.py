@@ -65,7 +65,7 @@ class Classifier:
         with autocast(self.device, self.precision):
             if self._prepared is None:
                 self._prepared = method.prepare()
-            if method.input == "features":  # the frozen tower: (B, E), or every token (B, 1+P, E)
+            if method.input == "features":  # the frozen tower: (B, E), or every token (B, n_prefix+P, E)
                 x = clip.encode_image(x, tokens=method.image_tokens)
             return method.logits(x, self._prepared).float()
 

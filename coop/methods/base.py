@@ -47,10 +47,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from coop.config.checks import check_depth
+from coop.config.checks import ConfigError, check_depth
 from coop.model.clip import CLIP
 
 
@@ -91,15 +91,20 @@ class TowerLayers:
 
     Attributes:
         text: the text tower's blocks.
-        image: the image tower's blocks; None for a tower that takes no prompts (RN50's stages).
+        image: the image tower's blocks; None for a tower that takes no prompts (RN50's stages)
+            or whose count is not known.
+        image_refusal: why the image tower takes no prompts, one line (None: it does, or unknown).
     """
 
     text: int
     image: int | None
+    image_refusal: str | None = None
 
     @classmethod
     def of(cls, clip: CLIP) -> TowerLayers:
-        return cls(clip.text.cfg.layers, clip.visual.layers if clip.supports_vision_prompts else None)
+        if clip.supports_vision_prompts:
+            return cls(clip.text.cfg.layers, clip.visual.layers)
+        return cls(clip.text.cfg.layers, None, clip.vision_refusal)
 
 
 class TransferError(ValueError):
@@ -121,7 +126,8 @@ class Method(nn.Module):
     tunes_on_val = False  # whether the runner calls `tune` with the val split's features
     fit_request: FeatureRequest | None = None  # the training features `fit` and `tune` take
     phrase_max_ctx: int | None = None  # `PromptLearner`'s ctx_init rule (IVLP, MaPLe: 4)
-    image_tokens = False  # True: "features" are every projected token (B, 1+P, E) (FedOTP)
+    image_tokens = False  # True: "features" are every projected token (B, n_prefix+P, E) (FedOTP)
+    adds_image_tokens = False  # True: puts tokens into the image tower (`vision.pool_prompts` applies)
     text_prompt = False  # True: a learned text context, `prompt.*` (`coop.model.prompt.PromptLearner`)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
@@ -134,9 +140,15 @@ class Method(nn.Module):
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
         """A one-line ConfigError for a key this method reads that cannot work with `towers` (or at
-        all); subclasses add their own keys. Here: `prompt.depth` within the text tower."""
+        all); subclasses add their own keys. Here: `prompt.depth` within the text tower, and
+        `vision.pool_prompts` only for a method that adds tokens to the image tower."""
         if cls.text_prompt:
             check_depth("prompt.depth", int(cfg.prompt.depth), towers.text, "text")
+        if OmegaConf.select(cfg, "vision.pool_prompts", default=False) and not cls.adds_image_tokens:
+            raise ConfigError(
+                f"vision.pool_prompts=true lets the image tower's pool read the tokens that vpt, ivlp, maple, "
+                f"promptsrc and mmrl add to it; method={cls.name} adds none"
+            )
 
     @classmethod
     def own_classes_only(cls, cfg: DictConfig) -> str | None:

@@ -10,8 +10,10 @@ K = `mmrl.n_tokens`:
             position 0, before the first text token, for a tokenizer without [SOS]: SigLIP's,
             MetaCLIP 2's) at the first listed block and replaced at the later ones
             (`coop.model.inserted`); the pooled token stays the same token           (n_cls, E)
-    image = r_v inserted after [CLS] the same way; f_cls = ln_post(x[:, 0]) @ proj (frozen),
-            f_rep = mean_k ln_post(x[:, 1+k]) @ proj_rep                                (B, E) each
+    image = r_v inserted after the prefix tokens ([CLS]; first on a tower without one, SigLIP's)
+            the same way; f_cls = the tower's own pooled feature of its own tokens (CLIP's ViT:
+            ln_post(x[:, 0]) @ proj, frozen), f_rep = mean_k of the K tokens after the final
+            norm(s) @ proj_rep (docs/image_tower.md, "Towers other than CLIP's ViT")   (B, E) each
     logits = s * norm(f_cls) @ norm(text).T,  logits_rep = s * norm(f_rep) @ norm(text).T
     fusion = alpha * logits + (1 - alpha) * logits_rep
 
@@ -160,8 +162,7 @@ class MMRL(VisionPromptMethod):
             len(self.text_blocks),
             len(self.vision_blocks),
         ).to(self.device)
-        embed_dim = clip.visual.proj.shape[1]
-        proj = self.tower_width**-0.5 * torch.randn(self.tower_width, embed_dim)
+        proj = self.tower_width**-0.5 * torch.randn(self.tower_width, clip.visual.output_dim)
         self.proj_rep = nn.Parameter(proj.to(self.device))  # (W_v, E)
         self.template = resolve_templates("coop", cfg.data.name)[0]
         ids = clip.tokenize([self.template.format(c.replace("_", " ")) for c in self.classnames])

@@ -89,10 +89,13 @@ class VisionPromptMethod(Method):
 
     trainer = "sgd"
     input = "pixels"
+    adds_image_tokens = True
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
         super().check_config(cfg, towers)
+        if towers.image_refusal is not None:  # a tower without tokens (RN50, ConvNeXt, FastViT)
+            raise ModelError(f"method={cls.name} prompts the image tower, and {towers.image_refusal}")
         cls.check_vision(cfg, towers)
 
     @classmethod
@@ -109,6 +112,8 @@ class VisionPromptMethod(Method):
         super().__init__(clip, classnames, cfg)
         tower = vision_tower(clip, self.name)
         self.tower_layers, self.tower_width = int(tower.layers), int(tower.width)
+        # whether an average or attention pool also reads the added tokens (docs/image_tower.md)
+        tower.pool_prompts = bool(OmegaConf.select(cfg, "vision.pool_prompts", default=False))
         self.grad_checkpointing = bool(OmegaConf.select(cfg, "train.grad_checkpointing", default=False))
 
     @property

@@ -126,20 +126,27 @@ class _NoValues(TorchFunctionMode):
 
 
 def vision_support(name: str) -> str | None:
-    """Whether vision prompts enter model `name`'s image tower: None if so, else the reason in one line.
+    """Whether vision prompts enter model `name`'s image tower: None if so, else the reason in one line."""
+    if open_clip.get_model_config(name) is None:
+        return f"unknown open_clip model '{name}'"
+    return meta_image_tower(name)[1]
+
+
+def meta_image_tower(name: str) -> tuple[torch.nn.Module, str | None]:
+    """(image tower, None) when vision prompts enter model `name`'s image tower (our `ImageTower`,
+    whose `layers` are its blocks), else (open_clip's module, the reason in one line).
 
     Builds the tower open_clip builds for the config (fp32), on the meta device, and applies
-    `CLIP.from_openclip`'s step (`coop.model.clip._image_tower`) to it.
+    `CLIP.from_openclip`'s step (`coop.model.clip._image_tower`) to it: milliseconds, no values.
     """
     cfg = open_clip.get_model_config(name)
     if cfg is None:
-        return f"unknown open_clip model '{name}'"
+        raise ModelError(f"unknown open_clip model '{name}' (see open_clip.list_models())")
     with torch.device("meta"), _NoValues():
         visual = _build_vision_tower(
             cfg["embed_dim"], cfg["vision_cfg"], quick_gelu=cfg.get("quick_gelu", False)
         )
-        _, refusal = _image_tower(visual, name)
-    return refusal
+        return _image_tower(visual, name)
 
 
 def model_support(name: str) -> ModelSupport:

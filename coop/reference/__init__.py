@@ -4,7 +4,9 @@ This is what the original code computes (prompt pieces glued with `torch.cat`, e
 to the context length, CLIP's Transformer run on all of it; CoCoOp once per image, in a loop; the
 vision prompts of VPT, IVLP and MaPLe concatenated onto the sequence of open_clip's own
 `VisionTransformer` modules, as the MaPLe repository's `VisionTransformer_MaPLe` and
-`ResidualAttentionBlock_IVLP` do). It is slow on purpose and serves as ground truth for the tests
+`ResidualAttentionBlock_IVLP` do; on open_clip's timm towers, timm's own forward with the prompts
+as extra prefix tokens, `coop.reference.timm_vit`; a `CustomTextCLIP`'s text modules are found by
+`coop.reference.text_parts`). It is slow on purpose and serves as ground truth for the tests
 and as the baseline of `tools/bench_text.py`, `tools/bench_cocoop.py` and `tools/bench_vl.py`.
 
 Methods added later keep their reference in a module of their own, `coop.reference.<method>`.
@@ -16,10 +18,13 @@ tests and the benchmarks only.
 from __future__ import annotations
 
 import torch
+from open_clip.timm_model import TimmModel
 from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.prompt import PromptLearner
+from coop.reference.text_parts import text_parts
+from coop.reference.timm_vit import timm_vision_features
 
 
 def coop_layout(learner: PromptLearner, embeds: torch.Tensor, ctx: torch.Tensor, name_lens: list[int]):
@@ -87,8 +92,8 @@ def coop_text_features(
         classes: only these classes' prompts (default: all); every class is computed on its own,
             so a benchmark may run the classes in slices to bound the memory.
     """
-    oc = openclip_model
-    ids, name_lens, slots = inputs if inputs is not None else reference_inputs(oc, learner)
+    oc = text_parts(openclip_model)
+    ids, name_lens, slots = inputs if inputs is not None else reference_inputs(openclip_model, learner)
     rows = slice(None) if classes is None else classes
     ids, name_lens, slots = ids[rows], name_lens[rows], slots[rows]
     n_cls = len(ids)
@@ -105,9 +110,10 @@ def coop_text_features(
 def eos_features(openclip_model: nn.Module, x: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """The end of open_clip's text tower, written out: ln_final of the last block's output x
     (n, L, W), each row's hidden state at its [EOS] index eos (n,), times text_projection: (n, E)."""
-    x = openclip_model.ln_final(x)
+    oc = text_parts(openclip_model)
+    x = oc.ln_final(x)
     pooled = x[torch.arange(len(x), device=x.device), eos]  # (n, W)
-    proj = openclip_model.text_projection
+    proj = oc.text_projection
     return proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
 
 
@@ -131,7 +137,7 @@ def text_tower(
     Returns:
         (n_cls, E) unnormalised text features.
     """
-    oc = openclip_model
+    oc = text_parts(openclip_model)
     n_cls, _, width = x.shape
     x = x + oc.positional_embedding
     n_deep = 0 if deep is None else len(deep)
@@ -197,11 +203,16 @@ def vision_features(visual: nn.Module, images: torch.Tensor, prompts=None) -> to
     (`_pool`: ln_post of the class token; CLIPA's average of the patches with ln_post after it;
     CoCa's attention pool) times proj.
 
+    open_clip's timm towers (SigLIP, EVA, PE-Core) go to `coop.reference.timm_vit.timm_vision_features`:
+    timm's own forward with the prompts placed as extra prefix tokens.
+
     Args:
-        visual: open_clip's image tower (`model.visual`), a ViT.
+        visual: open_clip's image tower (`model.visual`), a ViT or a timm ViT/EVA trunk.
         images: (B, 3, H, W).
         prompts: None or J tensors (M, W), shared by all images.
     """
+    if isinstance(visual, TimmModel):
+        return timm_vision_features(visual, images, prompts)
     x = vit_embeddings(visual, images)  # (B, 1+P, W)
     b = x.shape[0]
     prompts = [] if prompts is None else list(prompts)
@@ -240,7 +251,7 @@ def deep_text_features(
         ctx: (M, W) shared or (n_cls, M, W) class-specific input-layer context.
         deep: optional (J-1, M, W) or (J-1, n_cls, M, W) deep text prompts.
     """
-    oc = openclip_model
+    oc = text_parts(openclip_model)
     n_cls = len(ids)
     width = oc.token_embedding.weight.shape[1]
     embeds = oc.token_embedding(ids)  # (n_cls, 77, W)

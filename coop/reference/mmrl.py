@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from open_clip.timm_model import TimmModel
 from torch import nn
 
 from coop.reference import vision_features, vit_embeddings
 from coop.reference.text_parts import pool_index, pooled_features, text_parts
+from coop.reference.timm_vit import timm_vision_features
 
 
 def _put_tokens(x: torch.Tensor, tokens: torch.Tensor, first: bool, after: int = 1) -> torch.Tensor:
@@ -56,7 +58,10 @@ def mmrl_text_features(oc: nn.Module, ids: torch.Tensor, tokens, layers, after: 
 
 
 def mmrl_image_features(visual: nn.Module, images: torch.Tensor, tokens, layers, proj_rep: torch.Tensor):
-    """(f_cls, f_rep), each (B, E), of open_clip's ViT with the vision tokens after [CLS].
+    """(f_cls, f_rep), each (B, E), of open_clip's ViT with the vision tokens after [CLS]; of a timm
+    tower (SigLIP, EVA, PE-Core), timm's own forward with them as extra prefix tokens
+    (`coop.reference.timm_vit`): f_cls its pooled feature of its own tokens, f_rep from the K rows
+    after its final norms.
 
     Args:
         visual: open_clip's image tower.
@@ -65,6 +70,9 @@ def mmrl_image_features(visual: nn.Module, images: torch.Tensor, tokens, layers,
         layers: 0-based image blocks, increasing.
         proj_rep: (W_v, E).
     """
+    if isinstance(visual, TimmModel):
+        features, rows = timm_vision_features(visual, images, inserted=(tokens, layers))  # rows (B, K, W)
+        return features, rows.mean(dim=1) @ proj_rep
     x = visual.ln_pre(vit_embeddings(visual, images))  # (B, 1+P, W)
     for i, block in enumerate(visual.transformer.resblocks):
         if i in layers:

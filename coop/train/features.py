@@ -183,7 +183,7 @@ def encode_images(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Image features of `items`: (features (N', E) fp32 on CPU, labels (N',), kept indices (N',)).
 
-    With `tokens`, every projected token per image: features (N', 1+P, E).
+    With `tokens`, every projected token per image: features (N', n_prefix+P, E).
 
     Unreadable images raise, or are skipped with `skip_corrupt` (then N' < N); a DataError naming
     `what` (e.g. "the train split of dtd") when none is readable. With `seed`, image i's random
@@ -250,7 +250,7 @@ def cached_features(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Features of `views` passes over `items` through `transform`: ((V, N, E), labels (N,)).
 
-    With `tokens`: every projected token, ((V, N, 1+P, E), labels); 1+P = 197 for ViT-B/16.
+    With `tokens`: every projected token, ((V, N, n_prefix+P, E), labels); n_prefix+P = 1+196 for ViT-B/16.
 
     With a random transform each view is a fresh augmentation, view v seeded by (seed, v) per
     image. Results go to the disk cache (`$COOP_CACHE_DIR/features`) under `cache_key`. Other
@@ -283,7 +283,7 @@ def cached_features(
                 **kwargs,
             )
             per_view.append(feats)
-        features = torch.stack(per_view)  # (V, N', E) or, with tokens, (V, N', 1+P, E)
+        features = torch.stack(per_view)  # (V, N', E) or, with tokens, (V, N', n_prefix+P, E)
         if use_disk:
             state = {"features": features, "labels": labels, "index": index}
             try:

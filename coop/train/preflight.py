@@ -1,10 +1,11 @@
 """Checks of a run config against its method and model, before anything is built or written.
 
-    check_model_limits(cfg)   # ConfigError: prompt.depth above the text tower's layers, ...
+    check_model_limits(cfg)   # ConfigError: prompt.depth above the text tower's layers, ...;
+                              # ModelError: vision prompts for a tower without tokens (RN50)
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
 
-The towers' block counts come from OpenCLIP's model config (a name, or a model-config .json),
-so no weights are loaded: `coop.train.runner.train_run` calls this before it creates the run folder,
+The towers' block counts come from OpenCLIP's model config (a name, or a model-config .json) and
+the image tower built on the meta device, so no weights are loaded: `coop.train.runner.train_run` calls this before it creates the run folder,
 `coop.federated.task.check_config` before a simulation, and `coop.train.sweep.plan` (and so
 `tools/sweep.py --dry-run`) for every point. What is checked is the method's own
 `Method.check_config` (its keys bounded by the towers, its template set), which the method runs
@@ -21,18 +22,23 @@ from omegaconf import DictConfig
 from coop.config.checks import ConfigError
 from coop.methods import METHODS
 from coop.methods.base import TowerLayers
+from coop.model.support import meta_image_tower
 from coop.model.weights import resolve_model_name
 
 
 @functools.cache
 def tower_layers(model: str) -> TowerLayers | None:
-    """The block counts of an OpenCLIP model name or config .json (image: None for a tower that is
-    not a ViT, RN50's stages); None if the config names no text tower layers. ModelError for an
-    unknown model."""
-    config = open_clip.get_model_config(resolve_model_name(model)) or {}
+    """The block counts of an OpenCLIP model name or config .json; None if the config names no text
+    tower layers. ModelError for an unknown model. The image tower's come from the tower itself,
+    built on the meta device (`coop.model.support.meta_image_tower`: timm trunks name no layers in
+    the config): its blocks, or None and the reason it takes no prompts (RN50, ConvNeXt, FastViT)."""
+    name = resolve_model_name(model)
+    config = open_clip.get_model_config(name) or {}
     text = int(config.get("text_cfg", {}).get("layers", 0))
-    vision = config.get("vision_cfg", {}).get("layers")
-    return TowerLayers(text, vision if isinstance(vision, int) else None) if text else None
+    if not text:
+        return None
+    tower, refusal = meta_image_tower(name)
+    return TowerLayers(text, None, refusal) if refusal else TowerLayers(text, int(tower.layers))
 
 
 def check_model_limits(cfg: DictConfig) -> None:
