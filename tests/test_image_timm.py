@@ -57,12 +57,9 @@ def patch_of(arch: str) -> int:
     return int(re.search(r"patch(\d+)", arch).group(1)) if "patch" in arch else 16
 
 
-def small_tower(
-    name: str, seed: int = 0, shrink_width: bool = True, embed_dim: int | None = None
-) -> nn.Module:
+def small_tower(name: str, seed: int = 0, shrink_width: bool = True) -> nn.Module:
     """open_clip's image tower of model `name`, its timm trunk built with 2 blocks at 4x4 patches
-    (and width 64 where the config allows), LayerNorm weights and biases randomised; its output
-    `embed_dim` wide (default: the model's)."""
+    (and width 64 where the config allows), LayerNorm weights and biases randomised."""
     cfg = open_clip.get_model_config(name)
     arch = TIMM_ARCHS.get(name, "")
     size = 4 * patch_of(arch)
@@ -73,13 +70,13 @@ def small_tower(
     torch.manual_seed(seed)
     open_clip.timm_model.timm.create_model = functools.partial(original, **kwargs)
     try:
-        visual = _build_vision_tower(embed_dim or cfg["embed_dim"], cfg["vision_cfg"])
+        visual = _build_vision_tower(cfg["embed_dim"], cfg["vision_cfg"])
     except AssertionError:  # a head without projection must keep the trunk's width (MobileCLIP-B)
         visual = None
     finally:
         open_clip.timm_model.timm.create_model = original
     if visual is None:
-        return small_tower(name, seed, shrink_width=False, embed_dim=embed_dim)
+        return small_tower(name, seed, shrink_width=False)
     randomise(visual, seed)
     visual.image_size = (size, size)
     return visual.eval()

@@ -165,16 +165,16 @@ def attach_update(attn: nn.Module, update: QKVLoRA | None) -> None:
             return out + update(args[0], targets)  # (B, T, d_t...) the Linear's output, updated
 
         handles.append(linear.register_forward_hook(add))
-    separate = getattr(attn, "qkv_bias_separate", None)
-    if getattr(attn, "q_bias", None) is not None and separate is False:
-        attn.qkv_bias_separate = (
-            True  # EVA's F.linear(x, qkv.weight, q|k|v bias) -> the Linear, then the bias
-        )
+    # EVA's fused weight with q/v biases: F.linear(x, qkv.weight, q|k|v bias) never calls the Linear;
+    # its own other branch does (the Linear, then the biases)
+    flipped = getattr(attn, "q_bias", None) is not None and getattr(attn, "qkv_bias_separate", True) is False
+    if flipped:
+        attn.qkv_bias_separate = True
 
     def remove():
         for handle in handles:
             handle.remove()
-        if separate is False:
+        if flipped:
             attn.qkv_bias_separate = False
 
     _ATTACHED[attn] = remove
