@@ -5,8 +5,9 @@ with its bias, EVA's fused weight with separate q/v biases, or `q_proj`/`k_proj`
    merged weights, `coop.reference.clip_lora`), on shrunk towers of each projection kind; merged
    weights in open_clip's forward; hooks that change no state dict or dtype and come off again;
    grad checkpointing with dropout: the same gradients.
-2. End to end on the tiny family models (SigLIP, EVA02, PE-Core): both towers train two steps;
-   a run killed with SIGKILL and resumed is bit-identical; CNN towers are refused in one line.
+2. End to end on the tiny family models (SigLIP, EVA02, PE-Core; each with its own text tower):
+   both towers against the reference, then two training steps; a run killed with SIGKILL and
+   resumed is bit-identical; CNN towers are refused in one line.
 """
 
 from __future__ import annotations
@@ -157,24 +158,39 @@ FAMILIES = {"siglip": "siglip-tiny", "eva02": "eva02-tiny", "pe-core": "pe-core-
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_both_towers_train_on_the_family(family, tmp_path, monkeypatch):
-    """Two AdamW steps with lora.towers=[text,vision] (dropout on): the loss is finite, every A and
-    B moves, and no weight of CLIP receives a gradient."""
+def test_both_towers_match_the_reference_and_train_on_the_family(family, tmp_path, monkeypatch):
+    """lora.towers=[text,vision] on the family's tiny model (its own text tower and timm image
+    tower): logits and every gradient equal the reference's (eval, adapters randomised); two AdamW
+    steps in training mode (dropout on): the loss is finite, every A and B moves, and no weight of
+    CLIP receives a gradient."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = None
     if family == "siglip":
         from tiny_tokenizers import unigram
 
         tok = unigram(tmp_path / "tok", pad="</s>")
-    clip, _ = build_family(FAMILIES[family], tok)
-    cfg = load_config(None, ["method=clip_lora", "lora.towers=[text,vision]"])
-    method = build_method(clip, CLASSES, cfg)
-    blocks = {"text": len(clip.text.blocks), "vision": clip.visual.layers}
-    assert len(method.learnable()) == 6 * (blocks["text"] + blocks["vision"])
-    before = {k: v.detach().clone() for k, v in method.learnable().items()}
-    optimizer = torch.optim.AdamW(list(method.learnable().values()), lr=1e-2)
-    method.train()
+    clip, oc = build_family(FAMILIES[family], tok)
+    method = build_method(clip, CLASSES, load_config(None, ["method=clip_lora", "lora.towers=[text,vision]"]))
+    tensors = method.learnable()
+    assert len(tensors) == 6 * (len(clip.text.blocks) + clip.visual.layers)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # away from B = 0, small enough for 12 blocks
+        for p in tensors.values():
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    method.eval()
     images, labels = images_for(clip), torch.tensor([0, 2])
+    ids = clip.tokenize([CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in CLASSES])  # full context
+    ref_loss = F.cross_entropy(clip_lora_logits(oc, images, ids, tensors, method.adapters.scale), labels)
+    loss = method.loss(images, labels)[0]
+    assert abs(float(loss.detach() - ref_loss.detach())) < 1e-5
+    our_grads = torch.autograd.grad(loss, list(tensors.values()))
+    ref_grads = torch.autograd.grad(ref_loss, list(tensors.values()))
+    for name, a, b in zip(tensors, our_grads, ref_grads, strict=True):
+        assert relative_error(a, b) < 1e-4, name
+
+    before = {k: v.detach().clone() for k, v in tensors.items()}
+    optimizer = torch.optim.AdamW(list(tensors.values()), lr=1e-2)
+    method.train()
     for _ in range(2):
         loss = method.loss(images, labels)[0]
         assert bool(torch.isfinite(loss))
