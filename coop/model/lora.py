@@ -138,7 +138,7 @@ def _widths(attn: nn.Module) -> tuple[int, list[int]]:
     return weight.shape[1], widths
 
 
-# attention module -> how to remove the adapters attached to it (one set per module at a time)
+# timm attention module -> how to remove the hooks attached to it (one set per module at a time)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -146,14 +146,13 @@ def attach_update(attn: nn.Module, update: QKVLoRA | None) -> None:
     """Make the attention module `attn` add `update` to its q, k and v projections' outputs
     (None: the frozen projections), replacing any update attached before. Neither its state dict
     nor its dtypes change: ours gets a reference in `qkv_delta`, timm's Linears a forward hook."""
+    if hasattr(attn, "qkv_delta"):  # ours: one slot, which the packed projection consults
+        attn.qkv_delta = None if update is None else update.forward
+        return
     undo = _ATTACHED.pop(attn, None)
     if undo is not None:
         undo()
     if update is None:
-        return
-    if hasattr(attn, "qkv_delta"):  # ours: the packed projection consults it
-        attn.qkv_delta = update.forward
-        _ATTACHED[attn] = lambda: setattr(attn, "qkv_delta", None)
         return
     handles = []
     for targets, _ in projections(attn):
@@ -171,11 +170,13 @@ def attach_update(attn: nn.Module, update: QKVLoRA | None) -> None:
     if flipped:
         attn.qkv_bias_separate = True
 
+    owner = weakref.ref(attn)  # the registry's values must not keep its keys alive
+
     def remove():
         for handle in handles:
             handle.remove()
-        if flipped:
-            attn.qkv_bias_separate = False
+        if flipped and owner() is not None:
+            owner().qkv_bias_separate = False
 
     _ATTACHED[attn] = remove
 
