@@ -158,10 +158,10 @@ def attach_update(attn: nn.Module, update: QKVLoRA | None) -> None:
     for targets, _ in projections(attn):
         if not any(t in update.targets for t in targets):
             continue  # a separate projection left frozen
-        linear = attn.qkv if len(targets) == 3 else getattr(attn, f"{targets[0]}_proj")
+        linear = attn.qkv if targets == TARGETS else getattr(attn, f"{targets[0]}_proj")
 
         def add(module, args, out, targets=targets):
-            return out + update(args[0], targets)  # (B, T, d_t...) the Linear's output, updated
+            return out + update(args[0], targets)  # (B, T, 3d) fused q|k|v or (B, T, d_t), updated
 
         handles.append(linear.register_forward_hook(add))
     # EVA's fused weight with q/v biases: F.linear(x, qkv.weight, q|k|v bias) never calls the Linear;
