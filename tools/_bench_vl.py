@@ -166,6 +166,17 @@ def reference_step(name: str, oc, method, inputs):
     return lambda images: maple_logits(oc, images, ids, slots, pl.ctx, pl.deep_ctx, projections)
 
 
+def clip_lora_text_tokens(method, clip) -> tuple[int, int]:
+    """CLIP-LoRA's text tokens per step (without dropout): the reference runs every prompt at the
+    tower's full context; ours the shared prefix once, then each prompt's own tokens up to its
+    pooled token, on a tower with the cut, else every prompt whole (SigLIP's)."""
+    n_cls, length = method.token_ids.shape
+    reference = n_cls * clip.text.cfg.context_length
+    if not clip.text.cuts:
+        return reference, n_cls * length
+    return reference, method.prefix + int((method.eos + 1 - method.prefix).sum())
+
+
 def token_bound(name: str, method, clip, batch: int) -> dict:
     """Tokens per step of both sides and the speed-up they bound (tokens x layers x width^2)."""
     if name == "mmrl":
@@ -179,7 +190,7 @@ def token_bound(name: str, method, clip, batch: int) -> dict:
     if name == "vpt":  # neither side runs the text tower per step
         ref_text = ours_text = 0
     elif name == "clip_lora":  # the shared prefix once, then every prompt's own tokens up to [EOS]
-        ref_text, ours_text = n_cls * CONTEXT, method.prefix + int((method.eos + 1 - method.prefix).sum())
+        ref_text, ours_text = clip_lora_text_tokens(method, clip)
     else:
         ref_text, ours_text = n_cls * CONTEXT, int((method.prompt_learner.eos + 1).sum())
     t = clip.text.cfg

@@ -8,7 +8,8 @@ augmented images with labels y:
     logits = logit_scale.exp() * norm(image) @ norm(text).T;   loss = CE(logits, y)
 
 Adapters (`coop.model.lora`): for every block in `lora.layers` of every tower in `lora.towers`, each
-projection in `lora.targets` of the packed q|k|v gets s * B A, A (r, W) kaiming_uniform(a=sqrt(5)),
+of its q, k, v projections in `lora.targets` (our packed q|k|v, timm's fused `qkv` or its separate
+`q_proj`/`k_proj`/`v_proj`) gets s * B A, A (r, W) kaiming_uniform(a=sqrt(5)),
 B (W, r) zeros, s = alpha / sqrt(r) (r = 2, alpha = 1), dropout 0.25 on the branch's input.
 Nothing of CLIP trains or changes: the updates are added to the projection's output, never
 written into the weights, so evaluation (dropout off) equals merged weights without any merge.
@@ -63,8 +64,9 @@ class CLIPLoRA(Method):
     """CLIP with low-rank q|k|v adapters in both towers, trained on cross-entropy.
 
     Args:
-        clip: a `coop.CLIP` whose image tower is our `ImageTransformer` (for `lora.towers` with
-            "vision"); its attention modules get the adapters (`LoRAAdapters.attach`).
+        clip: a `coop.CLIP` whose image tower is an `ImageTower` (open_clip's ViT, or a timm ViT or
+            EVA trunk) for `lora.towers` with "vision"; its attention modules get the adapters
+            (`LoRAAdapters.attach`).
         classnames: as for every method.
         cfg: reads `lora.*` and `train.grad_checkpointing`.
     """
