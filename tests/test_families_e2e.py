@@ -116,13 +116,13 @@ def test_text_method_trains(family, family_features, method_name):
         assert_unchanged(clip, before)
 
 
-def trains_two_steps(method, inputs: torch.Tensor) -> None:
-    """Two SGD steps of `method` on `inputs` (features or images): the loss is finite and the
-    learned tensors move."""
-    labels = torch.arange(len(inputs)) % len(CLASSES)
+def trains_two_steps(method, inputs: torch.Tensor, every: bool = False) -> None:
+    """Two SGD steps of `method` on `inputs` (features or images): the loss is finite, the learned
+    tensors move (`every`: each of them, else at least one) and no CLIP weight gets a gradient."""
+    labels = torch.arange(len(inputs)) % len(method.classnames)
     before = {k: v.detach().clone() for k, v in method.learnable().items()}
-    assert before
     params = [p for p in method.parameters() if p.requires_grad]
+    assert before and params
     opt = torch.optim.SGD(params, lr=0.5)
     method.train()
     for _ in range(2):
@@ -131,9 +131,14 @@ def trains_two_steps(method, inputs: torch.Tensor) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    assert all(p.grad is None for p in method.clip.parameters()), (
+        f"{method.name}: a frozen weight has a gradient"
+    )
     after = method.learnable()
     moved = [k for k in before if not torch.equal(before[k], after[k].detach())]
-    assert moved, f"{method.name}: nothing learned"
+    assert moved == list(before) if every else moved, (
+        f"{method.name}: {set(before) - set(moved)} did not move"
+    )
 
 
 def test_zeroshot_is_open_clips_features(family):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO, build_family, kill_at_first_checkpoint, make_image_folder, shrunk_timm, tiny_args
 from test_bench import load_tool
+from test_families_e2e import trains_two_steps
 from test_image_timm import randomise
 from test_mmrl import mmrl
 from test_mmrl import reference_step as mmrl_reference_step
@@ -104,34 +105,12 @@ def test_the_families_are_the_three_kinds(family):
     assert tower.trunk.global_pool == ("token" if name == "eva02" else "map")
 
 
-def trains_two_steps(method, inputs: torch.Tensor) -> None:
-    """Two SGD steps: the loss is finite, every learned tensor moves, no CLIP weight gets a gradient."""
-    labels = torch.arange(len(inputs)) % len(CLASSES)
-    before = {k: v.detach().clone() for k, v in method.learnable().items()}
-    params = [p for p in method.parameters() if p.requires_grad]
-    assert before and params
-    opt = torch.optim.SGD(params, lr=0.5)
-    method.train()
-    for _ in range(2):
-        loss = method.loss(inputs, labels)[0]
-        assert bool(torch.isfinite(loss)), method.name
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert all(p.grad is None for p in method.clip.parameters()), (
-        f"{method.name}: a frozen weight has a gradient"
-    )
-    after = method.learnable()
-    still = [k for k in before if torch.equal(before[k], after[k].detach())]
-    assert not still, f"{method.name}: {still} did not move"
-
-
 @pytest.mark.parametrize("method_name", sorted(METHODS))
 def test_vision_method_trains(family, method_name):
     clip = family[4]
     torch.manual_seed(0)
     method = build_method(clip, CLASSES, load_config(None, METHODS[method_name]))
-    trains_two_steps(method, images(clip))
+    trains_two_steps(method, images(clip), every=True)
 
 
 def test_fedotp_trains_on_the_patch_tokens(family):
@@ -157,7 +136,7 @@ def test_fedotp_trains_on_the_patch_tokens(family):
             edited = tokens.clone()
             edited[:, row] = torch.randn_like(edited[:, row])
             assert (not torch.equal(method.logits(edited, text), logits)) == changes, row
-    trains_two_steps(method, tokens)
+    trains_two_steps(method, tokens, every=True)
 
 
 @pytest.mark.parametrize("family", ["siglip"], indirect=True)
