@@ -202,3 +202,37 @@ def test_bench_vl_clip_lora_matches_its_reference(tmp_path):
     assert step["reference_text"] == 4 * 77 and step["ours_text"] < 4 * 12
     assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
     assert len(step["grad_diff"]) == (3 + 2) * 6  # A and B of q, k, v in every block of both towers
+
+
+@pytest.mark.parametrize(
+    "stem, trunk, context, image_tokens",
+    [
+        ("eva02-tiny", {}, 77, 1 + 16 * 16),
+        ("siglip-tiny", {"class_token": False}, 64, 14 * 14),  # as SigLIP's own trunks
+        ("pe-core-tiny", {}, 32, 1 + 24 * 24),
+    ],
+)
+def test_bench_vl_maple_on_timm_towers_matches_timms_forward(
+    stem, trunk, context, image_tokens, tmp_path, monkeypatch
+):
+    """MaPLe on EVA02 (RoPE), SigLIP (no class token, MAP pool, no causal mask) and PE-Core (RoPE,
+    MAP pool, 32-token context): ours against the reference, whose image side is timm's own forward
+    with the prompts as extra prefix tokens (`coop.reference.timm_vit`). The trunks keep 2 blocks."""
+    import functools
+
+    import open_clip
+
+    create = functools.partial(open_clip.timm_model.timm.create_model, depth=2, **trunk)
+    monkeypatch.setattr(open_clip.timm_model.timm, "create_model", create)
+    out_json = tmp_path / "vl.json"
+    model = str(REPO / "configs" / "models" / f"{stem}.json")
+    args = ["--method", "maple", "--model", model, "--classes", "4", "--batch", "2", "--no-memory"]
+    args += ["--set", "prompt.depth=2", "--warmup", "0", "--json", str(out_json)]
+    assert load_tool("bench_vl").main(args) == 0
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["reference_text"] == 4 * context  # every prompt padded to the model's context
+    assert step["image"] == 2 * (image_tokens + 2)  # the tower's own tokens and M = 2 prompts
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert {"ctx", "deep_ctx", "proj.weight", "compound_prompt_projections.0.weight"} <= set(
+        step["grad_diff"]
+    )

@@ -53,8 +53,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import build_models, max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
-from _bench_vl import METHODS, build, reference_loss, token_bound  # noqa: E402
+from _bench import max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
+from _bench_vl import METHODS, build, build_towers, reference_loss, token_bound  # noqa: E402
 
 
 def timed(step, method, device) -> tuple[float, float, float, dict]:
@@ -162,7 +162,7 @@ def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = Fal
     """MiB one training step adds at its peak (see the module docstring), measured here: ours, or
     with `reference` the official computation's step."""
     device = torch.device(args.device)
-    oc, clip = build_models(args.model, device)
+    oc, clip = build_towers(args.model, device)
     method = build(name, clip, args.memory_classes, grad_checkpointing, args.set)
     if reference:
         official = reference_loss(name, oc, method, {})
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         return 0
 
     device = torch.device(args.device)
-    oc, clip = build_models(args.model, device)
+    oc, clip = build_towers(args.model, device)
     print(
         f"model {args.model} (random weights), fp32, torch {torch.__version__}, {device}, {torch.get_num_threads()} threads"
     )

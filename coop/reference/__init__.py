@@ -16,10 +16,13 @@ tests and the benchmarks only.
 from __future__ import annotations
 
 import torch
+from open_clip.timm_model import TimmModel
 from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.prompt import PromptLearner
+from coop.reference.text_parts import pool_index, pooled_features, text_parts
+from coop.reference.timm_vit import timm_vision_features
 
 
 def coop_layout(learner: PromptLearner, embeds: torch.Tensor, ctx: torch.Tensor, name_lens: list[int]):
@@ -92,7 +95,7 @@ def coop_text_features(
     rows = slice(None) if classes is None else classes
     ids, name_lens, slots = ids[rows], name_lens[rows], slots[rows]
     n_cls = len(ids)
-    embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
+    embeds = text_parts(oc).token_embedding(ids)  # (n_cls, 77, W)
     ctx = learner.ctx if ctx is None else ctx
     ctx = ctx[rows] if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
@@ -121,7 +124,9 @@ def text_tower(
     """Assembled full-length prompts (n_cls, 77, W) through OpenCLIP's own text modules.
 
     Before block i (1 <= i <= len(deep)) the hidden states at `slots` are replaced by `deep[i-1]`
-    (no positional embedding is added to them).
+    (no positional embedding is added to them). Any family whose text tower is an open_clip
+    `TextTransformer` (`coop.reference.text_parts`: its mask, its pooled token, its projection);
+    CoCa's, which appends a class token, is refused.
 
     Args:
         x: (n_cls, 77, W) token embeddings with the context already in place, without positions.
@@ -131,16 +136,18 @@ def text_tower(
     Returns:
         (n_cls, E) unnormalised text features.
     """
-    oc = openclip_model
+    t = text_parts(openclip_model)
+    if getattr(t, "cls_emb", None) is not None:
+        raise ValueError("the reference text tower does not append CoCa's class token")
     n_cls, _, width = x.shape
-    x = x + oc.positional_embedding
+    x = x + t.positional_embedding
     n_deep = 0 if deep is None else len(deep)
-    for i, block in enumerate(oc.transformer.resblocks):
+    for i, block in enumerate(t.transformer.resblocks):
         if 1 <= i <= n_deep:
             tokens = deep[i - 1] if deep[i - 1].dim() == 3 else deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1)
             x = x.masked_scatter(slots.unsqueeze(-1).expand(-1, -1, width), tokens.reshape(-1, width))
-        x = block(x, attn_mask=oc.attn_mask)
-    return eos_features(oc, x, ids.argmax(dim=-1))
+        x = block(x, attn_mask=t.attn_mask)
+    return pooled_features(openclip_model, x, pool_index(openclip_model, ids))
 
 
 def cocoop_logits(
@@ -195,13 +202,16 @@ def vision_features(visual: nn.Module, images: torch.Tensor, prompts=None) -> to
     sequence; before block i (1 <= i < J) the last M hidden states are cut off and prompts[i]
     concatenated in their place; the prompts' outputs dropped, then open_clip's own pooling
     (`_pool`: ln_post of the class token; CLIPA's average of the patches with ln_post after it;
-    CoCa's attention pool) times proj.
+    CoCa's attention pool) times proj. A timm tower (`TimmModel`: SigLIP, EVA, PE-Core) goes to
+    `coop.reference.timm_vit.timm_vision_features`, timm's own forward with the prompts placed by hooks.
 
     Args:
-        visual: open_clip's image tower (`model.visual`), a ViT.
+        visual: open_clip's image tower (`model.visual`), a ViT or a timm ViT/EVA trunk.
         images: (B, 3, H, W).
         prompts: None or J tensors (M, W), shared by all images.
     """
+    if isinstance(visual, TimmModel):
+        return timm_vision_features(visual, images, prompts)
     x = vit_embeddings(visual, images)  # (B, 1+P, W)
     b = x.shape[0]
     prompts = [] if prompts is None else list(prompts)
@@ -242,8 +252,9 @@ def deep_text_features(
     """
     oc = openclip_model
     n_cls = len(ids)
-    width = oc.token_embedding.weight.shape[1]
-    embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
+    token_embedding = text_parts(oc).token_embedding
+    width = token_embedding.weight.shape[1]
+    embeds = token_embedding(ids)  # (n_cls, 77, W)
     ctx = ctx if ctx.dim() == 3 else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = embeds.masked_scatter(
         slots.unsqueeze(-1).expand(-1, -1, width), ctx.reshape(-1, width).to(embeds.dtype)
