@@ -21,6 +21,17 @@ def load_tool(name):
     return module
 
 
+def two_blocks(monkeypatch, **trunk) -> None:
+    """timm trunks built from here on keep 2 blocks (the tiny timm configs build 12), with `trunk`'s
+    other arguments."""
+    import functools
+
+    import open_clip
+
+    create = functools.partial(open_clip.timm_model.timm.create_model, depth=2, **trunk)
+    monkeypatch.setattr(open_clip.timm_model.timm, "create_model", create)
+
+
 def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert load_tool("gpu_check").main(["--out", str(tmp_path)]) == 0
@@ -29,7 +40,8 @@ def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
+def test_gpu_check_runs_every_section_on_cpu(tmp_path, monkeypatch, capsys):
+    two_blocks(monkeypatch)  # the tiny timm configs' trunks
     assert load_tool("gpu_check").main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] and report["model"] == "coop-tiny" and report["device"] == "cpu"
@@ -60,6 +72,17 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     mmrl = report["mmrl"]
     assert [r["side"] for r in mmrl] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["ms"] > 0 and r["classes"] == 20 for r in mmrl)
+    timm_models = ["eva02-tiny", "siglip-tiny", "pe-core-tiny"]
+    timm_maple = report["timm_maple"]
+    assert [(r["model"], r["side"]) for r in timm_maple] == [
+        (m, s) for m in timm_models for s in ("coop", "coop, grad checkpointing", "reference")
+    ]
+    assert all(r["ms"] > 0 and r["peak_mib"] is None and r["classes"] == 20 for r in timm_maple)
+    # CLIP-LoRA: three timed rows per model, or one row saying in one line why it does not run there
+    lora = {m: [r for r in report["timm_clip_lora"] if r["model"] == m] for m in timm_models}
+    for rows in lora.values():
+        assert [r.get("side") for r in rows] in (["coop", "coop, grad checkpointing", "reference"], [None])
+        assert all(r["ms"] > 0 for r in rows) if len(rows) == 3 else "\n" not in rows[0]["unsupported"]
     out = capsys.readouterr().out
     assert (
         "all checks passed" in out and "no decoding/augmentation" in out and "one MaPLe training step" in out
@@ -78,6 +101,8 @@ def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gpu_check, "check_memory", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_maple", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_clip_lora", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_mmrl", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_timm", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_epoch", out_of_memory)
     assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 1
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -218,12 +243,7 @@ def test_bench_vl_maple_on_timm_towers_matches_timms_forward(
     """MaPLe on EVA02 (RoPE), SigLIP (no class token, MAP pool, no causal mask) and PE-Core (RoPE,
     MAP pool, 32-token context): ours against the reference, whose image side is timm's own forward
     with the prompts as extra prefix tokens (`coop.reference.timm_vit`). The trunks keep 2 blocks."""
-    import functools
-
-    import open_clip
-
-    create = functools.partial(open_clip.timm_model.timm.create_model, depth=2, **trunk)
-    monkeypatch.setattr(open_clip.timm_model.timm, "create_model", create)
+    two_blocks(monkeypatch, **trunk)
     out_json = tmp_path / "vl.json"
     model = str(REPO / "configs" / "models" / f"{stem}.json")
     args = ["--method", "maple", "--model", model, "--classes", "4", "--batch", "2", "--no-memory"]
