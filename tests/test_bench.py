@@ -195,7 +195,7 @@ def test_bench_train_counts_steps(capsys):
     assert "(2 steps in 2 epochs," in cached
 
 
-def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, capsys):
+def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, monkeypatch, capsys):
     out_json = tmp_path / "vl.json"
     args = ["--method", "maple", "--model", str(TINY_CONFIG), "--classes", "4", "--batch", "2"]
     args += ["--set", "prompt.depth=2", "--memory-classes", "4", "--json", str(out_json)]
@@ -216,6 +216,11 @@ def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, capsys):
     )
     # (in a process that has already run steps, freed memory is reused: the added peak can be 0)
     assert bench_vl.step_memory(child, "maple", grad_checkpointing=True) >= 0
+    # a step whose text graph would not fit in the free memory is skipped with its estimate, not run
+    monkeypatch.setattr(bench_vl, "_available_gib", lambda: 0.0)
+    assert bench_vl.step_memory(child, "maple", grad_checkpointing=False) is None
+    assert "its text graph needs about" in capsys.readouterr().err
+    assert bench_vl.step_memory(child, "maple", grad_checkpointing=True) >= 0  # checkpointed: not estimated
 
 
 def test_bench_vl_clip_lora_matches_its_reference(tmp_path):
