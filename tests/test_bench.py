@@ -261,3 +261,18 @@ def test_bench_vl_maple_on_timm_towers_matches_timms_forward(
     assert {"ctx", "deep_ctx", "proj.weight", "compound_prompt_projections.0.weight"} <= set(
         step["grad_diff"]
     )
+
+
+def test_bench_vl_bad_input_is_one_line():
+    """The tiny timm configs' text towers have 2 blocks: MaPLe's recipe depth 9 is refused in one
+    line naming the key, as is an unknown model."""
+    from conftest import run_tool_in_process
+
+    tool = REPO / "tools" / "bench_vl.py"
+    res = run_tool_in_process(tool, ["--method", "maple", "--model", REPO / "configs/models/eva02-tiny.json"])
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: prompt.depth must be in 1..2 (the text tower's layers), got 9"
+    )
+    res = run_tool_in_process(tool, ["--method", "maple", "--model", "ViT-Q-99"])
+    assert res.returncode == 2 and "unknown open_clip model 'ViT-Q-99'" in res.stderr

@@ -58,6 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
 from _bench_vl import METHODS, build, build_towers, reference_loss, token_bound  # noqa: E402
+from _cli import run_cli  # noqa: E402
 
 
 def timed(step, method, device) -> tuple[float, float, float, dict]:
@@ -302,4 +303,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)
