@@ -263,6 +263,23 @@ def test_bench_vl_maple_on_timm_towers_matches_timms_forward(
     )
 
 
+@pytest.mark.parametrize("method", ["vpt", "ivlp", "promptsrc"])
+def test_bench_vl_other_vision_prompt_methods_on_a_timm_tower(method, tmp_path, monkeypatch):
+    """VPT, IVLP and PromptSRC (its frozen image pass too) against their references on SigLIP's
+    trunk without a class token, MAP-pooled; 2 blocks."""
+    two_blocks(monkeypatch, class_token=False)
+    out_json = tmp_path / "vl.json"
+    args = ["--method", method, "--model", REPO / "configs/models/siglip-tiny.json", "--classes", "4"]
+    args += ["--batch", "2", "--no-memory", "--warmup", "0", "--json", out_json]
+    args += ["--set", "prompt.depth=2", "--set", "vision.depth=2"]
+    assert load_tool("bench_vl").main([str(a) for a in args]) == 0
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert {"vision_ctx", "vision_deep_ctx"} <= set(step["grad_diff"])  # the prompts entered the tower
+    if method == "promptsrc":
+        assert max(step["term_diff"].values()) < 1e-5
+
+
 def test_bench_vl_bad_input_is_one_line():
     """The tiny timm configs' text towers have 2 blocks: MaPLe's recipe depth 9 is refused in one
     line naming the key, as is an unknown model."""
