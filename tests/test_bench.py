@@ -21,6 +21,17 @@ def load_tool(name):
     return module
 
 
+def two_blocks(monkeypatch, **trunk) -> None:
+    """timm trunks built from here on keep 2 blocks (the tiny timm configs build 12), with `trunk`'s
+    other arguments."""
+    import functools
+
+    import open_clip
+
+    create = functools.partial(open_clip.timm_model.timm.create_model, depth=2, **trunk)
+    monkeypatch.setattr(open_clip.timm_model.timm, "create_model", create)
+
+
 def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert load_tool("gpu_check").main(["--out", str(tmp_path)]) == 0
@@ -29,7 +40,8 @@ def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
+def test_gpu_check_runs_every_section_on_cpu(tmp_path, monkeypatch, capsys):
+    two_blocks(monkeypatch)  # the tiny timm configs' trunks
     assert load_tool("gpu_check").main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] and report["model"] == "coop-tiny" and report["device"] == "cpu"
@@ -60,6 +72,17 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, capsys):
     mmrl = report["mmrl"]
     assert [r["side"] for r in mmrl] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["ms"] > 0 and r["classes"] == 20 for r in mmrl)
+    timm_models = ["eva02-tiny", "siglip-tiny", "pe-core-tiny"]
+    timm_maple = report["timm_maple"]
+    assert [(r["model"], r["side"]) for r in timm_maple] == [
+        (m, s) for m in timm_models for s in ("coop", "coop, grad checkpointing", "reference")
+    ]
+    assert all(r["ms"] > 0 and r["peak_mib"] is None and r["classes"] == 20 for r in timm_maple)
+    # CLIP-LoRA: three timed rows per model, or one row saying in one line why it does not run there
+    lora = {m: [r for r in report["timm_clip_lora"] if r["model"] == m] for m in timm_models}
+    for rows in lora.values():
+        assert [r.get("side") for r in rows] in (["coop", "coop, grad checkpointing", "reference"], [None])
+        assert all(r["ms"] > 0 for r in rows) if len(rows) == 3 else "\n" not in rows[0]["unsupported"]
     out = capsys.readouterr().out
     assert (
         "all checks passed" in out and "no decoding/augmentation" in out and "one MaPLe training step" in out
@@ -78,6 +101,8 @@ def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gpu_check, "check_memory", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_maple", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_clip_lora", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_mmrl", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_timm", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_epoch", out_of_memory)
     assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 1
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -170,7 +195,7 @@ def test_bench_train_counts_steps(capsys):
     assert "(2 steps in 2 epochs," in cached
 
 
-def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, capsys):
+def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, monkeypatch, capsys):
     out_json = tmp_path / "vl.json"
     args = ["--method", "maple", "--model", str(TINY_CONFIG), "--classes", "4", "--batch", "2"]
     args += ["--set", "prompt.depth=2", "--memory-classes", "4", "--json", str(out_json)]
@@ -191,6 +216,11 @@ def test_bench_vl_matches_the_reference_and_measures_memory(tmp_path, capsys):
     )
     # (in a process that has already run steps, freed memory is reused: the added peak can be 0)
     assert bench_vl.step_memory(child, "maple", grad_checkpointing=True) >= 0
+    # a step whose text graph would not fit in the free memory is skipped with its estimate, not run
+    monkeypatch.setattr(bench_vl, "_available_gib", lambda: 0.0)
+    assert bench_vl.step_memory(child, "maple", grad_checkpointing=False) is None
+    assert "its text graph needs about" in capsys.readouterr().err
+    assert bench_vl.step_memory(child, "maple", grad_checkpointing=True) >= 0  # checkpointed: not estimated
 
 
 def test_bench_vl_clip_lora_matches_its_reference(tmp_path):
@@ -202,3 +232,64 @@ def test_bench_vl_clip_lora_matches_its_reference(tmp_path):
     assert step["reference_text"] == 4 * 77 and step["ours_text"] < 4 * 12
     assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
     assert len(step["grad_diff"]) == (3 + 2) * 6  # A and B of q, k, v in every block of both towers
+
+
+@pytest.mark.parametrize(
+    "stem, trunk, context, image_tokens",
+    [
+        ("eva02-tiny", {}, 77, 1 + 16 * 16),
+        ("siglip-tiny", {"class_token": False}, 64, 14 * 14),  # as SigLIP's own trunks
+        ("pe-core-tiny", {}, 32, 1 + 24 * 24),
+    ],
+)
+def test_bench_vl_maple_on_timm_towers_matches_timms_forward(
+    stem, trunk, context, image_tokens, tmp_path, monkeypatch
+):
+    """MaPLe on EVA02 (RoPE), SigLIP (no class token, MAP pool, no causal mask) and PE-Core (RoPE,
+    MAP pool, 32-token context): ours against the reference, whose image side is timm's own forward
+    with the prompts as extra prefix tokens (`coop.reference.timm_vit`). The trunks keep 2 blocks."""
+    two_blocks(monkeypatch, **trunk)
+    out_json = tmp_path / "vl.json"
+    model = str(REPO / "configs" / "models" / f"{stem}.json")
+    args = ["--method", "maple", "--model", model, "--classes", "4", "--batch", "2", "--no-memory"]
+    args += ["--set", "prompt.depth=2", "--warmup", "0", "--json", str(out_json)]
+    assert load_tool("bench_vl").main(args) == 0
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["reference_text"] == 4 * context  # every prompt padded to the model's context
+    assert step["image"] == 2 * (image_tokens + 2)  # the tower's own tokens and M = 2 prompts
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert {"ctx", "deep_ctx", "proj.weight", "compound_prompt_projections.0.weight"} <= set(
+        step["grad_diff"]
+    )
+
+
+@pytest.mark.parametrize("method", ["vpt", "ivlp", "promptsrc"])
+def test_bench_vl_other_vision_prompt_methods_on_a_timm_tower(method, tmp_path, monkeypatch):
+    """VPT, IVLP and PromptSRC (its frozen image pass too) against their references on SigLIP's
+    trunk without a class token, MAP-pooled; 2 blocks."""
+    two_blocks(monkeypatch, class_token=False)
+    out_json = tmp_path / "vl.json"
+    args = ["--method", method, "--model", REPO / "configs/models/siglip-tiny.json", "--classes", "4"]
+    args += ["--batch", "2", "--no-memory", "--warmup", "0", "--json", out_json]
+    args += ["--set", "prompt.depth=2", "--set", "vision.depth=2"]
+    assert load_tool("bench_vl").main([str(a) for a in args]) == 0
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert {"vision_ctx", "vision_deep_ctx"} <= set(step["grad_diff"])  # the prompts entered the tower
+    if method == "promptsrc":
+        assert max(step["term_diff"].values()) < 1e-5
+
+
+def test_bench_vl_bad_input_is_one_line():
+    """The tiny timm configs' text towers have 2 blocks: MaPLe's recipe depth 9 is refused in one
+    line naming the key, as is an unknown model."""
+    from conftest import run_tool_in_process
+
+    tool = REPO / "tools" / "bench_vl.py"
+    res = run_tool_in_process(tool, ["--method", "maple", "--model", REPO / "configs/models/eva02-tiny.json"])
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: prompt.depth must be in 1..2 (the text tower's layers), got 9"
+    )
+    res = run_tool_in_process(tool, ["--method", "maple", "--model", "ViT-Q-99"])
+    assert res.returncode == 2 and "unknown open_clip model 'ViT-Q-99'" in res.stderr

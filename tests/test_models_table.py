@@ -65,19 +65,23 @@ def test_rows_hold_known_facts(row):
     assert {"openai", "laion2b_s34b_b88k"} <= set(b16.pretrained)
     siglip = row["ViT-B-16-SigLIP"]
     assert (siglip.family, siglip.text, siglip.tokenizer) == ("SigLIP", None, "timm/ViT-B-16-SigLIP")
-    assert "TimmModel" in siglip.vision and siglip.pretrained == ("webli",)
+    assert siglip.vision is None and siglip.pretrained == ("webli",)  # timm's ViT trunk, walked
+    assert row["EVA02-B-16"].vision is None and row["PE-Core-B-16"].vision is None
     assert row["ViT-B-16-SigLIP2"].family == "SigLIP2"
     roberta = row["roberta-ViT-B-32"]
     assert roberta.family == "HF text" and roberta.tokenizer == "roberta-base"
     assert roberta.text.startswith("model roberta-ViT-B-32's text tower") and "'roberta-base'" in roberta.text
     # its image tower is a standard ViT, but a model whose text tower is refused does not load
     assert roberta.image is None and "does not load" in roberta.vision
-    assert row["RN50"].text is None and "ModifiedResNet image tower" in row["RN50"].vision
+    assert row["RN50"].text is None and "is a ResNet (a CNN): it has no tokens" in row["RN50"].vision
+    for cnn, trunk in [("convnext_base", "ConvNeXt"), ("MobileCLIP-S1", "FastVit")]:
+        assert f"timm's {trunk}, a convolutional tower: it has no token sequence" in row[cnn].vision
+    assert "timm's SwinTransformer, not a ViT or EVA trunk" in row["swin_base_patch4_window7_224"].vision
     assert "layer scale" in row["ViT-M-16-alt"].vision
-    assert "attentional pooling" in row["coca_ViT-B-32"].vision and row["coca_ViT-B-32"].text is None
+    assert row["coca_ViT-B-32"].vision is None and row["coca_ViT-B-32"].text is None  # attention pool
     clipa = row["ViT-L-14-CLIPA"]
     assert (clipa.family, clipa.text, clipa.tokenizer) == ("CLIPA", None, "bert-base-uncased")
-    assert "pooling 'avg'" in clipa.vision and "no ln_pre" in clipa.vision
+    assert clipa.vision is None  # average pool, no ln_pre: our ViT covers it
     worldwide = row["ViT-H-14-worldwide"]
     assert (worldwide.family, worldwide.text, worldwide.vision) == ("MetaCLIP 2 worldwide", None, None)
     # overlapping rules: the first family that matches
@@ -114,13 +118,16 @@ def test_unknown_names_and_families_are_one_line():
 
 
 def test_the_tool_prints_one_family_with_its_refusals():
-    cmd = [sys.executable, str(TOOL), "--family", "CLIPA", "--why"]
+    """MobileCLIP: the ViT towers (MobileCLIP-B, MobileCLIP2-B/-L-14) take vision prompts, the FastViT
+    ones are refused in one line each."""
+    cmd = [sys.executable, str(TOOL), "--family", "MobileCLIP", "--why"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
     assert lines[0].startswith("| model | family | text prompts | vision prompts | tokenizer |")
     body = lines[2:]
-    assert len(body) == 6 and all(
-        line.startswith("| `ViT-") and "| CLIPA | yes | no |" in line for line in body
-    )
-    assert all("image tower is not a standard OpenCLIP ViT: pooling 'avg'" in line for line in body)
+    assert len(body) == 9 and all("| MobileCLIP | yes |" in line for line in body)
+    taken = {line.split("`")[1] for line in body if "| MobileCLIP | yes | yes |" in line}
+    assert taken == {"MobileCLIP-B", "MobileCLIP2-B", "MobileCLIP2-L-14"}
+    refused = [line for line in body if "| MobileCLIP | yes | no |" in line]
+    assert len(refused) == 6 and all("timm's FastVit, a convolutional tower" in line for line in refused)

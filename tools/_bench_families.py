@@ -6,7 +6,8 @@
 The prompts are tokenised with CLIP's tokenizer (the families' own tokenizers load from the hub):
 a vocabulary smaller than CLIP's is widened to 49,408 rows, and a tower pooled at an [EOS] id
 (MetaCLIP 2 worldwide) looks for CLIP's [EOS] id, 49,407. Neither changes what the tower computes
-per token. The image tower is replaced by a tiny ViT: it plays no part in the text side.
+per token. The image tower is replaced by a tiny ViT, as it plays no part in the text side, unless
+`image_tower=True` (`tools/bench_vl.py`, whose methods prompt it).
 
 The reference assembles CoOp's prompts at the full context (`coop.reference.coop_layout`) and runs
 them through open_clip's own text modules as its `TextTransformer.forward` does after the token
@@ -40,15 +41,17 @@ def clip_shaped(name: str) -> bool:
     return plain and t.get("pool_type", "argmax") == "argmax"
 
 
-def build_family_models(name: str, device: torch.device, seed: int = 0):
+def build_family_models(name: str, device: torch.device, seed: int = 0, image_tower: bool = False):
     """(open_clip model, coop.CLIP) for model `name` with CLIP's tokenizer (see the module
-    docstring), the same random weights, frozen, on `device`."""
+    docstring), the same random weights, frozen, on `device`; with `image_tower` the model's own
+    image tower, else a tiny ViT."""
     cfg = copy.deepcopy(open_clip.get_model_config(name))
     text = cfg["text_cfg"]
     text["vocab_size"] = max(text.get("vocab_size", CLIP_VOCAB), CLIP_VOCAB)
     if text.get("pool_type") == "eos":
         text["eos_id"], text["vocab_size"] = CLIP_EOS, CLIP_VOCAB
-    args = dict(embed_dim=cfg["embed_dim"], vision_cfg=dict(TINY_VISION), text_cfg=text)
+    vision = cfg["vision_cfg"] if image_tower else dict(TINY_VISION)
+    args = dict(embed_dim=cfg["embed_dim"], vision_cfg=vision, text_cfg=text)
     args["quick_gelu"] = cfg.get("quick_gelu", False)
     torch.manual_seed(seed)
     if "multimodal_cfg" in cfg:

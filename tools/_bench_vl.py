@@ -7,13 +7,13 @@ Which computation the reference follows for each method is described in tools/be
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
-from _bench import imagenet_method
+from _bench import build_models, imagenet_method
+from _bench_families import build_family_models, clip_shaped
 
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
+from coop.model.weights import resolve_model_name
 from coop.reference import (
     ivlp_logits,
     maple_logits,
@@ -26,7 +26,29 @@ from coop.reference.clip_lora import clip_lora_logits
 from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
 
 METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora", "mmrl")
-CONTEXT = 77  # tokens per prompt in the reference
+
+
+def build_towers(model: str, device: torch.device, seed: int = 0):
+    """(open_clip model, coop.CLIP) with the same random weights, frozen, on `device`: CLIP-shaped
+    models as open_clip builds them; the other families (SigLIP, EVA, PE-Core, ...) with their own
+    image tower and CLIP's tokenizer (`_bench_families.build_family_models`: their own tokenizers
+    load from the hub).
+
+    Args:
+        model: an open_clip model name or a model-config JSON path.
+    """
+    name = resolve_model_name(model)
+    if clip_shaped(name):
+        return build_models(name, device, seed)
+    return build_family_models(name, device, seed, image_tower=True)
+
+
+def image_tokens(tower) -> int:
+    """Tokens per image of an `ImageTower` (prefix tokens and patches), from its own embedding."""
+    size = tower.image_size if isinstance(tower.image_size, int) else tower.image_size[0]
+    device = next(tower.parameters()).device
+    with torch.no_grad():
+        return tower.embed(torch.zeros(1, 3, size, size, device=device))[0].shape[1]
 
 
 def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=()):
@@ -108,29 +130,21 @@ def mmrl_reference(oc, method, ids, text_zs):
     )[0]
 
 
-def image_sizes(clip) -> SimpleNamespace:
-    """The image tower's `tokens` per image (prefix and patches), `layers` and `width`, read off
-    either back end (open_clip's ViT, a timm trunk) by embedding one blank image."""
-    tower, size = clip.visual, clip.image_size
-    dtype = next(tower.parameters()).dtype
-    with torch.no_grad():
-        x, _ = tower.embed(torch.zeros(1, 3, size, size, device=clip.logit_scale.device, dtype=dtype))
-    return SimpleNamespace(tokens=x.shape[1], layers=tower.layers, width=tower.width)
-
-
 def mmrl_token_bound(method, clip, batch: int) -> dict:
     """MMRL's tokens per step, as token-blocks / blocks (K more from the first listed block on):
     text, reference n_cls x (77+K) against ours, each row's own tokens plus [SOS] and the K tokens
     once; image, the student pass on both sides plus the frozen forward (1/3 of a training pass),
     over all blocks in the reference, after the shared blocks in ours."""
-    t, v = clip.text.cfg, image_sizes(clip)
+    t, v = clip.text.cfg, clip.visual
     k, n_cls = method.n_tokens, len(method.classnames)
     t0, v0 = method.text_blocks[0], method.vision_blocks[0]
-    ref_text = n_cls * (CONTEXT * t.layers + k * (t.layers - t0)) / t.layers
+    context = t.context_length
+    v_tokens = image_tokens(v)
+    ref_text = n_cls * (context * t.layers + k * (t.layers - t0)) / t.layers
     ours_text = int(method.eos.sum()) + 1 + k * (t.layers - t0) / t.layers
-    student = batch * (v.tokens * v.layers + k * (v.layers - v0)) / v.layers
-    ref_image = student + batch * v.tokens / 3
-    ours_image = student + batch * v.tokens * (v.layers - v0) / v.layers / 3
+    student = batch * (v_tokens * v.layers + k * (v.layers - v0)) / v.layers
+    ref_image = student + batch * v_tokens / 3
+    ours_image = student + batch * v_tokens * (v.layers - v0) / v.layers / 3
     text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
     bound = (ref_text * text_cost + ref_image * image_cost) / (
         ours_text * text_cost + ours_image * image_cost
@@ -181,19 +195,21 @@ def token_bound(name: str, method, clip, batch: int) -> dict:
     """Tokens per step of both sides and the speed-up they bound (tokens x layers x width^2)."""
     if name == "mmrl":
         return mmrl_token_bound(method, clip, batch)
-    v = image_sizes(clip)
+    tower = clip.visual
+    tokens = image_tokens(tower)
     prompts = method.vision_prompts() if hasattr(method, "vision_prompts") else [torch.zeros(0)]
-    image = batch * (v.tokens + prompts[0].shape[0])
+    image = batch * (tokens + prompts[0].shape[0])
     if name == "promptsrc":  # both sides also run the frozen tower forward: ~1/3 of a training pass
-        image += batch * v.tokens // 3
+        image += batch * tokens // 3
     n_cls = len(method.classnames)
+    context = clip.text.cfg.context_length  # the reference pads every prompt to it
     if name == "vpt":  # neither side runs the text tower per step
         ref_text = ours_text = 0
     elif name == "clip_lora":  # the shared prefix once, then every prompt's own tokens up to [EOS]
         ref_text, ours_text = clip_lora_text_tokens(method, clip)
     else:
-        ref_text, ours_text = n_cls * CONTEXT, int((method.prompt_learner.eos + 1).sum())
-    t = clip.text.cfg
+        ref_text, ours_text = n_cls * context, int((method.prompt_learner.eos + 1).sum())
+    t, v = clip.text.cfg, tower
     text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
     bound = (ref_text * text_cost + image * image_cost) / (ours_text * text_cost + image * image_cost)
     ratio = (ref_text + image) / (ours_text + image)

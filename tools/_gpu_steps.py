@@ -117,7 +117,7 @@ def print_maple_rows(rows: list[dict]) -> None:
             else f"peak {r['peak_mib']:.0f} MiB (step: +{r['step_mib']:.0f} MiB)"
         )
         print(
-            f"  {r['model']:<9} {r['side']:<25} {r['classes']} classes, batch {r['batch']}: {r['ms']:8.1f} ms, {mem}"
+            f"  {r['model']:<16} {r['side']:<25} {r['classes']} classes, batch {r['batch']}: {r['ms']:8.1f} ms, {mem}"
         )
 
 
@@ -196,3 +196,68 @@ def mmrl_steps(model: str, sizes: dict, device) -> list[dict]:
 def print_mmrl(rows: list[dict]) -> None:
     print("one MMRL training step (K 5, d_r 512, its whole loss, bf16 autocast)")
     print_maple_rows(rows)
+
+
+# --- timm towers: MaPLe and CLIP-LoRA on EVA02, SigLIP2 and PE-Core ---------------------------------
+
+TINY_TIMM = tuple(str(Path(TINY_MODEL).with_name(f"{s}-tiny.json")) for s in ("eva02", "siglip", "pe-core"))
+TIMM_SIZES = {
+    "maple": {
+        "full": {"models": ("EVA02-B-16", "ViT-B-16-SigLIP2", "PE-Core-B-16"), "classes": 1000, "batch": 4,
+                 "repeats": 3, "set": ()},
+        "tiny": {"models": TINY_TIMM, "classes": 20, "batch": 2, "repeats": 1, "set": ("prompt.depth=2",)},
+    },
+    "clip_lora": {
+        "full": {"models": ("EVA02-B-16", "ViT-B-16-SigLIP2", "PE-Core-B-16"), "classes": 1000, "batch": 32,
+                 "repeats": 3, "set": ()},
+        "tiny": {"models": TINY_TIMM, "classes": 20, "batch": 2, "repeats": 1, "set": ()},
+    },
+}  # fmt: skip
+
+
+def check_timm(method: str, device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one `method` step ("maple" or "clip_lora") on each timm tower, ours
+    (with and without grad checkpointing) and the reference, built as tools/bench_vl.py builds them
+    (`_bench_vl`: the family's own image tower, CLIP's tokenizer; the reference's image side is
+    timm's own forward)."""
+    return per_model(TIMM_SIZES[method], lambda m, sizes, d: timm_steps(method, m, sizes, d), device, tiny)
+
+
+def timm_steps(method: str, model: str, sizes: dict, device) -> list[dict]:
+    """The three rows of `timed_steps`, or one row saying why `method` does not run on `model`'s
+    towers when the method or its reference cannot be built there (e.g. CLIP-LoRA before its
+    adapters reach timm's attention)."""
+    from _bench_vl import build, build_towers, reference_loss
+
+    oc, clip = build_towers(model, device)
+    try:
+        built = build(method, clip, sizes["classes"], extra=sizes["set"])
+        reference = reference_loss(method, oc, built, {})
+    except (AttributeError, NotImplementedError, TypeError, ValueError) as e:  # ModelError, ConfigError
+        why = f"{type(e).__name__}: {(str(e).strip() or '-').splitlines()[0]}"
+        return [
+            {
+                "model": Path(model).stem,
+                "classes": sizes["classes"],
+                "batch": sizes["batch"],
+                "unsupported": why,
+            }
+        ]
+    images, labels = step_batch(clip, sizes, device)
+    step = lambda: reference(images, labels)  # noqa: E731
+    return timed_steps(model, built, clip, step, images, labels, sizes, device)
+
+
+def print_timm(method: str):
+    """The printer of `check_timm(method, ...)`'s rows."""
+    title = {"maple": "MaPLe (n_ctx 2, depth 9)", "clip_lora": "CLIP-LoRA (rank 2, both towers)"}[method]
+
+    def print_rows(rows: list[dict]) -> None:
+        print(f"one {title} training step on timm towers (bf16 autocast)")
+        supported = [r for r in rows if "unsupported" not in r]
+        for r in rows:
+            if "unsupported" in r:
+                print(f"  {r['model']:<16} not supported: {r['unsupported']}")
+        print_maple_rows(supported)
+
+    return print_rows

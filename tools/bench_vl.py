@@ -34,7 +34,10 @@ step; on a CPU it is the peak resident set size during the step (Linux `VmHWM`, 
 `/proc/self/clear_refs`) minus the resident size before it, i.e. what the step added to the process.
 
 The reference at 1,000 classes keeps a graph of 77,000 text tokens (about 30 GB in fp32 for
-ViT-B/16); it is skipped, with a message, where the device does not have that much free memory.
+ViT-B/16); it is skipped, with a message, where the device does not have that much free memory,
+and so is a memory measurement (the reference's, or ours without grad checkpointing) whose text
+graph would not fit (ours runs the whole context on towers without the causal mask: SigLIP).
+`--model` also takes the timm towers (EVA, SigLIP, PE-Core): see `_bench_vl.build_towers`.
 Small sizes run in seconds: `--model configs/models/coop-tiny.json --classes 5 --batch 2
 --set prompt.depth=2` (and `--set vision.depth=2` for vpt and ivlp: the tiny towers are shallow).
 """
@@ -53,8 +56,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import build_models, max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
-from _bench_vl import METHODS, build, reference_loss, token_bound  # noqa: E402
+from _bench import max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
+from _bench_vl import METHODS, build, build_towers, reference_loss, token_bound  # noqa: E402
+from _cli import run_cli  # noqa: E402
 
 
 def timed(step, method, device) -> tuple[float, float, float, dict]:
@@ -71,8 +75,9 @@ def timed(step, method, device) -> tuple[float, float, float, dict]:
 
 
 def reference_fits(text_tokens: int, clip, device) -> tuple[bool, float]:
-    """Whether the reference's text graph (`text_tokens` tokens, ~18 W-sized tensors kept per
-    block) fits in the free memory of `device`; (fits, estimated GiB)."""
+    """Whether a text graph of `text_tokens` tokens (~18 W-sized tensors kept per block: the
+    reference's, or ours without grad checkpointing) fits in the free memory of `device`; (fits,
+    estimated GiB)."""
     t = clip.text.cfg
     need = text_tokens * t.layers * 18 * t.width * 4 / 2**30
     if device.type == "cuda":
@@ -162,8 +167,17 @@ def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = Fal
     """MiB one training step adds at its peak (see the module docstring), measured here: ours, or
     with `reference` the official computation's step."""
     device = torch.device(args.device)
-    oc, clip = build_models(args.model, device)
+    oc, clip = build_towers(args.model, device)
     method = build(name, clip, args.memory_classes, grad_checkpointing, args.set)
+    if reference or not grad_checkpointing:  # a graph too large is skipped, not run out of memory
+        tokens = token_bound(name, method, clip, args.batch)["reference_text" if reference else "ours_text"]
+        fits, need = reference_fits(tokens, clip, device)
+        if not fits:
+            print(
+                f"its text graph needs about {need:.0f} GiB, more than this {device.type} has free",
+                file=sys.stderr,
+            )
+            return None
     if reference:
         official = reference_loss(name, oc, method, {})
     else:
@@ -217,6 +231,8 @@ def memory(args, name: str) -> dict:
             print(f"memory of {side}: failed ({lines})")
             continue
         out[side] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+        if out[side] is None and done.stderr.strip():
+            print(f"memory of {side}: skipped ({done.stderr.strip().splitlines()[-1]})")
     what = (
         "torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS added by the step"
     )
@@ -271,7 +287,7 @@ def main(argv=None) -> int:
         return 0
 
     device = torch.device(args.device)
-    oc, clip = build_models(args.model, device)
+    oc, clip = build_towers(args.model, device)
     print(
         f"model {args.model} (random weights), fp32, torch {torch.__version__}, {device}, {torch.get_num_threads()} threads"
     )
@@ -287,4 +303,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -35,6 +35,13 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              tower and L/2..L of the image tower, its loss with the frozen image pass): ours with
              and without grad checkpointing, and the reference the official way
              (`coop.reference.mmrl.mmrl_step`: 77+K tokens per class, two full image passes).
+  timm_maple, timm_clip_lora
+             the MaPLe and CLIP-LoRA steps above on the timm towers of EVA02-B-16 (RoPE),
+             ViT-B-16-SigLIP2 (no class token, MAP pool, 64-token text without the causal mask)
+             and PE-Core-B-16 (RoPE, MAP pool, 32-token text), 1,000 classes, built as
+             tools/bench_vl.py builds them (CLIP's tokenizer; the reference's image side is timm's
+             own forward, `coop.reference.timm_vit`); a model the method cannot be built on is one
+             row saying why ("not supported: ...").
   ddp        where several GPUs are visible: one run on 1 GPU vs on all of them (tools/bench_ddp.py:
              torchrun, NCCL, ViT-B/16, CoOp on cached features and MaPLe on pixels, epoch times).
 
@@ -76,9 +83,11 @@ from _gpu_steps import (  # noqa: E402
     check_clip_lora,
     check_maple,
     check_mmrl,
+    check_timm,
     print_clip_lora,
     print_maple,
     print_mmrl,
+    print_timm,
 )
 
 SIZES = {  # --tiny: the test suite's model, so that the whole script runs on a CPU in seconds
@@ -133,6 +142,8 @@ PRINTERS = {
     "maple": print_maple,
     "clip_lora": print_clip_lora,
     "mmrl": print_mmrl,
+    "timm_maple": print_timm("maple"),
+    "timm_clip_lora": print_timm("clip_lora"),
     "ddp": print_ddp,
 }
 
@@ -180,6 +191,8 @@ def main(argv=None) -> int:
         "maple": lambda: check_maple(device, args.tiny),
         "clip_lora": lambda: check_clip_lora(device, args.tiny),
         "mmrl": lambda: check_mmrl(device, args.tiny),
+        "timm_maple": lambda: check_timm("maple", device, args.tiny),
+        "timm_clip_lora": lambda: check_timm("clip_lora", device, args.tiny),
         "ddp": lambda: check_ddp(device),
     }
     for section, run in sections.items():

@@ -26,7 +26,9 @@ import copy
 
 import torch
 from open_clip.timm_model import TimmModel
+from timm.models.convnext import ConvNeXt
 from timm.models.eva import Eva
+from timm.models.fastvit import FastVit
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
@@ -115,10 +117,15 @@ def timm_config_refusal(visual: nn.Module, name: str | None = None) -> str | Non
     if not isinstance(visual, TimmModel):
         return f"model {name}'s image tower {type(visual).__name__} is not a timm tower"
     trunk = visual.trunk
+    if isinstance(trunk, (ConvNeXt, FastVit)):
+        return (
+            f"model {name}'s image tower is timm's {type(trunk).__name__}, a convolutional tower: it has no "
+            "token sequence, so it takes no vision prompts (CLIP-LoRA runs with lora.towers=[text])"
+        )
     if type(trunk) not in (TimmViT, Eva):
         return (
-            f"model {name}'s image tower is timm's {type(trunk).__name__}, not a ViT or EVA trunk: vision "
-            "prompts need its token sequence (CLIP-LoRA runs with lora.towers=[text])"
+            f"model {name}'s image tower is timm's {type(trunk).__name__}, not a ViT or EVA trunk, the two "
+            "our forward walks, so it takes no vision prompts (CLIP-LoRA runs with lora.towers=[text])"
         )
     if "pool" in dict(visual.head.named_children()):
         return f"model {name}'s image tower pools in open_clip's head ({type(visual.head.pool).__name__}), not in timm's trunk"

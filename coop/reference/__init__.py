@@ -23,7 +23,7 @@ from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.prompt import PromptLearner
-from coop.reference.text_parts import text_parts
+from coop.reference.text_parts import pool_index, pooled_features, text_parts
 from coop.reference.timm_vit import timm_vision_features
 
 
@@ -92,12 +92,12 @@ def coop_text_features(
         classes: only these classes' prompts (default: all); every class is computed on its own,
             so a benchmark may run the classes in slices to bound the memory.
     """
-    oc = text_parts(openclip_model)
+    oc = openclip_model
     ids, name_lens, slots = inputs if inputs is not None else reference_inputs(openclip_model, learner)
     rows = slice(None) if classes is None else classes
     ids, name_lens, slots = ids[rows], name_lens[rows], slots[rows]
     n_cls = len(ids)
-    embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
+    embeds = text_parts(oc).token_embedding(ids)  # (n_cls, 77, W)
     ctx = learner.ctx if ctx is None else ctx
     ctx = ctx[rows] if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
@@ -110,7 +110,7 @@ def coop_text_features(
 def eos_features(openclip_model: nn.Module, x: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """The end of open_clip's text tower, written out: ln_final of the last block's output x
     (n, L, W), each row's hidden state at its [EOS] index eos (n,), times text_projection: (n, E)."""
-    oc = text_parts(openclip_model)
+    oc = openclip_model
     x = oc.ln_final(x)
     pooled = x[torch.arange(len(x), device=x.device), eos]  # (n, W)
     proj = oc.text_projection
@@ -127,7 +127,9 @@ def text_tower(
     """Assembled full-length prompts (n_cls, 77, W) through OpenCLIP's own text modules.
 
     Before block i (1 <= i <= len(deep)) the hidden states at `slots` are replaced by `deep[i-1]`
-    (no positional embedding is added to them).
+    (no positional embedding is added to them). Any family whose text tower is an open_clip
+    `TextTransformer` (`coop.reference.text_parts`: its mask, its pooled token, its projection);
+    CoCa's, which appends a class token, is refused.
 
     Args:
         x: (n_cls, 77, W) token embeddings with the context already in place, without positions.
@@ -137,16 +139,18 @@ def text_tower(
     Returns:
         (n_cls, E) unnormalised text features.
     """
-    oc = text_parts(openclip_model)
+    t = text_parts(openclip_model)
+    if getattr(t, "cls_emb", None) is not None:
+        raise ValueError("the reference text tower does not append CoCa's class token")
     n_cls, _, width = x.shape
-    x = x + oc.positional_embedding
+    x = x + t.positional_embedding
     n_deep = 0 if deep is None else len(deep)
-    for i, block in enumerate(oc.transformer.resblocks):
+    for i, block in enumerate(t.transformer.resblocks):
         if 1 <= i <= n_deep:
             tokens = deep[i - 1] if deep[i - 1].dim() == 3 else deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1)
             x = x.masked_scatter(slots.unsqueeze(-1).expand(-1, -1, width), tokens.reshape(-1, width))
-        x = block(x, attn_mask=oc.attn_mask)
-    return eos_features(oc, x, ids.argmax(dim=-1))
+        x = block(x, attn_mask=t.attn_mask)
+    return pooled_features(openclip_model, x, pool_index(openclip_model, ids))
 
 
 def cocoop_logits(
@@ -201,10 +205,8 @@ def vision_features(visual: nn.Module, images: torch.Tensor, prompts=None) -> to
     sequence; before block i (1 <= i < J) the last M hidden states are cut off and prompts[i]
     concatenated in their place; the prompts' outputs dropped, then open_clip's own pooling
     (`_pool`: ln_post of the class token; CLIPA's average of the patches with ln_post after it;
-    CoCa's attention pool) times proj.
-
-    open_clip's timm towers (SigLIP, EVA, PE-Core) go to `coop.reference.timm_vit.timm_vision_features`:
-    timm's own forward with the prompts placed as extra prefix tokens.
+    CoCa's attention pool) times proj. A timm tower (`TimmModel`: SigLIP, EVA, PE-Core) goes to
+    `coop.reference.timm_vit.timm_vision_features`, timm's own forward with the prompts placed by hooks.
 
     Args:
         visual: open_clip's image tower (`model.visual`), a ViT or a timm ViT/EVA trunk.
@@ -251,10 +253,11 @@ def deep_text_features(
         ctx: (M, W) shared or (n_cls, M, W) class-specific input-layer context.
         deep: optional (J-1, M, W) or (J-1, n_cls, M, W) deep text prompts.
     """
-    oc = text_parts(openclip_model)
+    oc = openclip_model
     n_cls = len(ids)
-    width = oc.token_embedding.weight.shape[1]
-    embeds = oc.token_embedding(ids)  # (n_cls, 77, W)
+    token_embedding = text_parts(oc).token_embedding
+    width = token_embedding.weight.shape[1]
+    embeds = token_embedding(ids)  # (n_cls, 77, W)
     ctx = ctx if ctx.dim() == 3 else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = embeds.masked_scatter(
         slots.unsqueeze(-1).expand(-1, -1, width), ctx.reshape(-1, width).to(embeds.dtype)

@@ -3,7 +3,7 @@
     rows = support_table()                          # coop.model.support: one row per model
     print(models_markdown(rows, why=True))          # the table, with each refusal
     Path("docs/models.md").write_text(models_document(rows))
-    coverage(rows)  # "text prompts on 134 of open_clip's 144 models and vision prompts on 47"
+    coverage(rows)  # "text prompts on 134 of open_clip's 144 models and vision prompts on 104"
 
 `coverage` is the sentence the README's first paragraph carries; docs/models.md is
 `models_document(support_table())` (tests/test_models_table.py keeps both current).
@@ -31,9 +31,9 @@ With open_clip {version}, coop takes {coverage}.
   applies; [text_towers.md](text_towers.md)). Every method runs its text side there, so a model
   whose text tower is refused does not load here at all.
 - **vision prompts**: the model loads and `coop.CLIP.from_openclip` turns its image tower into our
-  `ImageTransformer`, which the methods that prompt or change the image tower need
-  ([image_tower.md](image_tower.md)). A refused image tower keeps open_clip's module and serves
-  every other method.
+  `ImageTower` over open_clip's ViT or over timm's ViT and EVA trunks, which the methods that
+  prompt or change the image tower need ([image_tower.md](image_tower.md)). A refused image tower
+  (a CNN, a timm trunk of another kind) keeps open_clip's module and serves every other method.
 - **tokenizer**: {clip_bpe} ships with open_clip; a Hugging Face name is the tokenizer open_clip
   loads from the Hugging Face cache (or the hub) for that model.
 - **pretrained tags**: open_clip's weights for the model (`model.pretrained`); a model without tags
