@@ -26,8 +26,8 @@ from coop.model.image_encoder import ImageTransformer
 from coop.model.image_timm import TimmImageTower
 from coop.model.image_tower import identity_rows
 from coop.model.inserted import InsertedTokens
-from coop.reference import vision_features
 from coop.reference.timm_vit import timm_vision_features
+from coop.reference.vision import vision_features
 
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
 

@@ -29,8 +29,8 @@ from open_clip.timm_model import TimmModel
 from torch import nn
 from torch.func import functional_call
 
-from coop.reference import vit_embeddings
 from coop.reference.text_parts import pool_index, pooled_features, text_parts
+from coop.reference.vision import vit_embeddings
 
 
 def adapted_block(

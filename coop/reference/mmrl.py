@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from open_clip.timm_model import TimmModel
 from torch import nn
 
-from coop.reference import vision_features, vit_embeddings
 from coop.reference.text_parts import pool_index, pooled_features, text_parts
 from coop.reference.timm_vit import timm_vision_features
+from coop.reference.vision import vision_features, vit_embeddings
 
 
 def _put_tokens(x: torch.Tensor, tokens: torch.Tensor, first: bool, after: int = 1) -> torch.Tensor:
