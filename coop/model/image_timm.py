@@ -128,5 +128,6 @@ def timm_config_refusal(visual: nn.Module, name: str | None = None) -> str | Non
             "our forward walks, so it takes no vision prompts (CLIP-LoRA runs with lora.towers=[text])"
         )
     if "pool" in dict(visual.head.named_children()):
-        return f"model {name}'s image tower pools in open_clip's head ({type(visual.head.pool).__name__}), not in timm's trunk"
+        pool = type(visual.head.pool).__name__
+        return f"model {name}'s image tower pools in open_clip's head ({pool}), not in timm's trunk"
     return None

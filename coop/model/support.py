@@ -8,7 +8,8 @@ Text: `coop.model.text_support.text_support`, the rule loading applies to the te
 tower built on the meta device. Vision: open_clip builds the model's image tower on the meta device
 and `coop.model.clip._image_tower` (what `CLIP.from_openclip` runs) turns it into our
 `ImageTower` (over open_clip's ViT, or over timm's ViT and EVA trunks), key by key and shape by
-shape, or keeps open_clip's module with the reason it takes no vision prompts. Nothing downloads and no tensor holds a value. The tokenizer is the one
+shape, or keeps open_clip's module with the reason it takes no vision prompts. Nothing downloads
+and no tensor holds a value. The tokenizer is the one
 open_clip's `get_tokenizer` picks from the config. `coop.results.model_table` turns the rows into
 tables (`tools/models.py`, docs/models.md).
 """

@@ -11,9 +11,10 @@ a copy of the tower and places the added tokens the way timm places its own pref
     after the final norm (`trunk.norm`'s output):     the M rows dropped, unless pool_prompts
 
 MMRL's inserted tokens take the same places at the input of block `layers[0]` (after norm_pre,
-even at block 0) and after, and their rows after the final norm (and fc_norm) are returned. The two placements differ in the tokens' order only, which
-attention without a mask does not see; on RoPE trunks they agree exactly when an appended prompt's
-rotation is the identity, which is what the test of this rule checks.
+even at block 0) and after, and their rows after the final norm (and fc_norm) are returned. The
+two placements differ in the tokens' order only, which attention without a mask does not see; on
+RoPE trunks they agree exactly when an appended prompt's rotation is the identity, which is what
+the test of this rule checks.
 """
 
 from __future__ import annotations
