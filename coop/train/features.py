@@ -10,8 +10,9 @@ on disk, so that the seeds and ablation points of a sweep share them. Training c
 
 A cache file is named by `cache_key`, which holds everything the features depend on: the image
 tower's weights, its settings (`forward_settings`: how it pools, normalises and activates, which
-no weight records) and which forward ran them (`CLIP.image_forward`: our `ImageTransformer` for
-standard ViTs, open_clip's module otherwise; equal in fp32 up to rounding, yet never mixed), the
+no weight records) and which forward ran them (`CLIP.image_forward`: our `ImageTower` over
+open_clip's ViT or a timm trunk, open_clip's module otherwise; equal in fp32 up to rounding, yet
+never mixed), the
 image list, the transform, the precision that really ran (`resolve_precision`),
 the number of views and their seed, and `skip_corrupt`. The file also records which images it
 kept, and a cache that skipped unreadable images is never served to a run that may not skip any.
