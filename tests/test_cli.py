@@ -15,7 +15,7 @@ import _cli  # noqa: E402
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.data import DataError  # noqa: E402
-from coop.model.clip import ModelError  # noqa: E402
+from coop.model.errors import ModelError  # noqa: E402
 from coop.model.prompt import PromptError  # noqa: E402
 from coop.model.weights import WeightsUnavailableError  # noqa: E402
 from coop.train.engine import NonFiniteLossError  # noqa: E402

@@ -38,7 +38,8 @@ from coop.federated.personal_data import (
 )
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
-from coop.model.clip import CLIP, ModelError
+from coop.model.clip import CLIP
+from coop.model.errors import ModelError
 from coop.model.weights import load_clip
 from coop.train.engine import use_fp16
 from coop.train.features import cached_features, resolve_precision
