@@ -55,7 +55,7 @@ from coop.federated.task import (
 from coop.methods import Method
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
-from coop.train.features import autocast
+from coop.train.precision import autocast
 
 log = logging.getLogger(__name__)
 

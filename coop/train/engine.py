@@ -59,8 +59,8 @@ from coop.data.images import derive_seed
 from coop.methods import METHODS, Method, build_method
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
-from coop.train.features import autocast, resolve_precision
 from coop.train.metrics import classification_metrics
+from coop.train.precision import autocast, resolve_precision
 from coop.train.schedule import Schedule, steps_per_epoch
 
 log = logging.getLogger(__name__)
