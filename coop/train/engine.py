@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/inf; the last good checkpoint is kept."""
+    """The loss became NaN/inf (a run's or a federated client's); a run keeps its last good checkpoint."""
 
 
 @dataclass
