@@ -61,7 +61,8 @@ def test_published_rows_and_deltas(tmp_path):
     # the paper's own Average (its checked means), not one recomputed from its cells
     assert (paper["average_base"], paper["average_new"], paper["average_hm"]) == (80.47, 71.69, 75.83)
     assert delta["average_hm"] == pytest.approx(ours["average_hm"] - 75.83)
-    assert len(notes) == 1 and "CoCoOp" in notes[0]
+    assert len(notes) == 1 and notes[0].startswith("cocoop: paper (base-to-new, 16 shots): CoCoOp")
+    assert notes[0].endswith("; 3 of 36 cell(s) checked against the paper")  # 33 cells, 3 averages
     assert collect(tmp_path, "--table", "base_to_new", "--published") == 0
     md = (tmp_path / "results_base_to_new.md").read_text()
     assert "Paper rows:" in md and "| cocoop: Δ |" in md

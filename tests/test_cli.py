@@ -15,7 +15,7 @@ import _cli  # noqa: E402
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.data import DataError  # noqa: E402
-from coop.model.clip import ModelError  # noqa: E402
+from coop.model.errors import ModelError  # noqa: E402
 from coop.model.prompt import PromptError  # noqa: E402
 from coop.model.weights import WeightsUnavailableError  # noqa: E402
 from coop.train.engine import NonFiniteLossError  # noqa: E402
@@ -72,6 +72,25 @@ def test_non_finite_loss_is_one_line_exit_1(capsys):
         1,
         ["error: non-finite loss (nan)"],
     )
+
+
+def test_a_federated_clients_non_finite_loss_is_one_line_exit_1(tiny_clip, capsys):
+    """The federated client raises the run's NonFiniteLossError, so the tools report it the same way."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from coop.federated.client import local_train
+    from coop.methods import CoOp
+
+    cfg = OmegaConf.create(
+        {"prompt": {"n_ctx": 2, "ctx_init": None, "position": "end", "csc": False, "depth": 1}}
+    )
+    method = CoOp(tiny_clip, ["red thing", "blue thing"], cfg)
+    feats, labels = torch.full((1, 4, tiny_clip.embed_dim), float("nan")), torch.tensor([0, 1, 0, 1])
+    kw = {"epochs": 1, "batch_size": 4, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "seed": 0}
+    with pytest.raises(NonFiniteLossError) as info:
+        local_train(method, feats, labels, **kw)
+    assert exit_of(info.value, capsys) == (1, ["error: non-finite loss (nan) in epoch 1, step 1"])
 
 
 @pytest.mark.parametrize(

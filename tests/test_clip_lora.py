@@ -21,7 +21,8 @@ from coop.config.load import load_config
 from coop.config.run_names import run_name
 from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
-from coop.model.clip import CLIP, ModelError
+from coop.model.clip import CLIP
+from coop.model.errors import ModelError
 from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
 from coop.reference.clip_lora import clip_lora_logits
 from coop.results.published import FEW_SHOT_16, lookup

@@ -34,7 +34,8 @@ from test_image_timm import small_tower
 from coop.config.load import load_config
 from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
-from coop.model.clip import CLIP, ModelError
+from coop.model.clip import CLIP
+from coop.model.errors import ModelError
 from coop.reference.clip_lora import clip_lora_logits
 from coop.reference.clip_lora import image_features as reference_image_features
 from coop.train.runner import train_run

@@ -19,8 +19,8 @@ from torch import nn
 
 import coop
 from coop.model.clip import cosine_logits
+from coop.model.errors import ModelError
 from coop.model.image_encoder import ImageTransformer
-from coop.model.image_tower import ModelError
 from coop.reference import ivlp_logits, maple_logits, vision_features, vpt_logits
 from coop.train.features import cache_key, weights_fingerprint
 

@@ -13,6 +13,7 @@ from torch import nn
 
 import coop
 from coop.model import weights as coop_weights
+from coop.model.errors import ModelError
 
 # OpenAI's key layout infers heads as width // 64, so the tiny model uses 64-wide heads.
 OPENAI_TINY = {
@@ -102,9 +103,7 @@ def test_openai_torchscript_file_gets_quickgelu_and_matches_open_clip(openai_fil
 
 def test_torchscript_file_of_another_architecture_is_one_clear_error(openai_file):
     _, path = openai_file
-    with pytest.raises(
-        coop_weights.ModelError, match=r"cannot load the weights in .*ViT-tiny.pt into model coop-tiny"
-    ):
+    with pytest.raises(ModelError, match=r"cannot load the weights in .*ViT-tiny.pt into model coop-tiny"):
         coop.load_clip(str(TINY_CONFIG), pretrained=str(path))
 
 

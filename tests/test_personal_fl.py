@@ -448,7 +448,7 @@ def test_bad_personal_settings_are_one_line(args, message):
 
 
 def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation(tmp_path):
-    from coop.model.clip import ModelError
+    from coop.model.errors import ModelError
 
     tiny = json.loads(TINY_CONFIG.read_text())
     resnet = {

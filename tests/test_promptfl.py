@@ -288,9 +288,11 @@ def test_clients_and_server_run_the_precision_asked(image_folder, tmp_path, monk
     """On a device that has it (here: CPU made to report it), clients train and the server evaluates
     at train.precision: amp under bf16 autocast with fp32 prompts, fp16 with half CLIP and prompts."""
     import coop.train.features
+    import coop.train.precision
     from coop.federated.server import ServerRun
 
-    monkeypatch.setattr(coop.train.features, "resolve_precision", lambda p, d: p)
+    monkeypatch.setattr(coop.train.precision, "resolve_precision", lambda p, d: p)  # autocast
+    monkeypatch.setattr(coop.train.features, "resolve_precision", lambda p, d: p)  # cached_features
     monkeypatch.setattr(task, "resolve_precision", lambda p, d: p)
     results = {}
     for prec in ("fp32", precision):

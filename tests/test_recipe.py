@@ -17,7 +17,8 @@ from coop.data import DataError, ImageDataset, build_dataset, build_transforms
 from coop.train.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint
 from coop.train.engine import clip_transforms, setup, use_fp16
 from coop.train.evaluation import evaluate_checkpoint
-from coop.train.features import cache_dir, cache_key, cached_features, resolve_precision
+from coop.train.features import cache_dir, cache_key, cached_features
+from coop.train.precision import resolve_precision
 from coop.train.runner import RunError, train_run
 from coop.train.schedule import epoch_lr
 

@@ -8,8 +8,8 @@ import torch
 from conftest import TINY_CONFIG, build_openclip
 
 import coop
-from coop.model import clip as coop_model
 from coop.model import weights as coop_weights
+from coop.model.errors import ModelError
 from coop.model.text_support import TEXT_KEYS
 
 TEXTS = [
@@ -78,7 +78,7 @@ def _tiny_cfg(**text_overrides):
 def test_non_standard_text_tower_is_rejected():
     """One case here; tests/test_text_families.py covers every family and every refusal."""
     model = open_clip.CLIP(**_tiny_cfg(ls_init_value=0.1))
-    with pytest.raises(coop_model.ModelError, match="layer scale"):
+    with pytest.raises(ModelError, match="layer scale"):
         coop.CLIP.from_openclip(model)
 
 
@@ -97,11 +97,11 @@ def test_load_clip_config_json_and_local_file(tmp_path):
 
 
 def test_load_clip_bad_names():
-    with pytest.raises(coop_model.ModelError, match="unknown open_clip model 'ViT-Q-99'"):
+    with pytest.raises(ModelError, match="unknown open_clip model 'ViT-Q-99'"):
         coop.load_clip("ViT-Q-99")
-    with pytest.raises(coop_model.ModelError, match="missing.json"):
+    with pytest.raises(ModelError, match="missing.json"):
         coop.load_clip("missing.json")
-    with pytest.raises(coop_model.ModelError, match="neither a file nor an open_clip tag"):
+    with pytest.raises(ModelError, match="neither a file nor an open_clip tag"):
         coop.load_clip("RN50", pretrained="no-such-tag")
 
 

@@ -19,7 +19,7 @@ from conftest import randomise_text_tower
 from open_clip.hf_model import HFTextEncoder
 
 import coop
-from coop.model.image_tower import ModelError
+from coop.model.errors import ModelError
 from coop.model.text_full import encode_full
 from coop.model.text_support import text_support
 

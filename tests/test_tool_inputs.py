@@ -192,7 +192,7 @@ def test_a_killed_writes_temporary_file_is_removed_on_the_next_start(tmp_path):
 
 
 def test_refused_pickles_name_the_global_and_never_advise_turning_the_safety_off(trained, tmp_path):
-    from coop.model.clip import ModelError
+    from coop.model.errors import ModelError
     from coop.model.weights import load_clip
     from coop.train.checkpoint import CheckpointError
     from coop.train.runner import read_resume_checkpoint

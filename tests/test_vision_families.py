@@ -35,7 +35,7 @@ from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.federated import task
 from coop.methods import build_method
-from coop.model.clip import ModelError
+from coop.model.errors import ModelError
 from coop.reference import maple_logits, reference_inputs, vpt_logits
 from coop.train.runner import train_run
 

@@ -20,7 +20,8 @@ from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.config.run_names import run_name
 from coop.methods import build_method
-from coop.model.clip import CLIP, ModelError
+from coop.model.clip import CLIP
+from coop.model.errors import ModelError
 from coop.model.prompt import PromptClassifier, PromptError, PromptLearner
 from coop.model.weights import load_clip
 from coop.reference import ivlp_logits, maple_logits, reference_inputs, vpt_logits

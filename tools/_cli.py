@@ -86,7 +86,7 @@ BAD_INPUT = (
     ("coop.io", "OutputError"),
     ("coop.train.checkpoint", "CheckpointError"),
     ("coop.methods", "TransferError"),
-    ("coop.model.clip", "ModelError"),
+    ("coop.model.errors", "ModelError"),
     ("coop.model.weights", "WeightsUnavailableError"),
     ("coop.model.tokenizer", "TokenizerError"),
     ("coop.model.prompt", "PromptError"),

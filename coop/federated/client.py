@@ -55,13 +55,10 @@ from coop.federated.task import (
 from coop.methods import Method
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
-from coop.train.features import autocast
+from coop.train.engine import NonFiniteLossError
+from coop.train.precision import autocast
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(RuntimeError):
-    """A client's loss became NaN/inf."""
 
 
 def local_train(

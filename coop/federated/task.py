@@ -38,10 +38,12 @@ from coop.federated.personal_data import (
 )
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
-from coop.model.clip import CLIP, ModelError
+from coop.model.clip import CLIP
+from coop.model.errors import ModelError
 from coop.model.weights import load_clip
 from coop.train.engine import use_fp16
-from coop.train.features import cached_features, resolve_precision
+from coop.train.features import cached_features
+from coop.train.precision import resolve_precision
 from coop.train.preflight import check_model_limits
 
 log = logging.getLogger(__name__)
@@ -179,7 +181,7 @@ def fl_run_name(cfg: DictConfig) -> str:
 
 def run_precision(cfg: DictConfig, device) -> str:
     """The precision server and clients run for `train.precision` on `device`, as tools/train.py
-    runs it (`coop.train.features.resolve_precision`): amp = bf16 autocast with fp32 prompts, fp16 =
+    runs it (`coop.train.precision.resolve_precision`): amp = bf16 autocast with fp32 prompts, fp16 =
     CoOp's half-precision CLIP and prompts; fp32 where the device lacks them, said in the log."""
     precision = resolve_precision(cfg.train.precision, torch.device(device))
     if precision != cfg.train.precision:

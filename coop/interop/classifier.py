@@ -33,7 +33,7 @@ from coop.methods import Method, build_method
 from coop.model.weights import load_clip
 from coop.train.checkpoint import load_checkpoint
 from coop.train.engine import clip_transforms, resolve_device, use_fp16
-from coop.train.features import autocast, resolve_precision
+from coop.train.precision import autocast, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Classifier:
         method: the built method (learned tensors loaded).
         transform: the test transform (PIL image -> (3, H, W) tensor).
         device: where the model runs.
-        precision: what runs there (`coop.train.features.resolve_precision`).
+        precision: what runs there (`coop.train.precision.resolve_precision`).
     """
 
     def __init__(self, method: Method, transform, device: torch.device, precision: str):

@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from coop.config.checks import ConfigError
 from coop.methods.base import Method, TowerLayers
-from coop.model.clip import CLIP, ModelError, cosine_logits
+from coop.model.clip import CLIP, cosine_logits
+from coop.model.errors import ModelError
 from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
 
 # The original's template for every dataset: each dataset file's own template sits in a string

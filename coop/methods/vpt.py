@@ -26,7 +26,8 @@ from torch import nn
 
 from coop.config.checks import ConfigError, check_depth
 from coop.methods.base import Method, TowerLayers, Towers
-from coop.model.clip import CLIP, ModelError, cosine_logits
+from coop.model.clip import CLIP, cosine_logits
+from coop.model.errors import ModelError
 from coop.model.prompt import PromptError
 
 VPT_TEMPLATE = "a photo of a {}."  # the VPT trainer's fixed text prompt

@@ -27,9 +27,10 @@ from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.blocks import load_checked
+from coop.model.errors import ModelError
 from coop.model.image_encoder import ImageTransformer, vision_config_from_openclip
 from coop.model.image_timm import TimmImageTower, timm_config_refusal
-from coop.model.image_tower import ImageTower, ModelError
+from coop.model.image_tower import ImageTower
 from coop.model.text_encoder import TextTransformer
 from coop.model.text_support import text_config_from_openclip
 

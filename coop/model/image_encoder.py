@@ -34,7 +34,8 @@ from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 from torch import nn
 
 from coop.model.blocks import Resblocks, load_checked
-from coop.model.image_tower import ImageTower, ModelError
+from coop.model.errors import ModelError
+from coop.model.image_tower import ImageTower
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from timm.models.fastvit import FastVit
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
-from coop.model.image_tower import ImageTower, ModelError
+from coop.model.errors import ModelError
+from coop.model.image_tower import ImageTower
 
 
 class TimmImageTower(ImageTower):

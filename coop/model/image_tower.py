@@ -39,10 +39,6 @@ from torch.utils.checkpoint import checkpoint
 from coop.model.inserted import InsertedTokens
 
 
-class ModelError(ValueError):
-    """The model name, pretrained tag, weights file or tower cannot be used; the message says which."""
-
-
 class ImageTower(nn.Module):
     """A ViT image tower that takes vision prompts and inserted tokens; subclasses are back ends.
 

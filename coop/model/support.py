@@ -26,7 +26,7 @@ from open_clip.model import _build_vision_tower
 from torch.overrides import TorchFunctionMode
 
 from coop.model.clip import _image_tower
-from coop.model.image_tower import ModelError
+from coop.model.errors import ModelError
 from coop.model.text_support import text_support
 from coop.model.tokenizer import hub_tokenizer_name
 

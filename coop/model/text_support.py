@@ -24,7 +24,7 @@ from open_clip.model import _build_text_tower
 from open_clip.transformer import QuickGELU, ResidualAttentionBlock, TextTransformer
 from torch import nn
 
-from coop.model.image_tower import ModelError
+from coop.model.errors import ModelError
 
 POOLS = ("argmax", "eos", "last", "first")  # open_clip's `pool_type`s that give one token
 

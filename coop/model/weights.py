@@ -24,7 +24,8 @@ from safetensors import SafetensorError
 from torch import nn
 
 from coop.io import refused_unpickling
-from coop.model.clip import CLIP, ModelError
+from coop.model.clip import CLIP
+from coop.model.errors import ModelError
 from coop.model.text_support import text_support
 from coop.model.tokenizer import hub_reachable as _hub_reachable
 from coop.model.tokenizer import load_tokenizer

@@ -27,7 +27,7 @@ import pandas as pd
 from coop.config.checks import ConfigError
 from coop.results.markdown import _cell, row_label
 from coop.results.published import DATASETS_11, lookup
-from coop.results.reproduce import no_counterpart, row_protocols
+from coop.results.reproduce import no_counterpart, with_paper_rows
 from coop.results.tables import (
     DATASET_ORDER,
     _check_keys,
@@ -123,19 +123,13 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFram
         (the table with the added rows, one note per row of `table`: the paper row's sources and
         their checks, or why it has no paper row).
     """
-    keys, datasets = row_keys(table), table_datasets(table)
-    rows, notes = [], []
-    for ours, found in row_protocols(table, runs, keys):
-        rows.append(ours.to_dict())
-        if isinstance(found, str):
-            notes.append(f"{row_label(ours, keys)}: no paper row: {found}")
-            continue
-        if found[0] != "base_to_new":
-            notes.append(f"{row_label(ours, keys)}: no paper row: its runs are not base-to-new")
-            continue
-        method, (_, shots, model) = ours["method"], found  # the runs' own backbone
-        paper = {k: ours[k] for k in keys} | {"method": f"{method}: paper"}
-        figures = []
+    datasets = table_datasets(table)
+
+    def paper_cells(ours: pd.Series, found: tuple[str, int, str]):
+        protocol, shots, model = found  # the runs' own backbone
+        if protocol != "base_to_new":
+            return "its runs are not base-to-new"
+        method, cells, figures = ours["method"], {}, []
         for ds in datasets:
             have = pd.notna(ours[f"{ds}_base_mean"])
             base, new, hm = (
@@ -143,36 +137,25 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFram
                 for m in ("accuracy", "new_accuracy", "hm")
             )
             figures += [f for f in (base, new, hm) if f is not None]
-            paper |= {
+            cells |= {
                 f"{ds}_base_mean": base.value if base else math.nan,
                 f"{ds}_new_mean": new.value if new else math.nan,
                 f"{ds}_hm": hm.value if hm else math.nan,
                 **{f"{ds}_{s}": math.nan for s in ("base_std", "new_std", "n")},
             }
-        _average(paper, datasets)
+        _average(cells, datasets)
         if sorted(datasets) == sorted(DATASETS_11):
             for part, metric in (("base", "accuracy"), ("new", "new_accuracy"), ("hm", "hm")):
                 fig = lookup(method, "base_to_new", "average", metric, shots, model)
                 if fig is not None and pd.notna(ours[f"average_{part}"]):
-                    paper[f"average_{part}"] = fig.value
+                    cells[f"average_{part}"] = fig.value
                     figures.append(fig)
         if not figures:
             have = [ds for ds in datasets if pd.notna(ours[f"{ds}_base_mean"])]
-            why = no_counterpart(method, "base_to_new", shots, model, have, "accuracy")
-            notes.append(f"{row_label(ours, keys)}: no paper row: {why}")
-            continue
-        delta = {k: ours[k] for k in keys} | {"method": f"{method}: Δ"}
-        for col in table.columns:
-            if col not in keys:
-                delta[col] = math.nan if col.endswith(("_std", "_n")) else ours[col] - paper[col]
-        rows += [paper, delta]
-        sources = sorted({f.source for f in figures})
-        checked = sum(f.checked for f in figures)
-        notes.append(
-            f"{paper['method']} (base-to-new, {shots} shots): {'; '.join(sources)}; "
-            f"{checked} of {len(figures)} figure(s) checked against the paper"
-        )
-    return pd.DataFrame(rows, columns=table.columns), notes
+            return no_counterpart(method, "base_to_new", shots, model, have, "accuracy")
+        return cells, figures
+
+    return with_paper_rows(table, runs, row_keys(table), paper_cells)
 
 
 def format_base_to_new_markdown(table: pd.DataFrame, digits: int = 2) -> str:

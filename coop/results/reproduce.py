@@ -160,47 +160,58 @@ def with_published(table: pd.DataFrame, runs: pd.DataFrame, metric: str = "accur
         (the table with the added rows, one note per row of `table`: the paper row's sources and
         their checks, or why it has no paper row).
     """
-    keys, datasets = row_keys(table), table_datasets(table)
-    rows, notes = [], []
-    for ours, found in row_protocols(table, runs, keys):
-        rows.append(ours.to_dict())
-        if isinstance(found, str):
-            notes.append(f"{row_label(ours, keys)}: no paper row: {found}")
-            continue
+    datasets = table_datasets(table)
+
+    def paper_cells(ours: pd.Series, found: tuple[str, int, str]):
         protocol, shots, model = found
         # only where we have a number: the paper's row is that number's counterpart
         have = [ds for ds in datasets if pd.notna(ours[f"{ds}_mean"])]
         figs = {ds: figure_for(ours["method"], protocol, ds, metric, shots, model) for ds in have}
         figs = {ds: f for ds, f in figs.items() if f is not None}
         if not figs:
-            why = no_counterpart(ours["method"], protocol, shots, model, have, metric)
-            notes.append(f"{row_label(ours, keys)}: no paper row: {why}")
-            continue
-        average = math.nan
-        if pd.notna(ours["average"]):
-            average = paper_average(
-                ours["method"],
-                protocol,
-                datasets,
-                metric,
-                shots,
-                {ds: f.value for ds, f in figs.items()},
-                model,
-            )
-        paper = {k: ours[k] for k in keys} | {"method": f"{ours['method']}: paper"}
-        delta = {k: ours[k] for k in keys} | {"method": f"{ours['method']}: Δ"}
+            return no_counterpart(ours["method"], protocol, shots, model, have, metric)
+        cells = {}
         for ds in datasets:
             value = figs[ds].value if ds in figs else math.nan
-            paper.update({f"{ds}_mean": value, f"{ds}_std": math.nan, f"{ds}_n": math.nan})
-            delta.update(
-                {f"{ds}_mean": ours[f"{ds}_mean"] - value, f"{ds}_std": math.nan, f"{ds}_n": math.nan}
-            )
-        paper["average"], delta["average"] = average, ours["average"] - average
+            cells.update({f"{ds}_mean": value, f"{ds}_std": math.nan, f"{ds}_n": math.nan})
+        cells["average"] = math.nan
+        if pd.notna(ours["average"]):
+            by_ds = {ds: f.value for ds, f in figs.items()}
+            cells["average"] = paper_average(ours["method"], protocol, datasets, metric, shots, by_ds, model)
+        return cells, list(figs.values())
+
+    return with_paper_rows(table, runs, row_keys(table), paper_cells)
+
+
+def with_paper_rows(table: pd.DataFrame, runs: pd.DataFrame, keys: list[str], paper_cells):
+    """The loop of both `with_published` (this module's and `coop.results.base_to_new`'s).
+
+    Under each row of `table` whose runs have a published counterpart (`protocol_of`), the paper's
+    row and a Δ row (ours minus the paper's; `_std` and `_n` empty). `paper_cells(ours, (protocol,
+    shots, model))` gives the paper row's cells (every column but `keys`) and the figures they come
+    from, or a string: why the row has no paper row.
+
+    Returns:
+        (the table with the added rows, one note per row of `table`).
+    """
+    rows, notes = [], []
+    for ours, found in row_protocols(table, runs, keys):
+        rows.append(ours.to_dict())
+        got = found if isinstance(found, str) else paper_cells(ours, found)
+        if isinstance(got, str):
+            notes.append(f"{row_label(ours, keys)}: no paper row: {got}")
+            continue
+        cells, figures = got
+        paper = {k: ours[k] for k in keys} | {"method": f"{ours['method']}: paper"} | cells
+        delta = {k: ours[k] for k in keys} | {"method": f"{ours['method']}: Δ"}
+        for col, value in cells.items():
+            delta[col] = math.nan if col.endswith(("_std", "_n")) else ours[col] - value
         rows += [paper, delta]
-        sources = sorted({f.source for f in figs.values()})
-        checked = sum(f.checked for f in figs.values())
+        protocol, shots, _ = found
+        sources = sorted({f.source for f in figures})
+        checked = sum(f.checked for f in figures)
         notes.append(
-            f"{paper['method']} ({PROTOCOL_NAMES[protocol]}, {shots} shots): "
-            f"{'; '.join(sources) or 'the paper mean'}; {checked} of {len(figs)} cell(s) checked against the paper"
+            f"{paper['method']} ({PROTOCOL_NAMES[protocol]}, {shots} shots): {'; '.join(sources)}; "
+            f"{checked} of {len(figures)} cell(s) checked against the paper"
         )
     return pd.DataFrame(rows, columns=table.columns), notes

@@ -59,15 +59,15 @@ from coop.data.images import derive_seed
 from coop.methods import METHODS, Method, build_method
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
-from coop.train.features import autocast, resolve_precision
 from coop.train.metrics import classification_metrics
+from coop.train.precision import autocast, resolve_precision
 from coop.train.schedule import Schedule, steps_per_epoch
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/inf; the last good checkpoint is kept."""
+    """The loss became NaN/inf (a run's or a federated client's); a run keeps its last good checkpoint."""
 
 
 @dataclass

@@ -28,7 +28,6 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -40,31 +39,11 @@ from coop.data import DataError, Datum, ImageDataset, collate_skip_none
 from coop.data.images import derive_seed
 from coop.io import atomic_write
 from coop.model.clip import CLIP
+from coop.train.precision import autocast, resolve_precision
 
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2  # bump when what a cache file holds, or how views are seeded, changes
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """The precision that really runs for `train.precision` on `device`.
-
-    "amp" (bf16 autocast, fp32 prompts) needs a GPU with bf16 and "fp16" (CoOp's half-precision
-    model and prompts) a GPU; everything else runs "fp32". GPUs without bf16 run fp32 rather than
-    autocast fp16, which would need loss scaling to keep the small prompt gradients from underflowing.
-    """
-    if device.type != "cuda":
-        return "fp32"
-    if precision == "amp" and not torch.cuda.is_bf16_supported():
-        return "fp32"
-    return precision
-
-
-def autocast(device: torch.device, precision: str):
-    """bf16 autocast where `precision` resolves to amp; no autocast otherwise (fp32 and fp16)."""
-    if resolve_precision(precision, device) != "amp":
-        return nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def cache_dir() -> Path:

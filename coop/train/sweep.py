@@ -40,7 +40,7 @@ from coop.config.load import LENGTH_YIELDS, flatten, load_config
 from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 from coop.config.run_names import run_name
 from coop.data import DATASETS
-from coop.model.clip import ModelError
+from coop.model.errors import ModelError
 from coop.train.lock import LOCKED, wait_for_writer
 from coop.train.preflight import check_model_limits
 
