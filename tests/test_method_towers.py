@@ -11,6 +11,8 @@ FedOTP on a CNN tower (MobileCLIP-S's FastViT) after the model was built.
 
 from __future__ import annotations
 
+import json
+
 import open_clip
 import pytest
 import torch
@@ -128,4 +130,22 @@ def test_a_sweep_refuses_the_point_before_any_run_folder(tmp_path):
     errors = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
     assert errors[0].startswith(f"error: point method=mmrl: {expected_message('coca-tiny', 'method=mmrl')}")
+    assert not out.exists()
+
+
+def test_a_text_tower_that_does_not_load_is_refused_before_the_run_folder(folder, tmp_path):
+    """No method runs on a model whose text tower we do not reproduce (here: layer scale): preflight
+    says so (`coop.model.text_support.text_support`, on the meta device), not the build."""
+    config = json.loads((REPO / "configs" / "models" / "coop-tiny.json").read_text())
+    config["text_cfg"]["ls_init_value"] = 0.1
+    path = tmp_path / "text-ls-tiny.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "run"
+    data = ["data.name=imagefolder", f"data.root={folder}", "data.num_workers=0", f"output_dir={out}"]
+    res = run_tool_in_process(
+        REPO / "tools" / "train.py", [f"model.name={path}", "model.pretrained=none", *data]
+    )
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert errors == ["error: model text-ls-tiny's text tower is not reproduced here: layer scale"]
     assert not out.exists()

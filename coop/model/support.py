@@ -108,8 +108,12 @@ class TowerLayers:
         """The towers of an OpenCLIP model name or config .json, none of them loaded: the text tower's
         blocks from the config, the image tower's from the tower built on the meta device
         (`meta_image_tower`: timm trunks name no layers in the config). None if the config names no
-        text tower layers; a ModelError for an unknown model or a missing file."""
+        text tower layers; a ModelError for an unknown model, a missing file, or a text tower that
+        does not load (`text_support`: then no method runs)."""
         name = resolve_model_name(model)
+        refusal = text_support(name)
+        if refusal is not None:
+            raise ModelError(refusal)
         text = _text_layers(name)
         return cls.of_tower(text, *meta_image_tower(name), name) if text else None
 
