@@ -4,6 +4,7 @@ built on the meta device are those on the same towers built for real."""
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import torch
 from conftest import REPO, run_tool_in_process
 from open_clip.model import _build_vision_tower
 
+from coop.methods import METHODS
 from coop.model.clip import _image_tower
 from coop.model.support import (
     CLIP_BPE,
@@ -23,7 +25,7 @@ from coop.model.support import (
     support_table,
     vision_support,
 )
-from coop.results.model_table import coverage, models_document
+from coop.results.model_table import coverage, method_verdicts, models_document
 
 TOOL = REPO / "tools" / "models.py"
 
@@ -38,10 +40,58 @@ def row(rows):
     return {r.name: r for r in rows}
 
 
-def test_docs_models_md_is_the_tools_current_output(rows):
-    assert models_document(rows) == (REPO / "docs" / "models.md").read_text(), (
+@pytest.fixture(scope="module")
+def methods():
+    """tools/models.py's methods (those of tools/train.py and tools/federated.py) with their recipes."""
+    return runpy.run_path(str(TOOL))["method_checks"]()
+
+
+def test_docs_models_md_is_the_tools_current_output(rows, methods):
+    assert models_document(rows, methods) == (REPO / "docs" / "models.md").read_text(), (
         "docs/models.md is stale: python tools/models.py --write docs/models.md"
     )
+
+
+def test_method_verdicts_are_the_methods_own_checks(row, methods):
+    """CoCa: every method but MMRL and FedOTP (image tokens after an attention pool); a CNN tower
+    (RN50, FastViT): no method that prompts, adapts or reads the image tower; a model whose text
+    tower is refused: none. Each refusal is the one preflight gives, naming method and model."""
+    coca = method_verdicts(row["coca_ViT-B-32"], methods)
+    assert [m for m, why in coca.items() if why] == ["method=mmrl", "fl.method=fedotp"]
+    assert coca["method=mmrl"].startswith(
+        "method=mmrl reads features of the image tower's tokens, and model coca_ViT-B-32's image tower "
+        "pools by attention (CoCa)"
+    )
+    image = ["vpt", "ivlp", "maple", "promptsrc", "clip_lora", "mmrl"]
+    for cnn in ("RN50", "MobileCLIP-S1", "convnext_base"):
+        refused = [m for m, why in method_verdicts(row[cnn], methods).items() if why]
+        assert refused == [f"method={m}" for m in METHODS if m in image] + ["fl.method=fedotp"]
+    assert method_verdicts(row["ViT-B-16"], methods) == dict.fromkeys(methods)
+    assert method_verdicts(row["ViT-B-16-SigLIP"], methods) == dict.fromkeys(methods)  # MAP: timm's tokens
+    roberta = method_verdicts(row["roberta-ViT-B-32"], methods)
+    assert set(roberta.values()) == {"model roberta-ViT-B-32 does not load (its text tower is refused)"}
+
+
+def test_one_model_by_name_or_config_file():
+    """`tools/models.py NAME_OR_JSON`: the model's row, then every method's verdict; an unknown name
+    or a missing file is one line."""
+    res = run_tool_in_process(TOOL, [REPO / "configs" / "models" / "coca-tiny.json"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[2].startswith("| `coca-tiny` | CoCa | yes | yes | mmrl, fedotp | CLIP BPE |")
+    verdicts = {line.split("`")[1]: line.split(" | ")[1] for line in lines[4:] if line.startswith("| `")}
+    assert [m for m, runs in verdicts.items() if runs == "no"] == ["method=mmrl", "fl.method=fedotp"]
+    assert len(verdicts) == len(METHODS) + 4 and "| `method=coop` | yes |  |" in lines
+    for bad, message in [
+        (
+            "ViT-Q-99",
+            "error: unknown open_clip model 'ViT-Q-99' (see open_clip.list_models(), or pass a config .json)",
+        ),
+        ("no/such.json", "error: model config file not found: no/such.json"),
+    ]:
+        res = run_tool_in_process(TOOL, [bad])
+        errors = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.returncode == 2 and errors == [message]
 
 
 def test_the_readme_first_paragraph_states_the_tools_count(rows):
@@ -124,10 +174,12 @@ def test_the_tool_prints_one_family_with_its_refusals():
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
-    assert lines[0].startswith("| model | family | text prompts | vision prompts | tokenizer |")
+    assert lines[0].startswith("| model | family | text prompts | vision prompts | methods that do not run |")
     body = lines[2:]
     assert len(body) == 9 and all("| MobileCLIP | yes |" in line for line in body)
     taken = {line.split("`")[1] for line in body if "| MobileCLIP | yes | yes |" in line}
     assert taken == {"MobileCLIP-B", "MobileCLIP2-B", "MobileCLIP2-L-14"}
     refused = [line for line in body if "| MobileCLIP | yes | no |" in line]
     assert len(refused) == 6 and all("timm's FastVit, a convolutional tower" in line for line in refused)
+    assert all("| no | vpt, ivlp, maple, promptsrc, clip_lora, mmrl, fedotp |" in line for line in refused)
+    assert sum("| MobileCLIP | yes | yes |  |" in line for line in body) == 3  # every method runs

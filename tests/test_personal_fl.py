@@ -447,7 +447,21 @@ def test_bad_personal_settings_are_one_line(args, message):
         task.check_config(load_config(None, args, base=task.FEDERATED_BASE))
 
 
-def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation(tmp_path):
+@pytest.fixture
+def no_model_builds(monkeypatch):
+    """Building an open_clip model (what loading one starts with) fails the test."""
+    import open_clip
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built: the check should read the towers on the meta device")
+
+    monkeypatch.setattr(open_clip, "create_model", refuse)
+    monkeypatch.setattr(open_clip, "create_model_and_transforms", refuse)
+
+
+def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation(tmp_path, no_model_builds):
+    """From the towers built on the meta device (no model, no weights): a ResNet has no tokens, and
+    RN50 with OpenAI's tag is refused without its weights being looked for."""
     from coop.model.errors import ModelError
 
     tiny = json.loads(TINY_CONFIG.read_text())
@@ -456,12 +470,18 @@ def test_fedotp_refuses_a_tower_without_patch_tokens_before_any_simulation(tmp_p
         "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "patch_size": None},
     }
     (tmp_path / "tiny-rn.json").write_text(json.dumps(resnet))
-    args = ["fl.method=fedotp", f"model.name={tmp_path / 'tiny-rn.json'}", "model.pretrained=none"]
-    with pytest.raises(
-        ModelError,
-        match="fl.method=fedotp reads patch tokens from our ViT tower: model tiny-rn.s image tower is a ResNet",
-    ):
-        task.check_model(load_config(None, args, base=task.FEDERATED_BASE))
+    for model, pretrained in [(tmp_path / "tiny-rn.json", "none"), ("RN50", "openai")]:
+        args = ["fl.method=fedotp", f"model.name={model}", f"model.pretrained={pretrained}"]
+        name = Path(str(model)).stem
+        with pytest.raises(ModelError) as e:
+            task.check_config(load_config(None, args, base=task.FEDERATED_BASE))
+        assert str(e.value) == (
+            f"fl.method=fedotp matches prompts to the image tower's patch tokens, and model {name}'s image "
+            "tower is a ResNet (a CNN): it has no tokens, so it takes no vision prompts (CLIP-LoRA runs "
+            "with lora.towers=[text])"
+        )
+    ok = ["fl.method=fedotp", f"model.name={TINY_CONFIG}", "model.pretrained=openai"]  # no such weights
+    task.check_config(load_config(None, ok, base=task.FEDERATED_BASE))  # a ViT: accepted, nothing built
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,6 @@ def main() -> int:
         metrics = finished_metrics(cfg)
         if metrics is None:
             task.client_partition(cfg, task.load_data(cfg))  # bad data or partition: fail before Ray starts
-            task.check_model(cfg)
             with run_lock(cfg.output_dir):  # held for the whole run; the ServerApp runs under it
                 metrics = simulate(cfg, args.cpus_per_client, args.clients_per_gpu, args.num_cpus)
     except PartitionError as e:

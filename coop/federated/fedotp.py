@@ -96,13 +96,19 @@ class FedOTP(Method):
     """
 
     name = "fedotp"
+    config_key = "fl.method"
     trainer = "sgd"
+    text_prompt = True  # `prompt.*`: prompt.depth within the text tower
     image_tokens = True  # the features are every projected token (CLIP.encode_image(tokens=True))
+    token_features = True  # ... after the final norm: our tower's, and not an attention pool's (CoCa)
     personal_keys = ("local.ctx",)
 
+    @classmethod
+    def image_tower_use(cls, cfg: DictConfig) -> str | None:
+        return "matches prompts to the image tower's patch tokens"
+
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
-        super().__init__(clip, classnames, cfg)
-        clip.require_vision_prompts()  # our own ViT tower, which returns the patch tokens
+        super().__init__(clip, classnames, cfg)  # ModelError: a tower without tokens or their features
         self.n_prefix = int(clip.visual.n_prefix)  # tokens before the patches
         self.global_prompt = PromptClassifier(clip, build_learner(clip, cfg, classnames))
         self.local_prompt = PromptClassifier(clip, build_learner(clip, cfg, classnames))

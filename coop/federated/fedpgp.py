@@ -41,7 +41,9 @@ class FedPGP(Method):
     """
 
     name = "fedpgp"
+    config_key = "fl.method"
     trainer = "sgd"
+    text_prompt = True  # `prompt.*`: prompt.depth within the text tower
     personal_keys = ("U", "V")
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):

@@ -47,7 +47,9 @@ class LatentDomains(Method):
     """G + D_1..D_K + per-domain queries; see the module docstring for the exact rules."""
 
     name = "latent_domains"
+    config_key = "fl.method"
     trainer = "sgd"
+    text_prompt = True  # `prompt.*`: prompt.depth within the text tower
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)

@@ -39,8 +39,6 @@ from coop.federated.personal_data import (
 from coop.federated.promptfl_data import promptfl_partition
 from coop.methods import CoOp, Method
 from coop.model.clip import CLIP
-from coop.model.errors import ModelError
-from coop.model.weights import load_clip
 from coop.train.engine import use_fp16
 from coop.train.features import cached_features
 from coop.train.precision import resolve_precision
@@ -69,9 +67,11 @@ FEDERATED_BASE = {"train": {"aug_views": 1}}
 
 def check_config(cfg: DictConfig) -> None:
     """One-line ConfigError, naming the keys, for `fl.*` settings that cannot run with the rest of
-    the config (each key's own type and range: `coop.config.schema`, checked by `load_config`)."""
+    the config (each key's own type and range: `coop.config.schema`, checked by `load_config`), and
+    a one-line ModelError for a model whose towers `fl.method` cannot use (FedOTP: patch tokens with
+    features of their own), from the towers built on the meta device: no weights are loaded."""
     fl = cfg.fl
-    check_model_limits(cfg)
+    check_model_limits(cfg, FL_METHODS[fl.method])  # e.g. FedOTP on a tower without patch tokens
     if int(cfg.train.aug_views) == 0:
         raise ConfigError(
             "train.aug_views=0 re-encodes images every step; federated clients train on cached "
@@ -105,20 +105,6 @@ def check_config(cfg: DictConfig) -> None:
                 f"fl.partition=promptfl draws from every class: data.subsample_classes={cfg.data.subsample_classes} "
                 "is not supported"
             )
-
-
-def check_model(cfg: DictConfig) -> None:
-    """A one-line ModelError, before any simulation starts, when `fl.method` needs patch tokens
-    (FedOTP) and the model's image tower is not our ViT (e.g. RN50)."""
-    if getattr(FL_METHODS[cfg.fl.method], "image_tokens", False):
-        try:
-            load_clip(
-                cfg.model.name, cfg.model.pretrained, "cpu", cfg.model.tokenizer
-            ).require_vision_prompts()
-        except ModelError as e:
-            raise ModelError(
-                f"fl.method={cfg.fl.method} reads patch tokens from our ViT tower: {e}"
-            ) from None
 
 
 def _check_personal(cfg: DictConfig) -> None:

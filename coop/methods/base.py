@@ -31,10 +31,12 @@ row per training class (DePT) or logits fused for the training classes (MMRL) ex
 and `extra_loss(towers)` a method's terms beyond cross-entropy: a plug-in (DePT) wraps a method
 through these two without knowing which one it is.
 
-`check_config(cfg, towers)` refuses, in one line, a key the method reads that cannot work: one
-beyond the model's towers (`TowerLayers`: prompt.depth above the text tower's layers) or an
-unknown template set. `coop.train.preflight` runs it before a run folder exists, on the block counts
-of the model's config; every method runs it again when it is built, on the built model's.
+`check_config(cfg, towers)` refuses, in one line, towers of a kind the method cannot use
+(`check_towers`: vision prompts on a CNN, image tokens on CoCa's attention pool) and a key the method
+reads that cannot work: one beyond the model's towers (`TowerLayers`: prompt.depth above the text
+tower's layers) or an unknown template set. `coop.train.preflight` runs it before a run folder
+exists, on the towers of the model's config built on the meta device (`TowerLayers.of_model`);
+every method runs it again when it is built, on the built model's.
 
 SGD methods hand their tensors to the optimizer in `param_groups()`, each group with its own
 `lr_scale` (and optionally `weight_decay`); `train.optimizer` and `train.schedule` pick the
@@ -52,6 +54,8 @@ from torch import nn
 
 from coop.config.checks import ConfigError, check_depth
 from coop.model.clip import CLIP
+from coop.model.errors import ModelError
+from coop.model.support import TowerLayers
 
 
 @dataclass(frozen=True)
@@ -85,28 +89,6 @@ class Towers:
     image: torch.Tensor
 
 
-@dataclass(frozen=True)
-class TowerLayers:
-    """The block counts of a model's towers, which bound the keys that name blocks or depths.
-
-    Attributes:
-        text: the text tower's blocks.
-        image: the image tower's blocks; None for a tower that takes no prompts (RN50's stages)
-            or whose count is not known.
-        image_refusal: why the image tower takes no prompts, one line (None: it does, or unknown).
-    """
-
-    text: int
-    image: int | None
-    image_refusal: str | None = None
-
-    @classmethod
-    def of(cls, clip: CLIP) -> TowerLayers:
-        if clip.supports_vision_prompts:
-            return cls(clip.text.cfg.layers, clip.visual.layers)
-        return cls(clip.text.cfg.layers, None, clip.vision_refusal)
-
-
 class TransferError(ValueError):
     """Learned tensors cannot be used for the requested classes (e.g. class-specific context)."""
 
@@ -129,6 +111,8 @@ class Method(nn.Module):
     image_tokens = False  # True: "features" are every projected token (B, n_prefix+P, E) (FedOTP)
     adds_image_tokens = False  # True: puts tokens into the image tower (`vision.pool_prompts` applies)
     text_prompt = False  # True: a learned text context, `prompt.*` (`coop.model.prompt.PromptLearner`)
+    token_features = False  # True: reads image tokens after the final norm (`ImageTower.final_tokens`)
+    config_key = "method"  # the key that selects it ("fl.method" for the federated methods)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__()
@@ -138,10 +122,34 @@ class Method(nn.Module):
         self.trained_classnames = list(classnames)  # replaced by `load_trained`
 
     @classmethod
+    def image_tower_use(cls, cfg: DictConfig) -> str | None:
+        """What this method does to the image tower with `cfg` that needs one of our `ImageTower`s
+        (a phrase: "prompts the image tower"), or None: it reads the pooled features only."""
+        return None
+
+    @classmethod
+    def check_towers(cls, cfg: DictConfig, towers: TowerLayers) -> None:
+        """A one-line ModelError naming the method and the model when the method cannot run on these
+        kinds of tower whatever its sizes: an image tower that is not an `ImageTower` for a method
+        that uses one (`image_tower_use`), one whose tokens have no features of their own for a
+        method that reads them (`token_features`). The first part of `check_config`; docs/models.md
+        lists its verdicts per method and model."""
+        use = cls.image_tower_use(cfg)
+        method = f"{cls.config_key}={cls.name}"
+        if use is not None and towers.image_refusal is not None:
+            raise ModelError(f"{method} {use}, and {towers.image_refusal}")
+        if cls.token_features and towers.token_refusal is not None:
+            raise ModelError(
+                f"{method} reads features of the image tower's tokens, and {towers.token_refusal}"
+            )
+
+    @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
-        """A one-line ConfigError for a key this method reads that cannot work with `towers` (or at
-        all); subclasses add their own keys. Here: `prompt.depth` within the text tower, and
+        """A one-line ModelError for towers this method cannot use (`check_towers`), and a one-line
+        ConfigError for a key this method reads that cannot work with `towers` (or at all);
+        subclasses add their own keys. Here: `prompt.depth` within the text tower, and
         `vision.pool_prompts` only for a method that adds tokens to the image tower."""
+        cls.check_towers(cfg, towers)
         if cls.text_prompt:
             check_depth("prompt.depth", int(cfg.prompt.depth), towers.text, "text")
         if OmegaConf.select(cfg, "vision.pool_prompts", default=False) and not cls.adds_image_tokens:

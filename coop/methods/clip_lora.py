@@ -34,7 +34,6 @@ from omegaconf import DictConfig, OmegaConf
 from coop.config.checks import ConfigError
 from coop.methods.base import Method, TowerLayers
 from coop.model.clip import CLIP, cosine_logits
-from coop.model.errors import ModelError
 from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
 
 # The original's template for every dataset: each dataset file's own template sits in a string
@@ -77,14 +76,16 @@ class CLIPLoRA(Method):
     input = "pixels"
 
     @classmethod
+    def image_tower_use(cls, cfg: DictConfig) -> str | None:
+        return "adapts the image tower (lora.towers)" if "vision" in cfg.lora.towers else None
+
+    @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
         """`lora.layers` within each adapted tower (`coop.model.lora.resolve_layers`)."""
-        super().check_config(cfg, towers)
+        super().check_config(cfg, towers)  # an image tower that takes no adapters: refused
         for tower in cfg.lora.towers:
-            n = towers.text if tower == "text" else towers.image
             try:
-                if n is not None:  # an image tower that takes no adapters: refused when built
-                    resolve_layers(layer_spec(cfg), n, tower)
+                resolve_layers(layer_spec(cfg), towers.text if tower == "text" else towers.image, tower)
             except LoRAError as e:
                 raise ConfigError(str(e)) from None
 
@@ -100,10 +101,6 @@ class CLIPLoRA(Method):
             "lora_targets": "".join(lora.targets),
             "lora_layers": layers_tag(lora.layers),
         }
-        if "vision" in towers and not clip.supports_vision_prompts:
-            raise ModelError(
-                f"method=clip_lora adapts the image tower (lora.towers), and {clip.vision_refusal}"
-            )
         self.adapters = LoRAAdapters(
             clip,
             towers,

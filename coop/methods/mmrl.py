@@ -134,6 +134,7 @@ class MMRL(VisionPromptMethod):
     """
 
     name = "mmrl"
+    token_features = True  # f_rep: the K tokens after the final norm
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
@@ -147,7 +148,7 @@ class MMRL(VisionPromptMethod):
             block_indices(cfg.mmrl.vision_layers, towers.image, "mmrl.vision_layers")
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
-        super().__init__(clip, classnames, cfg)  # ModelError: an image tower we do not reproduce
+        super().__init__(clip, classnames, cfg)  # ModelError: a tower without tokens or their features
         self.n_sos = int(prompt_tokenizer(clip.tokenizer).sos_id is not None)  # the text tokens go after it
         m = cfg.mmrl
         self.n_tokens, self.rep_dim = int(m.n_tokens), int(m.rep_dim)

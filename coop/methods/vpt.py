@@ -27,19 +27,9 @@ from torch import nn
 from coop.config.checks import ConfigError, check_depth
 from coop.methods.base import Method, TowerLayers, Towers
 from coop.model.clip import CLIP, cosine_logits
-from coop.model.errors import ModelError
 from coop.model.prompt import PromptError
 
 VPT_TEMPLATE = "a photo of a {}."  # the VPT trainer's fixed text prompt
-
-
-def vision_tower(clip: CLIP, method: str) -> nn.Module:
-    """The image tower that takes prompts; a one-line ModelError naming the model if it cannot."""
-    try:
-        clip.require_vision_prompts()
-    except ModelError as e:
-        raise ModelError(f"method={method} prompts the image tower, and {e}") from None
-    return clip.visual
 
 
 class VisionPrompts(nn.Module):
@@ -93,10 +83,12 @@ class VisionPromptMethod(Method):
     adds_image_tokens = True
 
     @classmethod
+    def image_tower_use(cls, cfg: DictConfig) -> str | None:
+        return "prompts the image tower"
+
+    @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
-        super().check_config(cfg, towers)
-        if towers.image_refusal is not None:  # a tower without tokens (RN50, ConvNeXt, FastViT)
-            raise ModelError(f"method={cls.name} prompts the image tower, and {towers.image_refusal}")
+        super().check_config(cfg, towers)  # a tower without tokens (RN50, ConvNeXt, FastViT): refused
         cls.check_vision(cfg, towers)
 
     @classmethod
@@ -110,8 +102,8 @@ class VisionPromptMethod(Method):
         check_depth("vision.depth", depth, towers.image, "image")
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
-        super().__init__(clip, classnames, cfg)
-        tower = vision_tower(clip, self.name)
+        super().__init__(clip, classnames, cfg)  # ModelError: an image tower that takes no prompts
+        tower = clip.visual
         self.tower_layers, self.tower_width = int(tower.layers), int(tower.width)
         # whether an average or attention pool also reads the added tokens (docs/image_tower.md)
         tower.pool_prompts = bool(OmegaConf.select(cfg, "vision.pool_prompts", default=False))

@@ -145,11 +145,22 @@ class ImageTransformer(ImageTower):
         return x[:, 1:].mean(dim=1) if self.cfg.pool == "avg" else x[:, 0]  # (B, W)
 
     def final_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """Every token after ln_post (B, T, W); a ModelError for CoCa, whose ln_post and
-        projection act on the attention pool's queries, so no token has a feature of its own."""
-        if self.attn_pool is not None:
-            raise ModelError("an attention-pooled ViT (CoCa) has no per-token features (FedOTP's, MMRL's)")
+        """Every token after ln_post (B, T, W); a ModelError for CoCa (`token_refusal`)."""
+        if self.token_refusal is not None:
+            raise ModelError(f"the image tower {self.token_refusal}")
         return self.ln_post(x)
+
+    @property
+    def token_refusal(self) -> str | None:
+        """CoCa's ln_post and projection act on the attention pool's outputs (width output_dim), not
+        on the tokens (width W): no token has a feature of its own, and none can be defined without
+        choosing one, so FedOTP and MMRL are refused rather than given invented features."""
+        if self.attn_pool is None:
+            return None
+        return (
+            "pools by attention (CoCa): its ln_post and projection act on the pool's outputs, so its "
+            "tokens have no features of their own"
+        )
 
     def project(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens @ self.proj  # (B, T, W) @ (W, E) -> (B, T, E)

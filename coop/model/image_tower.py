@@ -77,6 +77,12 @@ class ImageTower(nn.Module):
     def final_tokens(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def token_refusal(self) -> str | None:
+        """Why the tower's tokens have no features of their own after `final_tokens` (the end of a
+        phrase after "the image tower"), or None: they have (what FedOTP and MMRL read)."""
+        return None
+
     def project(self, tokens: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

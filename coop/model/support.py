@@ -1,6 +1,8 @@
 """Which of open_clip's models take prompts in which tower, judged by the code that builds the towers.
 
-    row = model_support("ViT-B-16")   # family, text / image refusal (None: prompts enter), tokenizer, tags
+    row = model_support("ViT-B-16")   # family, text / image refusal (None: prompts enter), tokenizer, tags,
+                                      # towers (TowerLayers: what the methods' checks read)
+    towers = TowerLayers.of_model("configs/models/coca-tiny.json")   # as preflight reads them
     rows = support_table()            # every model open_clip ships, in open_clip's order
     rows = support_table("SigLIP")    # one family
 
@@ -25,10 +27,11 @@ import torch
 from open_clip.model import _build_vision_tower
 from torch.overrides import TorchFunctionMode
 
-from coop.model.clip import _image_tower
+from coop.model.clip import CLIP, _image_tower
 from coop.model.errors import ModelError
 from coop.model.text_support import text_support
 from coop.model.tokenizer import hub_tokenizer_name
+from coop.model.weights import resolve_model_name
 
 # The configs open_clip ships (a config added with `open_clip.add_model_config` is not one of them).
 OPENCLIP_CONFIGS = Path(open_clip.__file__).parent / "model_configs"
@@ -53,7 +56,9 @@ FAMILIES = (
     Family(
         "CLIP", "OpenAI-shaped: open_clip's own ViT or ModifiedResNet (RN*) image tower, CLIP's text tower"
     ),
-    Family("CoCa", "contrastive captioners: a text decoder beside the two towers", pattern=r"^coca_"),
+    Family(
+        "CoCa", "contrastive captioners: a text decoder beside the two towers", key="multimodal_cfg.layers"
+    ),
     Family(
         "HF text",
         "a Hugging Face `transformers` text tower: RoBERTa, XLM-R, mT5, NLLB",
@@ -76,8 +81,55 @@ FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 
 
 @dataclass(frozen=True)
+class TowerLayers:
+    """What a model's towers are, for the checks of a method against them (`Method.check_config`):
+    the kinds of tower it can use, and the block counts that bound the keys naming blocks or depths.
+
+    Attributes:
+        text: the text tower's blocks.
+        image: the image tower's blocks; None for a tower that takes no prompts (RN50's stages).
+        image_refusal: why the image tower takes no prompts, one line naming the model (None: it does).
+        token_refusal: why the image tower's tokens have no features of their own after its final
+            norm (CoCa's attention pool), one line naming the model (None: they have, or no prompts).
+    """
+
+    text: int
+    image: int | None
+    image_refusal: str | None = None
+    token_refusal: str | None = None
+
+    @classmethod
+    def of(cls, clip: CLIP) -> TowerLayers:
+        """The towers of a built model."""
+        return cls.of_tower(clip.text.cfg.layers, clip.visual, clip.vision_refusal, clip.name)
+
+    @classmethod
+    def of_model(cls, model: str) -> TowerLayers | None:
+        """The towers of an OpenCLIP model name or config .json, none of them loaded: the text tower's
+        blocks from the config, the image tower's from the tower built on the meta device
+        (`meta_image_tower`: timm trunks name no layers in the config). None if the config names no
+        text tower layers; a ModelError for an unknown model, a missing file, or a text tower that
+        does not load (`text_support`: then no method runs)."""
+        name = resolve_model_name(model)
+        refusal = text_support(name)
+        if refusal is not None:
+            raise ModelError(refusal)
+        text = _text_layers(name)
+        return cls.of_tower(text, *meta_image_tower(name), name) if text else None
+
+    @classmethod
+    def of_tower(cls, text: int, tower: torch.nn.Module, refusal: str | None, name: str) -> TowerLayers:
+        """From the text tower's blocks and the image tower with its refusal (`meta_image_tower`)."""
+        if refusal is not None:  # not an `ImageTower`: RN50's stages, ConvNeXt, FastViT
+            return cls(text, None, refusal)
+        tokens = tower.token_refusal
+        return cls(text, int(tower.layers), None, tokens and f"model {name}'s image tower {tokens}")
+
+
+@dataclass(frozen=True)
 class ModelSupport:
-    """One model: its family, whether prompts enter each tower (None) or why not, its tokenizer and tags."""
+    """One model: its family, whether prompts enter each tower (None) or why not, its tokenizer and
+    tags, and its towers as the methods' checks read them."""
 
     name: str
     family: str
@@ -85,6 +137,7 @@ class ModelSupport:
     image: str | None  # None: vision prompts enter the image tower; else its refusal, one line
     tokenizer: str  # CLIP_BPE, or the Hugging Face tokenizer's name
     pretrained: tuple[str, ...]  # open_clip's pretrained tags
+    towers: TowerLayers | None = None  # None: the config names no text tower layers
 
     @property
     def vision(self) -> str | None:
@@ -133,6 +186,10 @@ def vision_support(name: str) -> str | None:
     return meta_image_tower(name)[1]
 
 
+def _text_layers(name: str) -> int:
+    return int((open_clip.get_model_config(name) or {}).get("text_cfg", {}).get("layers", 0))
+
+
 def meta_image_tower(name: str) -> tuple[torch.nn.Module, str | None]:
     """(image tower, None) when vision prompts enter model `name`'s image tower (our `ImageTower`,
     whose `layers` are its blocks), else (open_clip's module, the reason in one line).
@@ -150,18 +207,21 @@ def meta_image_tower(name: str) -> tuple[torch.nn.Module, str | None]:
         return _image_tower(visual, name)
 
 
-def model_support(name: str) -> ModelSupport:
-    """The support row of open_clip model `name` (a ModelError for an unknown name)."""
+def model_support(model: str) -> ModelSupport:
+    """The support row of an open_clip model name, or of a model config .json (registered under its
+    file stem); a one-line ModelError for an unknown name or a missing file."""
+    name = resolve_model_name(model)
     cfg = open_clip.get_model_config(name)
-    if cfg is None:
-        raise ModelError(f"unknown open_clip model '{name}' (see open_clip.list_models())")
+    tower, image = meta_image_tower(name)  # built once for both verdicts
+    text_layers = _text_layers(name)
     return ModelSupport(
         name=name,
         family=family_of(name, cfg),
         text=text_support(name),
-        image=vision_support(name),
+        image=image,
         tokenizer=hub_tokenizer_name(name) or CLIP_BPE,
         pretrained=tuple(open_clip.list_pretrained_tags_by_model(name)),
+        towers=TowerLayers.of_tower(text_layers, tower, image, name) if text_layers else None,
     )
 
 

@@ -1,12 +1,16 @@
 """The support matrix of open_clip's models as markdown (`tools/models.py`, docs/models.md).
 
     rows = support_table()                          # coop.model.support: one row per model
-    print(models_markdown(rows, why=True))          # the table, with each refusal
-    Path("docs/models.md").write_text(models_document(rows))
+    methods = {"method=mmrl": (MMRL, cfg), ...}     # each method with the config it is checked with
+    print(models_markdown(rows, methods, why=True)) # the table, with each refusal
+    print(model_markdown(row, methods))             # one model: its row, then every method's verdict
+    Path("docs/models.md").write_text(models_document(rows, methods))
     coverage(rows)  # "text prompts on 134 of open_clip's 144 models and vision prompts on 104"
 
-`coverage` is the sentence the README's first paragraph carries; docs/models.md is
-`models_document(support_table())` (tests/test_models_table.py keeps both current).
+A method's verdict on a model is its own `Method.check_towers` on the model's towers (the first
+check preflight runs), so the view follows the methods' code. `coverage` is the sentence the
+README's first paragraph carries; docs/models.md is `models_document(support_table(), methods)` with
+tools/models.py's methods (tests/test_models_table.py keeps both current).
 """
 
 from __future__ import annotations
@@ -14,8 +18,15 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import open_clip
+from omegaconf import DictConfig
 
+from coop.methods.base import Method
+from coop.model.errors import ModelError
 from coop.model.support import CLIP_BPE, FAMILIES, FAMILY_NAMES, ModelSupport
+
+# Each method by the setting that selects it ("method=mmrl", "fl.method=fedotp"), with its class and
+# the config its checks read (its recipe: e.g. CLIP-LoRA's lora.towers).
+MethodChecks = dict[str, tuple[type[Method], DictConfig]]
 
 YES, NO = "yes", "no"
 
@@ -41,7 +52,17 @@ With open_clip {version}, coop takes {coverage}.
 
 Both verdicts come from the towers open_clip builds for the model's config, on the meta device: no
 weights, nothing downloads. `python tools/models.py --why` prints every refusal in full,
-`--family F` one family.
+`--family F` one family, `python tools/models.py NAME` (or a model config .json) one model with
+every method's verdict.
+"""
+
+METHODS_INTRO = """Which methods run on the models of each family: each method's own check of the towers
+(`Method.check_towers`, which `coop.train.preflight` runs before a run folder exists, for
+tools/train.py, tools/sweep.py and tools/federated.py), on each model's towers built on the meta
+device, with the method's recipe (CLIP-LoRA's `lora.towers=[text, vision]`). **all**: every model of
+the family; **k of n**: some; **none**: no model. A method refused on a model is refused in one line
+naming the method and the model, before anything is built; keys bounded by the towers' sizes
+(`vision.depth`, `mmrl.layers`, ...) are checked then too, and are not part of this view.
 """
 
 
@@ -52,9 +73,27 @@ def coverage(rows: list[ModelSupport]) -> str:
     return f"text prompts on {text} of open_clip's {len(rows)} models and vision prompts on {vision}"
 
 
-def models_markdown(rows: list[ModelSupport], why: bool = False) -> str:
-    """The table, a row per model grouped by family; `why` adds each refusal in full."""
-    head = ["model", "family", "text prompts", "vision prompts", "tokenizer", "pretrained tags"]
+def method_verdicts(row: ModelSupport, methods: MethodChecks) -> dict[str, str | None]:
+    """Each method's verdict on the model of `row`: None if it runs, else why not, one line."""
+    if row.text is not None:
+        return dict.fromkeys(methods, f"model {row.name} does not load (its text tower is refused)")
+    if row.towers is None:
+        return dict.fromkeys(methods, f"model {row.name}'s config names no text tower layers to check")
+    verdicts = {}
+    for label, (method, cfg) in methods.items():
+        try:
+            method.check_towers(cfg, row.towers)
+            verdicts[label] = None
+        except ModelError as e:
+            verdicts[label] = str(e)
+    return verdicts
+
+
+def models_markdown(rows: list[ModelSupport], methods: MethodChecks, why: bool = False) -> str:
+    """The table, a row per model grouped by family, with the methods that do not run on it; `why`
+    adds each refusal in full."""
+    head = ["model", "family", "text prompts", "vision prompts", "methods that do not run"]
+    head += ["tokenizer", "pretrained tags"]
     if why:
         head += ["why no text prompts", "why no vision prompts"]
     lines = [_row(head), _row(["---"] * len(head))]
@@ -64,12 +103,58 @@ def models_markdown(rows: list[ModelSupport], why: bool = False) -> str:
             r.family,
             _verdict(r.text),
             _verdict(r.vision),
+            _refused(method_verdicts(r, methods)),
             r.tokenizer,
             ", ".join(r.pretrained),
         ]
         if why:
             cells += [r.text or "", r.vision or ""]
         lines.append(_row(cells))
+    return "\n".join(lines) + "\n"
+
+
+def model_markdown(row: ModelSupport, methods: MethodChecks) -> str:
+    """One model: its row with the refusals in full, then whether each method runs on it and why not."""
+    lines = [
+        models_markdown([row], methods, why=True),
+        _row(["method", "runs", "why not"]),
+        _row(["---"] * 3),
+    ]
+    for label, refusal in method_verdicts(row, methods).items():
+        lines.append(_row([f"`{label}`", _verdict(refusal), refusal or ""]))
+    return "\n".join(lines) + "\n"
+
+
+def methods_markdown(rows: list[ModelSupport], methods: MethodChecks) -> str:
+    """Methods x families: on how many of a family's models each method runs (all, k of n, none)."""
+    families = [f.name for f in FAMILIES if any(r.family == f.name for r in rows)]
+    verdicts = {r.name: method_verdicts(r, methods) for r in rows}
+    lines = [_row(["method", *families]), _row(["---"] * (1 + len(families)))]
+    for label in methods:
+        cells = [f"`{label}`"]
+        for family in families:
+            mine = [r.name for r in rows if r.family == family]
+            runs = sum(verdicts[name][label] is None for name in mine)
+            cells.append("all" if runs == len(mine) else "none" if runs == 0 else f"{runs} of {len(mine)}")
+        lines.append(_row(cells))
+    return "\n".join(lines) + "\n"
+
+
+def method_refusals_markdown(rows: list[ModelSupport], methods: MethodChecks) -> str:
+    """Per fact of a tower that refuses methods (no tokens, tokens without features; the model's name
+    left out): the methods it refuses and its models by family. Models that do not load (their
+    text tower is refused) are left to the tower refusals above."""
+    groups: dict[tuple[str, str], list[ModelSupport]] = defaultdict(list)
+    for r in rows:
+        if r.text is not None or r.towers is None:
+            continue
+        refused = [label for label, why in method_verdicts(r, methods).items() if why is not None]
+        fact = r.towers.image_refusal or r.towers.token_refusal
+        if refused:
+            groups[fact.replace(f"model {r.name}", "the model", 1), _names(refused)].append(r)
+    lines = [_row(["the model's tower", "methods refused", "models", "families"]), _row(["---"] * 4)]
+    for (fact, refused), models in sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])):
+        lines.append(_row([fact, refused, str(len(models)), _families(models)]))
     return "\n".join(lines) + "\n"
 
 
@@ -109,16 +194,13 @@ def refusals_markdown(rows: list[ModelSupport]) -> str:
     for (tower, reason), refused in sorted(
         groups.items(), key=lambda g: (g[0][0] != "text", -len(g[1]), g[0][1])
     ):
-        families = Counter(r.family for r in refused)
-        named = ", ".join(
-            f"{f} ({n})" for f, n in sorted(families.items(), key=lambda f: FAMILY_NAMES.index(f[0]))
-        )
-        lines.append(_row([tower, reason, str(len(refused)), named]))
+        lines.append(_row([tower, reason, str(len(refused)), _families(refused)]))
     return "\n".join(lines) + "\n"
 
 
-def models_document(rows: list[ModelSupport]) -> str:
-    """docs/models.md: the introduction, the families, the refusals, then every model."""
+def models_document(rows: list[ModelSupport], methods: MethodChecks) -> str:
+    """docs/models.md: the introduction, the families, the refusals, the methods per family, then
+    every model."""
     intro = INTRO.format(version=open_clip.__version__, coverage=coverage(rows), clip_bpe=CLIP_BPE)
     return "\n".join(
         [
@@ -128,10 +210,35 @@ def models_document(rows: list[ModelSupport]) -> str:
             families_markdown(rows),
             "## Why a tower is refused\n",
             refusals_markdown(rows),
+            "## Which methods run on which family\n",
+            METHODS_INTRO,
+            methods_markdown(rows, methods),
+            "Why methods are refused on a model that loads (`python tools/models.py NAME` gives each "
+            "method's message):\n",
+            method_refusals_markdown(rows, methods),
             "## Every model\n",
-            models_markdown(rows),
+            models_markdown(rows, methods),
         ]
     )
+
+
+def _families(rows: list[ModelSupport]) -> str:
+    """ "CoCa (3), MobileCLIP (6)": the rows' families, in FAMILIES' order, with their counts."""
+    families = Counter(r.family for r in rows)
+    return ", ".join(
+        f"{f} ({n})" for f, n in sorted(families.items(), key=lambda f: FAMILY_NAMES.index(f[0]))
+    )
+
+
+def _refused(verdicts: dict[str, str | None]) -> str:
+    """The methods that do not run: "all", or their names."""
+    refused = [label for label, why in verdicts.items() if why is not None]
+    return "all" if refused and len(refused) == len(verdicts) else _names(refused)
+
+
+def _names(labels: list[str]) -> str:
+    """ "vpt, fedotp" for ["method=vpt", "fl.method=fedotp"]."""
+    return ", ".join(label.split("=", 1)[1] for label in labels)
 
 
 def _by_family(rows: list[ModelSupport]) -> list[ModelSupport]:

@@ -1,15 +1,16 @@
 """Checks of a run config against its method and model, before anything is built or written.
 
     check_model_limits(cfg)   # ConfigError: prompt.depth above the text tower's layers, ...;
-                              # ModelError: vision prompts for a tower without tokens (RN50)
+                              # ModelError: vision prompts for a tower without tokens (RN50),
+                              # image tokens from CoCa's attention pool (MMRL, FedOTP)
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
 
 The towers' block counts come from OpenCLIP's model config (a name, or a model-config .json) and
 the image tower built on the meta device, so no weights are loaded: `coop.train.runner.train_run`
-calls this before it creates the run folder,
-`coop.federated.task.check_config` before a simulation, and `coop.train.sweep.plan` (and so
-`tools/sweep.py --dry-run`) for every point. What is checked is the method's own
-`Method.check_config` (its keys bounded by the towers, its template set), which the method runs
+calls this before it creates the run folder, `coop.federated.task.check_config` before a
+simulation (with `fl.method`'s class), and `coop.train.sweep.plan` (and so `tools/sweep.py
+--dry-run`) for every point. What is checked is the method's own `Method.check_config` (the kinds
+of tower it can use, its keys bounded by the towers, its template set), which the method runs
 again on the built model when it is built.
 """
 
@@ -17,39 +18,32 @@ from __future__ import annotations
 
 import functools
 
-import open_clip
 from omegaconf import DictConfig
 
 from coop.config.checks import ConfigError
 from coop.methods import METHODS
-from coop.methods.base import TowerLayers
-from coop.model.support import meta_image_tower
-from coop.model.weights import resolve_model_name
+from coop.methods.base import Method, TowerLayers
 
 
 @functools.cache
 def tower_layers(model: str) -> TowerLayers | None:
-    """The block counts of an OpenCLIP model name or config .json; None if the config names no text
-    tower layers. ModelError for an unknown model. The image tower's come from the tower itself,
-    built on the meta device (`coop.model.support.meta_image_tower`: timm trunks name no layers in
-    the config): its blocks, or None and the reason it takes no prompts (RN50, ConvNeXt, FastViT)."""
-    name = resolve_model_name(model)
-    config = open_clip.get_model_config(name) or {}
-    text = int(config.get("text_cfg", {}).get("layers", 0))
-    if not text:
-        return None
-    tower, refusal = meta_image_tower(name)
-    return TowerLayers(text, None, refusal) if refusal else TowerLayers(text, int(tower.layers))
+    """The towers of an OpenCLIP model name or config .json, once per process
+    (`TowerLayers.of_model`: built on the meta device, no weights); None if the config names no
+    text tower layers. ModelError for an unknown model."""
+    return TowerLayers.of_model(model)
 
 
-def check_model_limits(cfg: DictConfig) -> None:
-    """A one-line ConfigError for a key of `cfg.method` that its model's towers cannot take
-    (prompt.depth, vision.depth, tcp.layer, mmrl.layers, lora.layers, ...) or an unknown template
-    set; with dept.enabled, the host's (DePT adds no such key)."""
+def check_model_limits(cfg: DictConfig, method: type[Method] | None = None) -> None:
+    """A one-line ModelError, naming the method and the model, for towers of a kind the method cannot
+    use (vision prompts on a CNN, image tokens on CoCa's attention pool), and a one-line ConfigError
+    for a key that its model's towers cannot take (prompt.depth, vision.depth, tcp.layer,
+    mmrl.layers, lora.layers, ...) or an unknown template set: `Method.check_config` of `method`
+    (`cfg.method`'s when None; federated runs pass `fl.method`'s). With dept.enabled, the host's
+    (DePT adds no such key)."""
     towers = tower_layers(str(cfg.model.name))
     if towers is None:
         return  # not a tower we can read: building the model reports it
-    METHODS[cfg.method].check_config(cfg, towers)
+    (method or METHODS[cfg.method]).check_config(cfg, towers)
 
 
 def check_base_to_new(cfg: DictConfig) -> None:
