@@ -21,7 +21,8 @@ import coop
 from coop.model.clip import cosine_logits
 from coop.model.image_encoder import ImageTransformer
 from coop.model.image_tower import ModelError
-from coop.reference import ivlp_logits, maple_logits, vision_features, vpt_logits
+from coop.reference.vision import vision_features
+from coop.reference.vision_prompts import ivlp_logits, maple_logits, vpt_logits
 from coop.train.features import cache_key, weights_fingerprint
 
 # Every standard OpenCLIP ViT this forward covers, shrunk to a few layers and a small image; each

@@ -36,7 +36,8 @@ from coop.config.load import load_config
 from coop.federated import task
 from coop.methods import build_method
 from coop.model.clip import ModelError
-from coop.reference import maple_logits, reference_inputs, vpt_logits
+from coop.reference.coop import reference_inputs
+from coop.reference.vision_prompts import maple_logits, vpt_logits
 from coop.train.runner import train_run
 
 pytest.importorskip("transformers")

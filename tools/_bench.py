@@ -21,7 +21,7 @@ import coop
 from coop.config.load import load_config
 from coop.methods import build_method
 from coop.model.weights import resolve_model_name
-from coop.reference import coop_text_features, reference_inputs
+from coop.reference.coop import coop_text_features, reference_inputs
 
 
 def sync(device: torch.device) -> None:
