@@ -9,6 +9,7 @@ warm-up calls, so both sides of a comparison are measured the same way in the sa
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -69,7 +70,7 @@ def build_models(model: str, device: torch.device, seed: int = 0):
     torch.manual_seed(seed)
     oc = open_clip.create_model(resolve_model_name(model), pretrained=None).eval().to(device)
     oc.requires_grad_(False)
-    return oc, coop.CLIP.from_openclip(oc)
+    return oc, coop.CLIP.from_openclip(copy.deepcopy(oc))  # a timm trunk is taken over: ours is a copy
 
 
 def imagenet_prompts(

@@ -63,7 +63,7 @@ def build_family_models(name: str, device: torch.device, seed: int = 0, image_to
     else:
         oc = open_clip.CLIP(**args)
     oc = oc.eval().to(device).requires_grad_(False)
-    return oc, coop.CLIP.from_openclip(oc, name=name)
+    return oc, coop.CLIP.from_openclip(copy.deepcopy(oc), name=name)  # a timm trunk is taken over: a copy
 
 
 def openclip_text(oc: nn.Module, x: torch.Tensor, ids: torch.Tensor, slots, deep) -> torch.Tensor:
