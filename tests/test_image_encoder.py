@@ -143,7 +143,6 @@ RN_TINY = {
     [
         (None, r"is a ResNet \(a CNN\): it has no tokens"),
         ({"ls_init_value": 0.1}, "layer scale"),
-        ({"patch_dropout": 0.5}, "patch dropout"),
     ],
 )
 def test_other_towers_keep_open_clips_forward_and_refuse_prompts(vision, problem):

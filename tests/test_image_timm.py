@@ -69,13 +69,14 @@ VITAMIN_STEM = VitCfg(
 )
 
 
-def small_tower(name: str, seed: int = 0, shrink_width: bool = True) -> nn.Module:
+def small_tower(name: str, seed: int = 0, shrink_width: bool = True, **timm_kwargs) -> nn.Module:
     """open_clip's image tower of model `name`, its timm trunk built with 2 blocks at 4x4 patches
-    (and width 64 where the config allows), LayerNorm weights and biases randomised."""
+    (and width 64 where the config allows) and `timm_kwargs`, LayerNorm weights and biases
+    randomised."""
     cfg = open_clip.get_model_config(name)
     arch = TIMM_ARCHS.get(name, "")
     size = 4 * patch_of(arch)
-    kwargs = {"depth": 2, "img_size": size}
+    kwargs = {"depth": 2, "img_size": size, **timm_kwargs}
     if shrink_width:
         kwargs.update(embed_dim=64, num_heads=2)
         if "vitamin" in arch:
@@ -87,7 +88,7 @@ def small_tower(name: str, seed: int = 0, shrink_width: bool = True) -> nn.Modul
     except AssertionError:  # a head without projection must keep the trunk's width (MobileCLIP-B)
         visual = None
     if visual is None:
-        return small_tower(name, seed, shrink_width=False)
+        return small_tower(name, seed, shrink_width=False, **timm_kwargs)
     randomise(visual, seed)
     visual.image_size = (size, size)
     return visual.eval()
@@ -289,10 +290,10 @@ def test_tokens_are_every_position_projected(trunk):
 # --- open_clip's own variants: CLIPA's average pool, CoCa's attention pool ---------------------
 
 
-def openclip_variant(name: str) -> nn.Module:
+def openclip_variant(name: str, **vision_cfg) -> nn.Module:
     cfg = copy.deepcopy(open_clip.get_model_config(name))
     v = cfg["vision_cfg"]
-    v.update(layers=2, width=64, head_width=32, image_size=3 * v["patch_size"])
+    v.update(layers=2, width=64, head_width=32, image_size=3 * v["patch_size"], **vision_cfg)
     torch.manual_seed(0)
     visual = _build_vision_tower(32, v, quick_gelu=cfg.get("quick_gelu", False))
     gen = torch.Generator().manual_seed(0)
@@ -316,3 +317,34 @@ def test_open_clip_variants_run_through_our_vit_with_prompts(name):
         ref = out[0] if isinstance(out, tuple) else out
         assert relative_error(tower(images), ref) < FP32_TOL
         assert relative_error(tower(images, prompts), vision_features(visual, images, prompts)) < FP32_TOL
+
+
+# --- patch dropout: one rule for both back ends ------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ViT-B-16", "ViT-B-16-SigLIP2", "EVA02-B-16"])
+def test_patch_dropout_drops_no_patch_in_either_back_end(name, tiny_clip):
+    """open_clip's and timm's patch dropout act in training mode only, and CLIP keeps its towers in
+    eval mode: both back ends take a tower built with it (open_clip's ViT, and so its vision
+    prompts, used to be refused), and in CLIP's training mode compute the eval forward, prompts
+    included."""
+    if "timm_model_name" in open_clip.get_model_config(name)["vision_cfg"]:
+        visual = small_tower(name, patch_drop_rate=0.5)
+        reference = timm_vision_features
+    else:
+        visual = openclip_variant(name, patch_dropout=0.5)
+        reference = vision_features
+    images = images_for(visual)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        dropped, ref = visual.train()(images), visual.eval()(images)
+    assert relative_error(dropped, ref) > 1e-3  # open_clip's module, in training mode, drops patches
+    tower, refusal = _image_tower(visual, name)
+    assert refusal is None
+    prompts = prompts_for(tower)
+    with torch.no_grad():
+        ref_prompted = reference(visual, images, prompts)
+    clip = CLIP(tower, tiny_clip.text, tiny_clip.logit_scale, tiny_clip.tokenizer).train()
+    with torch.no_grad():
+        assert relative_error(clip.encode_image(images), ref) < FP32_TOL
+        assert relative_error(clip.encode_image(images, prompts), ref_prompted) < FP32_TOL

@@ -85,7 +85,8 @@ class TimmImageTower(ImageTower):
         the P patches ([sin | cos], Eva) or None."""
         x = self.trunk.patch_embed(images)
         if isinstance(self.trunk, Eva):
-            return self.trunk._pos_embed(x)  # (x, rope); patch dropout is off in eval
+            return self.trunk._pos_embed(x)  # (x, rope); its patch dropout: the identity in eval
+        # timm's patch dropout drops no patch: CLIP runs its towers in eval mode (ImageTransformer's rule)
         return self.trunk.patch_drop(self.trunk._pos_embed(x)), None
 
     def pre(self, x: torch.Tensor) -> torch.Tensor:
