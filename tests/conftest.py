@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -53,7 +54,9 @@ def build_family(stem: str | Path, tokenizer: Path | None = None, seed: int = 0,
     model config file `stem`, a Path): random
     weights, the text tower's LayerNorms and biases randomised, the tokenizer read from directory
     `tokenizer` (tests/tiny_tokenizers.py; None: CLIP's BPE); `edit(model)` runs on open_clip's
-    model before ours copies its weights."""
+    model before ours copies its weights. Ours is built from a copy of it: `CLIP.from_openclip`
+    takes a timm image tower over, and what a method does to ours (CLIP-LoRA's hooks) must not
+    reach the reference."""
     import coop
     from coop.model.tokenizer import load_tokenizer
     from coop.model.weights import resolve_model_name
@@ -63,7 +66,8 @@ def build_family(stem: str | Path, tokenizer: Path | None = None, seed: int = 0,
     oc = build_openclip(name, seed)
     if edit is not None:
         edit(oc)
-    return coop.CLIP.from_openclip(oc, tokenizer=load_tokenizer(name, tokenizer), name=name), oc
+    ours = coop.CLIP.from_openclip(copy.deepcopy(oc), tokenizer=load_tokenizer(name, tokenizer), name=name)
+    return ours, oc
 
 
 @contextmanager

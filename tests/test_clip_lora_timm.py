@@ -60,7 +60,7 @@ def models(request):
     torch.manual_seed(0)
     oc = randomise_text_tower(open_clip.CLIP(width, cfg["vision_cfg"], cfg["text_cfg"])).eval()
     oc.visual = visual
-    return oc, CLIP.from_openclip(oc, name=request.param)
+    return oc, CLIP.from_openclip(copy.deepcopy(oc), name=request.param)  # the adapters' hooks stay on ours
 
 
 def images_for(clip, n: int = 2) -> torch.Tensor:

@@ -13,7 +13,7 @@ from conftest import TINY_CONFIG, randomise_prompts
 from omegaconf import OmegaConf
 
 from coop.methods import TransferError, build_method
-from coop.reference import cocoop_logits, reference_inputs
+from coop.reference.coop import cocoop_logits, reference_inputs
 
 CLASSES = [
     "dog",

@@ -15,14 +15,10 @@ from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.config.run_names import run_name
 from coop.methods import DePT, build_method
-from coop.reference import (
-    _clip_logits,
-    coop_text_features,
-    deep_text_features,
-    reference_inputs,
-    vision_features,
-)
+from coop.reference.coop import coop_text_features, deep_text_features, reference_inputs
 from coop.reference.dept import dept_loss, dept_test_logits
+from coop.reference.vision import vision_features
+from coop.reference.vision_prompts import _clip_logits
 from coop.train.sweep import load_grid, plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]

@@ -105,10 +105,14 @@ def assert_unchanged(module: torch.nn.Module, before: dict) -> None:
 @pytest.mark.parametrize("method_name", sorted(METHODS))
 def test_text_method_trains(family, family_features, method_name):
     """Two SGD steps: the loss is finite and every learned tensor moves; the model the methods share
-    is left as it was."""
+    is left as it was. CoCoOp's meta-net has E // 16 = 2 hidden units on these tiny models (E = 32),
+    and their random towers' image features are nearly parallel (cosine > 0.9): about one
+    initialisation in five has both ReLUs off for all 6 images, and then `meta_net.linear1` and
+    `meta_net.linear2.weight` get no gradient, in CoCoOp's own code too. The seed draws live units."""
     x, feats, before = family_features
     lora = method_name == "clip_lora"  # CLIP-LoRA attaches its adapters to the tower it is given
     clip = copy.deepcopy(family[2]) if lora else family[2]
+    torch.manual_seed(0)  # the learned tensors' initialisation, whatever ran before
     method = build_method(clip, CLASSES, load_config(None, METHODS[method_name]))
     assert feats.shape == (len(x), clip.embed_dim) and bool(feats.isfinite().all())
     trains_two_steps(method, x if lora else feats)  # CLIP-LoRA takes images
@@ -116,9 +120,9 @@ def test_text_method_trains(family, family_features, method_name):
         assert_unchanged(clip, before)
 
 
-def trains_two_steps(method, inputs: torch.Tensor, every: bool = False) -> None:
-    """Two SGD steps of `method` on `inputs` (features or images): the loss is finite, the learned
-    tensors move (`every`: each of them, else at least one) and no CLIP weight gets a gradient."""
+def trains_two_steps(method, inputs: torch.Tensor) -> None:
+    """Two SGD steps of `method` on `inputs` (features or images): the loss is finite, every learned
+    tensor moves and no CLIP weight gets a gradient."""
     labels = torch.arange(len(inputs)) % len(method.classnames)
     before = {k: v.detach().clone() for k, v in method.learnable().items()}
     params = [p for p in method.parameters() if p.requires_grad]
@@ -136,9 +140,7 @@ def trains_two_steps(method, inputs: torch.Tensor, every: bool = False) -> None:
     )
     after = method.learnable()
     moved = [k for k in before if not torch.equal(before[k], after[k].detach())]
-    assert moved == list(before) if every else moved, (
-        f"{method.name}: {set(before) - set(moved)} did not move"
-    )
+    assert moved == list(before), f"{method.name}: {set(before) - set(moved)} did not move"
 
 
 def test_zeroshot_is_open_clips_features(family):
@@ -283,6 +285,7 @@ def test_mmrl_trains_on_metaclip2(family):
     and open_clip's ViT, which our image tower reproduces: two steps on images."""
     clip = family[2]
     cfg = load_config(None, ["method=mmrl", "mmrl.layers=[2]", "mmrl.vision_layers=[1]", "mmrl.rep_dim=16"])
+    torch.manual_seed(0)
     method = build_method(clip, CLASSES, cfg)
     assert method.n_sos == 0
     trains_two_steps(method, images(clip))

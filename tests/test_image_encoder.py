@@ -21,7 +21,8 @@ import coop
 from coop.model.clip import cosine_logits
 from coop.model.errors import ModelError
 from coop.model.image_encoder import ImageTransformer
-from coop.reference import ivlp_logits, maple_logits, vision_features, vpt_logits
+from coop.reference.vision import vision_features
+from coop.reference.vision_prompts import ivlp_logits, maple_logits, vpt_logits
 from coop.train.features import cache_key, weights_fingerprint
 
 # Every standard OpenCLIP ViT this forward covers, shrunk to a few layers and a small image; each
@@ -142,7 +143,6 @@ RN_TINY = {
     [
         (None, r"is a ResNet \(a CNN\): it has no tokens"),
         ({"ls_init_value": 0.1}, "layer scale"),
-        ({"patch_dropout": 0.5}, "patch dropout"),
     ],
 )
 def test_other_towers_keep_open_clips_forward_and_refuse_prompts(vision, problem):

@@ -3,8 +3,8 @@
 Every import test writes a checkpoint file the way the original codebase's Dassl trainer does
 (`torch.save` of {"state_dict", "epoch", "optimizer", "scheduler", "val_result"}, with the
 warm-up scheduler's successor pickled as an object, and the original state-dict names, buffers
-and frozen CLIP weights), imports it, and checks the run's logits against `coop.reference`
-computed from the file's own tensors on the open_clip model.
+and frozen CLIP weights), imports it, and checks the run's logits against `coop.reference.coop` and
+`coop.reference.vision_prompts` computed from the file's own tensors on the open_clip model.
 """
 
 from __future__ import annotations
@@ -32,15 +32,8 @@ from coop.interop import (
     read_export,
 )
 from coop.methods import TransferError
-from coop.reference import (
-    _clip_logits,
-    cocoop_logits,
-    coop_text_features,
-    ivlp_logits,
-    maple_logits,
-    reference_inputs,
-    vpt_logits,
-)
+from coop.reference.coop import cocoop_logits, coop_text_features, reference_inputs
+from coop.reference.vision_prompts import _clip_logits, ivlp_logits, maple_logits, vpt_logits
 from coop.results.tables import load_runs
 from coop.train.checkpoint import load_checkpoint
 from coop.train.engine import setup

@@ -18,7 +18,7 @@ from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.config.run_names import run_name
 from coop.methods import build_method
-from coop.reference import coop_text_features
+from coop.reference.coop import coop_text_features
 from coop.results.tables import dataset_table, load_runs
 from coop.train.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
 from coop.train.runner import train_run

@@ -12,7 +12,7 @@ from test_cocoop import cocoop, grads_of
 
 import coop
 from coop.model import packing
-from coop.reference import cocoop_logits, coop_text_features, reference_inputs
+from coop.reference.coop import cocoop_logits, coop_text_features, reference_inputs
 
 
 def one_name_per_length(tokenizer) -> list[str]:

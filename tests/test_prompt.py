@@ -10,7 +10,7 @@ from conftest import randomise_prompts
 
 import coop
 from coop.model.prompt import PromptError
-from coop.reference import coop_text_features
+from coop.reference.coop import coop_text_features
 
 CLASSES = [
     "dog",

@@ -17,7 +17,7 @@ from test_bench import load_tool
 from test_protocols import data_root, tiny_cfg  # noqa: F401  (data_root is a fixture)
 
 import coop
-from coop import reference
+import coop.reference.promptsrc as reference
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.config.run_names import run_name
@@ -31,7 +31,8 @@ from coop.methods.promptsrc import (
     resolve_promptsrc_templates,
     zero_shot_logits,
 )
-from coop.reference import promptsrc_fixed_embeddings, reference_inputs
+from coop.reference.coop import reference_inputs
+from coop.reference.promptsrc import promptsrc_fixed_embeddings
 from coop.results.tables import dataset_table, load_runs, summarize
 from coop.train.evaluation import evaluate_checkpoint
 from coop.train.runner import train_run
@@ -118,7 +119,7 @@ def test_t0_in_fp32_from_a_half_text_tower(tiny_clip):
 
 
 def test_method_loss_and_gradients_equal_the_official_computation(tiny_openclip, tiny_clip, depth=2):
-    """PromptSRC.loss (our towers, exact text fast paths, t0 once) against `coop.reference`'s
+    """PromptSRC.loss (our towers, exact text fast paths, t0 once) against `coop.reference.promptsrc`'s
     step the official way (full 77-token prompts through open_clip's modules, frozen tower on the
     same images, the repository's fixed embeddings): every term, the total and every gradient."""
     overrides = [

@@ -3,6 +3,7 @@ invariance, unusable checkpoints and empty training splits. Runs are in-process 
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 
@@ -14,6 +15,7 @@ import coop
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.data import DataError, ImageDataset, build_dataset, build_transforms
+from coop.train import features
 from coop.train.checkpoint import CheckpointError, CheckpointNotFoundError, load_checkpoint
 from coop.train.engine import clip_transforms, setup, use_fp16
 from coop.train.evaluation import evaluate_checkpoint
@@ -177,6 +179,25 @@ def test_cache_key_holds_everything_features_depend_on(tiny_clip, image_folder):
     assert cache_key(other, items, test_tf, **base) != key
     # the key holds the precision that really ran: amp and fp16 run fp32 on a CPU
     assert {resolve_precision(p, CPU) for p in ("amp", "fp16", "fp32")} == {"fp32"}
+
+
+def test_a_towers_weights_are_hashed_once(monkeypatch):
+    """`cache_key` hashes an image tower's weights once per tower (they are frozen): again only for
+    another tower, or once a weight was written in place or converted."""
+    hashed = []
+    hash_tensors = features._hash_tensors
+    monkeypatch.setattr(features, "_hash_tensors", lambda tensors: hashed.append(1) or hash_tensors(tensors))
+    args = ([], "transform", 1, None, "fp32", False)
+    clip = coop.load_clip(str(TINY_CONFIG))
+    key = cache_key(clip, *args)
+    assert cache_key(clip, *args) == key and len(hashed) == 1  # the second call hashes nothing
+    other = copy.deepcopy(clip)
+    assert cache_key(other, *args) == key and len(hashed) == 2  # another tower, the same weights
+    with torch.no_grad():
+        other.visual.conv1.weight.add_(1e-3)
+    assert cache_key(other, *args) != key and len(hashed) == 3  # written in place: hashed again
+    assert cache_key(other, *args) != cache_key(other.half(), *args) and len(hashed) == 4  # converted
+    assert cache_key(clip, *args) == key and len(hashed) == 4
 
 
 def test_strict_run_never_reuses_features_with_skipped_images(tiny_clip, tmp_path):

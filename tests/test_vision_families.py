@@ -36,7 +36,8 @@ from coop.config.load import load_config
 from coop.federated import task
 from coop.methods import build_method
 from coop.model.errors import ModelError
-from coop.reference import maple_logits, reference_inputs, vpt_logits
+from coop.reference.coop import reference_inputs
+from coop.reference.vision_prompts import maple_logits, vpt_logits
 from coop.train.runner import train_run
 
 pytest.importorskip("transformers")
@@ -110,7 +111,7 @@ def test_vision_method_trains(family, method_name):
     clip = family[4]
     torch.manual_seed(0)
     method = build_method(clip, CLASSES, load_config(None, METHODS[method_name]))
-    trains_two_steps(method, images(clip), every=True)
+    trains_two_steps(method, images(clip))
 
 
 def test_fedotp_trains_on_the_patch_tokens(family):
@@ -136,7 +137,7 @@ def test_fedotp_trains_on_the_patch_tokens(family):
             edited = tokens.clone()
             edited[:, row] = torch.randn_like(edited[:, row])
             assert (not torch.equal(method.logits(edited, text), logits)) == changes, row
-    trains_two_steps(method, tokens, every=True)
+    trains_two_steps(method, tokens)
 
 
 @pytest.mark.parametrize("family", ["siglip"], indirect=True)
@@ -191,8 +192,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_maple_and_vpt_match_their_references(family):
     """MaPLe (CLIP's BPE: EVA02, PE-Core) and VPT (every family) against the references on open_clip's
-    model: timm's own forward with the prompts as prefix tokens, full-length text prompts. Logits,
-    loss and the gradient of every learned tensor."""
+    model: timm's own forward with the prompts as prefix tokens; full-length text prompts (MaPLe),
+    open_clip's `encode_text` of "a photo of a {class}." (VPT). Logits, loss and the gradient of
+    every learned tensor."""
     name, clip, oc = family[0], family[4], family[5]
     cases = ["vpt"] if name == "siglip" else ["vpt", "maple"]  # the text reference reads CLIP's BPE
     x, labels = images(clip, 2, seed=1), torch.tensor([0, 2])
@@ -203,8 +205,9 @@ def test_maple_and_vpt_match_their_references(family):
         with torch.no_grad():  # away from the initialisation, so that every term matters
             for t in tensors.values():
                 t.add_(0.5 * torch.randn(t.shape, generator=torch.Generator().manual_seed(2)))
-        if case == "vpt":
-            ref = vpt_logits(oc, x, None, m.vision_prompts(), text_features=m.fixed_text_features)
+        if case == "vpt":  # the reference's own text side: open_clip's encode_text of the template
+            ids = clip.tokenize([f"a photo of a {c.replace('_', ' ')}." for c in CLASSES])
+            ref = vpt_logits(oc, x, ids, m.vision_prompts())
         else:
             pl = m.prompt_learner
             ids, _, slots = reference_inputs(oc, pl)

@@ -24,7 +24,8 @@ from coop.model.clip import CLIP
 from coop.model.errors import ModelError
 from coop.model.prompt import PromptClassifier, PromptError, PromptLearner
 from coop.model.weights import load_clip
-from coop.reference import ivlp_logits, maple_logits, reference_inputs, vpt_logits
+from coop.reference.coop import reference_inputs
+from coop.reference.vision_prompts import ivlp_logits, maple_logits, vpt_logits
 from coop.results.tables import dataset_table, load_runs
 from coop.train.evaluation import evaluate_checkpoint
 from coop.train.runner import train_run

@@ -9,6 +9,7 @@ warm-up calls, so both sides of a comparison are measured the same way in the sa
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -21,7 +22,7 @@ import coop
 from coop.config.load import load_config
 from coop.methods import build_method
 from coop.model.weights import resolve_model_name
-from coop.reference import coop_text_features, reference_inputs
+from coop.reference.coop import coop_text_features, reference_inputs
 
 
 def sync(device: torch.device) -> None:
@@ -69,7 +70,7 @@ def build_models(model: str, device: torch.device, seed: int = 0):
     torch.manual_seed(seed)
     oc = open_clip.create_model(resolve_model_name(model), pretrained=None).eval().to(device)
     oc.requires_grad_(False)
-    return oc, coop.CLIP.from_openclip(oc)
+    return oc, coop.CLIP.from_openclip(copy.deepcopy(oc))  # a timm trunk is taken over: ours is a copy
 
 
 def imagenet_prompts(

@@ -9,7 +9,7 @@ a vocabulary smaller than CLIP's is widened to 49,408 rows, and a tower pooled a
 per token. The image tower is replaced by a tiny ViT, as it plays no part in the text side, unless
 `image_tower=True` (`tools/bench_vl.py`, whose methods prompt it).
 
-The reference assembles CoOp's prompts at the full context (`coop.reference.coop_layout`) and runs
+The reference assembles CoOp's prompts at the full context (`coop.reference.coop.coop_layout`) and runs
 them through open_clip's own text modules as its `TextTransformer.forward` does after the token
 embedding: positions (and CoCa's class token with its padding mask), the blocks with the tower's
 mask, ln_final, open_clip's `text_global_pool`, the projection.
@@ -26,7 +26,7 @@ from open_clip.transformer import text_global_pool
 from torch import nn
 
 import coop
-from coop.reference import coop_layout, reference_inputs
+from coop.reference.coop import coop_layout, reference_inputs
 
 CLIP_VOCAB, CLIP_EOS = 49408, 49407
 TINY_VISION = {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16}
@@ -63,7 +63,7 @@ def build_family_models(name: str, device: torch.device, seed: int = 0, image_to
     else:
         oc = open_clip.CLIP(**args)
     oc = oc.eval().to(device).requires_grad_(False)
-    return oc, coop.CLIP.from_openclip(oc, name=name)
+    return oc, coop.CLIP.from_openclip(copy.deepcopy(oc), name=name)  # a timm trunk is taken over: a copy
 
 
 def openclip_text(oc: nn.Module, x: torch.Tensor, ids: torch.Tensor, slots, deep) -> torch.Tensor:

@@ -14,16 +14,11 @@ from _bench_families import build_family_models, clip_shaped
 
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
 from coop.model.weights import resolve_model_name
-from coop.reference import (
-    ivlp_logits,
-    maple_logits,
-    promptsrc_fixed_embeddings,
-    promptsrc_loss,
-    reference_inputs,
-    vpt_logits,
-)
 from coop.reference.clip_lora import clip_lora_logits
+from coop.reference.coop import reference_inputs
 from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
+from coop.reference.promptsrc import promptsrc_fixed_embeddings, promptsrc_loss
+from coop.reference.vision_prompts import ivlp_logits, maple_logits, vpt_logits
 
 METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora", "mmrl")
 
@@ -69,8 +64,8 @@ def reference_loss(name: str, oc, method, terms: dict):
     """The official computation's training loss as a function of (images, labels).
 
     What it prepares once is prepared here, untimed: the tokenised 77-token prompts
-    (`coop.reference.reference_inputs`), MMRL's ids and t_zs (`mmrl_inputs`).
-    PromptSRC: its whole loss (`coop.reference.promptsrc_loss`: full 77-token prompts, the frozen
+    (`coop.reference.coop.reference_inputs`), MMRL's ids and t_zs (`mmrl_inputs`).
+    PromptSRC: its whole loss (`coop.reference.promptsrc.promptsrc_loss`: full 77-token prompts, the frozen
     image tower on the same images every step), with the fixed text embeddings of its templates
     computed once here, untimed, as its code does at build time; the unweighted terms go into
     `terms`. MMRL: its whole loss (`mmrl_step`). The other methods: cross-entropy on

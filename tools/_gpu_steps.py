@@ -50,7 +50,8 @@ def step_batch(clip, sizes: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def maple_steps(model: str, sizes: dict, device) -> list[dict]:
-    from coop.reference import maple_logits, reference_inputs
+    from coop.reference.coop import reference_inputs
+    from coop.reference.vision_prompts import maple_logits
 
     oc, clip = build_models(model, device)
     method = imagenet_method(clip, "maple", sizes["classes"], sizes["set"])

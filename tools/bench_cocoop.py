@@ -5,7 +5,7 @@
 Both sides compute the same step for the same `ctx` and meta-net, in one process: B image
 features (random, as from the frozen image tower; its cost is outside both sides), the meta-net,
 the text features of B x n_cls prompts, the logits, cross-entropy and its backward pass into `ctx`
-and the meta-net. The reference is `coop.reference.cocoop_logits`, written like CoCoOp's code: a
+and the meta-net. The reference is `coop.reference.coop.cocoop_logits`, written like CoCoOp's code: a
 loop over the images, each running all classes' full 77-token prompts through open_clip's own
 modules. Its backward pass runs per image (the batch's mean loss, accumulated image by image: the
 same gradients), because a graph over B x n_cls x 77 tokens does not fit in memory (batch 8 x 100
@@ -38,7 +38,7 @@ from _bench import alternate, build_models, max_rel_diff, text_bound  # noqa: E4
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
 
 from coop.methods import build_method  # noqa: E402
-from coop.reference import cocoop_logits, reference_inputs  # noqa: E402
+from coop.reference.coop import cocoop_logits, reference_inputs  # noqa: E402
 
 
 def build_cocoop(clip, n_classes: int, position: str, seed: int = 0):

@@ -9,7 +9,7 @@ N ImageNet class names, the recipe's n_ctx 16, gamma 0.8, eps 0.1, up to 100 ite
 - ours: `coop.federated.fedotp.FedOTP.loss` (each prompt's text tower cut after [EOS], the shared
   [SOS][ctx] prefix computed once, `unbalanced_ot` on a (B*C, M, N) batch);
 - the reference, as the original's `GLP_OT` computes it: the 2 x C prompts through open_clip's own
-  text modules at their full 77 tokens (`coop.reference.coop_text_features`), and its
+  text modules at their full 77 tokens (`coop.reference.coop.coop_text_features`), and its
   `entropic_COT_fast` transcribed with its `diag_embed` products ((B*C, M, M) and (B*C, N, N)
   diagonal matrices) and a `.item()` stop check each iteration.
 
@@ -36,7 +36,7 @@ from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
 
 from coop.config.load import load_config
 from coop.federated.fedotp import FedOTP  # noqa: E402
-from coop.reference import coop_text_features, reference_inputs  # noqa: E402
+from coop.reference.coop import coop_text_features, reference_inputs  # noqa: E402
 
 
 def reference_cot(a, b, K, max_iter: int, thresh: float) -> torch.Tensor:

@@ -4,7 +4,7 @@
                                [--position end middle front] [--repeats 3]
 
 Times forward + backward of `PromptClassifier.text_features()` for ImageNet class names (random
-weights) against the reference CoOp computation (`coop.reference`, full 77 tokens through
+weights) against the reference CoOp computation (`coop.reference.coop`, full 77 tokens through
 open_clip's own modules) in the same process, for every combination of `--n-ctx` and
 `--position`, and prints for each:
 

@@ -9,7 +9,7 @@ for the same method, images and labels, in one process, on random weights, with 
 
 - ours: `Method.loss` of `coop.methods.<method>` (the text tower cut after [EOS], in length
   buckets, with the shared-prefix path; the image tower `coop.model.image_encoder.ImageTransformer`);
-- the reference: `coop.reference.{vpt,ivlp,maple}_logits`, as the MaPLe repository computes it:
+- the reference: `coop.reference.vision_prompts.{vpt,ivlp,maple}_logits`, as the MaPLe repository computes it:
   every class's full 77-token prompt through open_clip's own text modules every step (VPT's frozen
   text features once, as its code does at build time) and open_clip's own image modules with the
   prompt concatenation written out; CLIP-LoRA: `coop.reference.clip_lora.clip_lora_logits`, every

@@ -3,7 +3,7 @@
     python tools/gpu_check.py [--out DIR] [--quick] [--device cuda:0]      # or: make gpu-check
 
 One script, about 5 minutes on one H100/H200-class GPU, everything on the same device and with
-random weights (offline). It checks, against the reference CoOp computation (`coop.reference`):
+random weights (offline). It checks, against the reference CoOp computation (`coop.reference.coop`):
 
   parity     ViT-B/16, 100 ImageNet classes, M = 16, class at the end and in the middle (shared
              context): text features and ctx gradients in fp32 (tolerance: max |diff| / max |ref|
@@ -25,7 +25,7 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              augmentation and host-to-device copies are NOT included: the images are synthetic;
   maple      one MaPLe training step (recipe: n_ctx 2, depth 9) on ViT-B/16 and ViT-L/14, 1,000
              classes, batch 4, bf16 autocast: ours with and without grad checkpointing, and the
-             reference computed the official way (`coop.reference.maple_logits`: 77 tokens per
+             reference computed the official way (`coop.reference.vision_prompts.maple_logits`: 77 tokens per
              class through open_clip's modules); time (best of 3 after a warm-up step) and peak
              torch.cuda.max_memory_allocated of the step;
   clip_lora  the same for one CLIP-LoRA step (rank-2 q|k|v adapters in every block of both towers),

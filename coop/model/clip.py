@@ -6,7 +6,8 @@
 `from_openclip` copies the text-tower weights into `coop.model.text_encoder.TextTransformer` and the
 image tower into a `coop.model.image_tower.ImageTower`: open_clip's ViT into our
 `coop.model.image_encoder.ImageTransformer` (same state-dict keys, checked one by one), a timm ViT or
-EVA trunk into `coop.model.image_timm.TimmImageTower` (timm's modules, walked by our forward). Both
+EVA trunk into `coop.model.image_timm.TimmImageTower` (timm's modules, taken over without a copy and
+walked by our forward). Both
 sides then run one forward of ours, with or without prompts. Towers without tokens (ResNets,
 ConvNeXt, FastViT, ...) keep open_clip's module; they serve the feature-based methods exactly as
 before and refuse vision prompts (`ModelError`).
@@ -114,8 +115,12 @@ class CLIP(nn.Module):
 
     @classmethod
     def from_openclip(cls, model: nn.Module, tokenizer=None, name: str | None = None) -> CLIP:
-        """Wrap an open_clip `CLIP`, `CustomTextCLIP` or `CoCa` (any weights). The given model is
-        not modified. Its text tower must be one `coop.model.text_support` accepts (ModelError).
+        """Wrap an open_clip `CLIP`, `CustomTextCLIP` or `CoCa` (any weights). Its text tower, which
+        must be one `coop.model.text_support` accepts (ModelError), and an open_clip ViT image tower
+        are copied into ours; a timm image tower's trunk and head (`TimmImageTower`) and an image
+        tower kept as open_clip's module are taken over, shared with `model` and not copied, so
+        that the largest towers are held once. The wrapper freezes them (and a method may hook
+        them): copy `model` first where it must stay independent.
 
         Args:
             model: an open_clip model.

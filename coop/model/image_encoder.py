@@ -17,10 +17,12 @@ These are the vision-prompt semantics of the MaPLe/IVLP/VPT code (their `VisionT
 and `ResidualAttentionBlock_IVLP`): prompts appended after the positions, before ln_pre, replaced
 at blocks 1..J-1. Without prompts the forward is exactly open_clip's `encode_image`.
 
-Towers this back end does not cover (ResNets, layer scale, custom blocks, patch dropout, CoCa's
+Towers this back end does not cover (ResNets, layer scale, custom blocks, CoCa's
 "parallel"/"cascade" pools) are refused by `vision_config_from_openclip` with a one-line
 `ModelError` that names the model; `coop.model.clip` then tries the timm back end or keeps
-open_clip's module.
+open_clip's module. open_clip's patch dropout is no stage here: it drops patches in training mode
+only, and `coop.model.clip.CLIP` keeps its towers in eval mode, where it is the identity (the rule
+of both back ends, docs/image_tower.md).
 """
 
 from __future__ import annotations
@@ -180,8 +182,6 @@ def vision_config_from_openclip(visual: nn.Module, name: str | None = None) -> V
         problems.append(f"pooling '{visual.pool_type}'")
     if not isinstance(visual.ln_pre, (nn.LayerNorm, nn.Identity)):
         problems.append(f"ln_pre {type(visual.ln_pre).__name__}")
-    if not isinstance(visual.patch_dropout, nn.Identity):
-        problems.append("patch dropout")
     if visual.proj is None:
         problems.append("no projection")
     if len(set(visual.image_size)) != 1 or len(set(visual.patch_size)) != 1:

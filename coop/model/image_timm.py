@@ -2,8 +2,9 @@
 `coop.model.image_tower.ImageTower`.
 
 open_clip's `TimmModel` holds a timm trunk and its own head (`trunk.*`, `head.*`); this back end
-keeps both (copies, under the same keys) and runs the stages `ImageTower` places prompts between,
-each through timm's own modules and methods:
+takes both over (the same modules under the same keys, not copies: the weights are held once, which
+matters at load for EVA02-E and PE-Core-bigG) and runs the stages `ImageTower` places prompts
+between, each through timm's own modules and methods:
 
     x = trunk.patch_embed(images)                            embed: patches,
     x, rope = trunk._pos_embed(x)                                   class/register tokens, positions
@@ -22,8 +23,6 @@ refused in one line by `timm_config_refusal`.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from open_clip.timm_model import TimmModel
 from timm.models.convnext import ConvNeXt
@@ -40,7 +39,9 @@ class TimmImageTower(ImageTower):
     """open_clip's timm image tower with the `ImageTower` stages; keys equal open_clip's `visual.*`.
 
     Args:
-        visual: open_clip's `TimmModel` (copied; the given module is not modified).
+        visual: open_clip's `TimmModel`; its trunk and head become this tower's modules (shared
+            with `visual`, not copied), so whatever changes one (dtype, device, requires_grad,
+            hooks) changes the other. Copy `visual` first to keep an independent one.
         name: the model's name, for messages.
     """
 
@@ -49,8 +50,8 @@ class TimmImageTower(ImageTower):
         refusal = timm_config_refusal(visual, name)
         if refusal:
             raise ModelError(refusal)
-        self.trunk = copy.deepcopy(visual.trunk)
-        self.head = copy.deepcopy(visual.head)
+        self.trunk = visual.trunk
+        self.head = visual.head
         self.n_prefix = int(self.trunk.num_prefix_tokens)
         self.rotary = isinstance(self.trunk, Eva) and self.trunk.rope is not None
         self.image_size = tuple(visual.image_size)
@@ -85,7 +86,8 @@ class TimmImageTower(ImageTower):
         the P patches ([sin | cos], Eva) or None."""
         x = self.trunk.patch_embed(images)
         if isinstance(self.trunk, Eva):
-            return self.trunk._pos_embed(x)  # (x, rope); patch dropout is off in eval
+            return self.trunk._pos_embed(x)  # (x, rope); its patch dropout: the identity in eval
+        # timm's patch dropout drops no patch: CLIP runs its towers in eval mode (ImageTransformer's rule)
         return self.trunk.patch_drop(self.trunk._pos_embed(x)), None
 
     def pre(self, x: torch.Tensor) -> torch.Tensor:

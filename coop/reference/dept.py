@@ -1,7 +1,7 @@
 """Reference DePT computation, as the DePT repository's `trainers/elp_*.py` write it.
 
 The host's similarity logits and its unnormalised text and image features come from the host's
-own reference (`coop.reference.coop_text_features`, `deep_text_features`, `vision_features`);
+own reference (`coop.reference.coop.coop_text_features`, `deep_text_features`, `vision_features`);
 this module adds what `_forward_logits_linear_probe` and `_loss` compute on top of them, with the
 FiLM modules and the linear head written out as plain tensor algebra.
 """

@@ -5,10 +5,11 @@ after the patches, with the identity rotation on RoPE trunks. This reference run
 unmodified `TimmModel.forward` (timm's `forward_features` and `forward_head`, open_clip's head) on
 a copy of the tower and places the added tokens the way timm places its own prefix tokens:
 
-    after the positions (`trunk.pos_drop`'s output):  x = [prefix; prompts[0]; patches]
+    at `trunk.norm_pre`'s input:                      x = [prefix; prompts[0]; patches]
     every attention module:                           num_prefix_tokens += M  (RoPE skips them)
     before block i (1 <= i < J):                      x[:, N:N+M] = prompts[i]
     after the final norm (`trunk.norm`'s output):     the M rows dropped, unless pool_prompts
+                                                      (`all_tokens`: every row, fc_norm, the heads)
 
 MMRL's inserted tokens take the same places at the input of block `layers[0]` (after norm_pre,
 even at block 0) and after, and their rows after the final norm (and fc_norm) are returned. The
@@ -32,6 +33,7 @@ def timm_vision_features(
     prompts: Sequence[torch.Tensor] | None = None,
     inserted: tuple[Sequence[torch.Tensor], Sequence[int]] | None = None,
     pool_prompts: bool = False,
+    all_tokens: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Image features (B, E) of open_clip's `TimmModel` with prompts or inserted tokens.
 
@@ -43,8 +45,12 @@ def timm_vision_features(
         inserted: None or (tokens, layers): K tokens (K, W) per listed block (MMRL): enter before
             block layers[0], replaced before the later ones.
         pool_prompts: the pool sees the added tokens too.
+        all_tokens: instead of the pooled features, every token after the final norms (norm, then
+            fc_norm) through timm's and open_clip's heads, in timm's order: (B, N+M+P, E), the
+            added tokens after the N prefix tokens.
     Returns:
-        features (B, E); with `inserted`, also the K tokens after the final norms (B, K, W).
+        features (B, E) (or every token); with `inserted`, also the K tokens after the final norms
+        (B, K, W).
     """
     tower = copy.deepcopy(visual)
     trunk = tower.trunk
@@ -54,9 +60,9 @@ def timm_vision_features(
     elif inserted is not None:
         tokens, layers = list(inserted[0]), list(inserted[1])
     else:
-        return tower(images)
-    m = tokens[0].shape[0]
-    added = {}
+        tokens, layers = [], []
+    m = tokens[0].shape[0] if tokens else 0
+    final = {}
 
     def place(x: torch.Tensor, t: torch.Tensor, first: bool) -> torch.Tensor:
         t = t.to(x.dtype).expand(len(x), -1, -1)  # (B, M, W)
@@ -69,18 +75,24 @@ def timm_vision_features(
 
         return hook
 
-    if prompts is not None:  # prompts[0]: after the positions, before norm_pre
-        trunk.pos_drop.register_forward_hook(lambda module, args, out: place(out, tokens[0], first=True))
+    if prompts is not None:
+        # prompts[0]: after the positions, at norm_pre's input (an Identity where the trunk has no
+        # pre-norm), which every trunk passes; timm skips pos_drop on trunks without a pos_embed (ViTamin-XL).
+        trunk.norm_pre.register_forward_pre_hook(
+            lambda module, args: (place(args[0], tokens[0], first=True),)
+        )
     for i, block in enumerate(trunk.blocks):
         if i in layers and (i > 0 or prompts is None):  # inserted tokens: at the block's input
             block.register_forward_pre_hook(enter(i), with_kwargs=True)
-        if i >= layers[0] and hasattr(block.attn, "num_prefix_tokens"):
+        if layers and i >= layers[0] and hasattr(block.attn, "num_prefix_tokens"):
             block.attn.num_prefix_tokens += m  # RoPE skips them, as it skips timm's own prefix
 
     def drop(module, args, out):
-        added["rows"] = trunk.fc_norm(out[:, n : n + m])
+        final["x"] = out  # (B, N+M+P, W)
         return out if pool_prompts else torch.cat([out[:, :n], out[:, n + m :]], dim=1)
 
     trunk.norm.register_forward_hook(drop)
     features = tower(images)
-    return (features, added["rows"]) if inserted is not None else features
+    if all_tokens:  # what timm's forward_head and open_clip's head do to a pooled token, to each one
+        features = tower.head(trunk.head(trunk.fc_norm(final["x"])))
+    return (features, trunk.fc_norm(final["x"][:, n : n + m])) if inserted is not None else features

@@ -9,7 +9,7 @@ on disk, so that the seeds and ablation points of a sweep share them. Training c
     K  encode K random augmented views per image once and sample one view per step.
 
 A cache file is named by `cache_key`, which holds everything the features depend on: the image
-tower's weights, its settings (`forward_settings`: how it pools, normalises and activates, which
+tower's weights (hashed once per tower, `weights_fingerprint`), its settings (`forward_settings`: how it pools, normalises and activates, which
 no weight records) and which forward ran them (`CLIP.image_forward`: our `ImageTower` over
 open_clip's ViT or a timm trunk, open_clip's module otherwise; equal in fp32 up to rounding, yet
 never mixed), the
@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -50,10 +51,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("COOP_CACHE_DIR", Path.home() / ".cache" / "coop")) / "features"
 
 
+# module -> (stamp of its tensors, their hash); weak, so that a tower's memo goes with the tower
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def weights_fingerprint(module: torch.nn.Module) -> str:
-    """A hash of every parameter and buffer: equal weights give equal keys, whatever their source."""
+    """A hash of every parameter and buffer: equal weights give equal keys, whatever their source.
+
+    Hashed once per module, not on every `cache_key`: a loaded tower's weights are frozen, so they
+    do not change between the calls (hashing a large tower in fp32 takes seconds). The memo is
+    kept only while every tensor has the same storage, dtype, shape, device and in-place version
+    counter as when it was hashed, so a weight replaced (`.half()`, `.to()`, a new tensor) or
+    written in place (`load_state_dict`, `add_`) is hashed again all the same.
+    """
+    tensors = sorted(module.state_dict(keep_vars=True).items())
+    if any(t.is_inference() for _, t in tensors):  # no version counter: nothing to key a memo by
+        return _hash_tensors(tensors)
+    stamp = [(name, t.data_ptr(), t._version, t.dtype, t.device, t.shape) for name, t in tensors]
+    memo = _FINGERPRINTS.get(module)
+    if memo is None or memo[0] != stamp:
+        memo = _FINGERPRINTS[module] = (stamp, _hash_tensors(tensors))
+    return memo[1]
+
+
+def _hash_tensors(tensors: list[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha1()
-    for name, t in sorted(module.state_dict().items()):
+    for name, t in tensors:
         h.update(name.encode())
         h.update(f"{tuple(t.shape)} {t.dtype}".encode())
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
