@@ -24,8 +24,11 @@ from coop.model.support import (
     vision_support,
 )
 from coop.results.model_table import coverage, models_document
+from coop.versions import untested
 
 TOOL = REPO / "tools" / "models.py"
+# docs/models.md and the README's count are made with the tested open_clip release (its model list)
+UNTESTED = untested("open_clip_torch")
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +41,14 @@ def row(rows):
     return {r.name: r for r in rows}
 
 
+@pytest.mark.skipif(UNTESTED is not None, reason=str(UNTESTED))
 def test_docs_models_md_is_the_tools_current_output(rows):
     assert models_document(rows) == (REPO / "docs" / "models.md").read_text(), (
         "docs/models.md is stale: python tools/models.py --write docs/models.md"
     )
 
 
+@pytest.mark.skipif(UNTESTED is not None, reason=str(UNTESTED))
 def test_the_readme_first_paragraph_states_the_tools_count(rows):
     first = (REPO / "README.md").read_text().split("\n\n")[1]
     assert coverage(rows) in " ".join(first.split()), (

@@ -10,6 +10,6 @@ CLIP wrapper and cosine logits), weights.py (load_clip), tokenizer.py (the token
 prompts see it), prompt.py (PromptLearner, PromptClassifier), support.py (which of open_clip's
 models take prompts in which tower).
 
-May import: coop.config and the root modules (coop.io). Imported by: coop.methods,
+May import: coop.config and the root modules (coop.io, coop.versions). Imported by: coop.methods,
 coop.reference, coop.train, coop.results, coop.interop, coop.federated and the tools.
 """
