@@ -45,6 +45,7 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench_text.py
 	$(PY) tools/bench_train.py
 	$(PY) tools/bench_ddp.py --model ViT-B-32 --shots 4 --batch-size 4
+	$(PY) tools/bench_threads.py
 
 # Parity, text speed-up, peak memory and epoch time on one CUDA GPU (~5 min); writes gpu_check.json.
 # Without CUDA it says so and exits 0. ARGS="--quick" uses fewer images for the epoch.
