@@ -1,19 +1,29 @@
 # Quick start:  make demo   (few-shot CoOp on the bundled textile images)
 #               make test   (the test suite, offline)
 #               make gpu-check  (parity, speed and memory on one CUDA GPU)
-# Each target creates .venv and installs the package first when needed.
+# Each target creates .venv and installs the package first when needed: the exact set of releases
+# the suite passed on (requirements-lock.txt), then the package itself without dependencies.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+LOCK := requirements-lock.txt
+UV ?= uv
 
-.PHONY: demo test lint bench gpu-check install clean
+.PHONY: demo test lint bench gpu-check install lock clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 install: $(VENV)/.installed
+
+# Regenerate the lock from pyproject.toml's ranges (docs/development.md, "Dependencies"): pins that
+# still satisfy them are kept; UPGRADE=--upgrade moves every pin, UPGRADE="--upgrade-package timm" one.
+lock:
+	$(UV) pip compile pyproject.toml --extra test --universal --python-version 3.11 $(UPGRADE) \
+		--custom-compile-command "make lock" -o $(LOCK)
 
 demo: $(VENV)/.installed
 	$(PY) tools/demo.py $(ARGS)
@@ -35,6 +45,7 @@ bench: $(VENV)/.installed
 	$(PY) tools/bench_text.py
 	$(PY) tools/bench_train.py
 	$(PY) tools/bench_ddp.py --model ViT-B-32 --shots 4 --batch-size 4
+	$(PY) tools/bench_threads.py
 
 # Parity, text speed-up, peak memory and epoch time on one CUDA GPU (~5 min); writes gpu_check.json.
 # Without CUDA it says so and exits 0. ARGS="--quick" uses fewer images for the epoch.

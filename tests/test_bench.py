@@ -293,3 +293,21 @@ def test_bench_vl_bad_input_is_one_line():
     )
     res = run_tool_in_process(tool, ["--method", "maple", "--model", "ViT-Q-99"])
     assert res.returncode == 2 and "unknown open_clip model 'ViT-Q-99'" in res.stderr
+
+
+def test_bench_threads_times_the_demo_epoch_and_text_step_under_exactly_its_settings():
+    bench = load_tool("bench_threads")
+    r = bench.measure(epochs=2, repeats=1, classes=3, model=str(TINY_CONFIG))
+    assert r["n_train"] == 48 and r["threads"] == torch.get_num_threads()  # textile at 16 shots
+    assert r["epoch_s"] > 0 and r["text_s"] > 0
+    # each measuring process: the setting's OpenMP variables alone, none added by the tools
+    outer = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "0"}
+    assert bench.child_env(bench.SETTINGS["OMP_WAIT_POLICY=PASSIVE"], outer) == {
+        "PATH": "/bin",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "COOP_OMP_DEFAULTS": "0",
+    }
+    assert bench.child_env(bench.SETTINGS["torch's defaults"], outer) == {
+        "PATH": "/bin",
+        "COOP_OMP_DEFAULTS": "0",
+    }

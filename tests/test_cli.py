@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -189,3 +192,78 @@ def test_train_tool_bad_model_or_prompt_is_one_line(image_folder, tmp_path, monk
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(message) and "Traceback" not in res.stderr
+
+
+# ----------------------------------------------------------------------- OpenMP's settings, before torch
+
+NOTE_TORCH = """
+import json, os, runpy, sys
+seen = {}  # the OpenMP environment at the moment torch is first imported (OpenMP reads it then)
+
+class NoteTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not seen:
+            seen.update({k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")})
+
+sys.meta_path.insert(0, NoteTorch())
+sys.argv = [sys.argv[1], "--help"]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit:
+    pass
+import torch
+print(json.dumps({**seen, "threads": torch.get_num_threads()}))
+"""
+
+
+def omp_at_torch_import(tool: str, **env: str) -> dict:
+    """Run `tools/<tool> --help` in a fresh process: the OpenMP variables when torch was imported,
+    and torch's thread count after."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "COOP_OMP"))}
+    res = subprocess.run(
+        [sys.executable, "-c", NOTE_TORCH, str(REPO / "tools" / tool)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**base, **env},
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_a_tool_sets_openmps_wait_policy_before_torch_and_keeps_the_users():
+    seen = omp_at_torch_import("train.py")
+    assert seen["OMP_WAIT_POLICY"] == "PASSIVE" and seen["OMP_NUM_THREADS"] is None
+    assert seen["threads"] == torch_default_threads()
+    seen = omp_at_torch_import("train.py", OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="1")
+    assert seen == {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "1", "threads": 1}
+
+
+def torch_default_threads() -> int:
+    """torch's own intra-op thread count, in a process without OpenMP variables."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    code = "import torch; print(torch.get_num_threads())"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base).stdout)
+
+
+def test_openmp_defaults_fill_only_what_the_user_left_unset():
+    assert _cli.openmp_defaults(env := {}) == {"OMP_WAIT_POLICY": "PASSIVE"} and env == _cli.OPENMP_DEFAULTS
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert _cli.openmp_defaults(env) == {} and env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    env = {"COOP_OMP_DEFAULTS": "0"}  # OpenMP's own defaults
+    assert _cli.openmp_defaults(env) == {} and env == {"COOP_OMP_DEFAULTS": "0"}
+
+
+def test_every_tool_imports_cli_before_anything_that_may_load_torch():
+    """A tool's first import beyond the standard library is `_cli` (which sets OpenMP's settings)."""
+    for path in sorted((REPO / "tools").glob("[!_]*.py")):
+        tree = ast.parse(path.read_text())
+        first = None
+        for node in tree.body:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                outside = [n for n in names if n and n.split(".")[0] not in sys.stdlib_module_names]
+                if outside:
+                    first = outside[0]
+                    break
+        assert first == "_cli", f"tools/{path.name} imports {first} before _cli"

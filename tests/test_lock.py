@@ -3,13 +3,15 @@ naming the folder and its pid; a lock left by a killed process never blocks a re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_args
+from conftest import REPO, run_tool_in_process, tiny_args
 
 sys.path.insert(0, str(REPO / "tools"))
 import _cli  # noqa: E402
@@ -139,3 +141,80 @@ def test_a_sweep_point_whose_other_writer_stopped_is_a_failure_naming_the_refusa
     assert run.error == f"another process was writing it and stopped before it finished ({refusal})"
     sweep_lib.finish_run(run, 1, output=b"Traceback ...\nValueError: boom\n")
     assert (run.returncode, run.error) == (1, "exit code 1: ValueError: boom")
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (its DataLoader workers, for a training run)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
+        except OSError:
+            continue
+        if fields[1] == str(pid) and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads processes from /proc")
+def test_a_rerun_right_after_sigkill_of_a_run_with_loader_workers_resumes(tmp_path, image_folder):
+    """kill -9 of a run while its DataLoader workers live, and the same command at once: the
+    orphaned workers (forked with the lock's file open) must not hold the folder's lock, so the
+    rerun is not refused but resumes and finishes."""
+    import time
+
+    out = tmp_path / "run"
+    args = tiny_args(image_folder, out, **{"data.num_workers": 2, "train.epochs": 2})
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "train.py"), *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline, workers = time.time() + 300, []
+    while not workers and time.time() < deadline and proc.poll() is None:
+        workers = children(proc.pid)  # the loader workers that compute the image features
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    try:
+        assert workers, "the run had no loader workers when it was killed"
+        assert any(alive(w) for w in workers), "the orphaned workers exited before the rerun"
+        res = run_tool_in_process(REPO / "tools" / "train.py", args)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert (out / "metrics.json").is_file()
+    finally:
+        for w in workers:  # orphans exit once they notice their parent is gone (seconds)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+
+
+def test_a_forked_child_does_not_hold_the_lock(tmp_path):
+    """A process forked under the lock (as a DataLoader worker is) holds no copy of it: once the
+    parent leaves its block, the folder is free while the child still lives."""
+    import fcntl
+
+    folder = tmp_path / "run"
+    (ready, started), (wait, go) = os.pipe(), os.pipe()
+    with run_lock(folder):
+        pid = os.fork()
+        if pid == 0:  # the child (fork's handlers have run): say so, wait for the parent, exit
+            os.write(started, b"x")
+            os.read(wait, 1)
+            os._exit(0)
+        os.read(ready, 1)
+    try:
+        with open(folder / LOCK_FILE) as f:  # another holder takes it while the child lives
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.write(go, b"x")
+        os.waitpid(pid, 0)
+        for fd in (ready, started, wait, go):
+            os.close(fd)

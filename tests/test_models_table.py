@@ -26,8 +26,11 @@ from coop.model.support import (
     vision_support,
 )
 from coop.results.model_table import coverage, method_verdicts, models_document
+from coop.versions import untested
 
 TOOL = REPO / "tools" / "models.py"
+# docs/models.md and the README's count are made with the tested open_clip release (its model list)
+UNTESTED = untested("open_clip_torch")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,7 @@ def methods():
     return runpy.run_path(str(TOOL))["method_checks"]()
 
 
+@pytest.mark.skipif(UNTESTED is not None, reason=str(UNTESTED))
 def test_docs_models_md_is_the_tools_current_output(rows, methods):
     assert models_document(rows, methods) == (REPO / "docs" / "models.md").read_text(), (
         "docs/models.md is stale: python tools/models.py --write docs/models.md"
@@ -94,6 +98,7 @@ def test_one_model_by_name_or_config_file():
         assert res.returncode == 2 and errors == [message]
 
 
+@pytest.mark.skipif(UNTESTED is not None, reason=str(UNTESTED))
 def test_the_readme_first_paragraph_states_the_tools_count(rows):
     first = (REPO / "README.md").read_text().split("\n\n")[1]
     assert coverage(rows) in " ".join(first.split()), (

@@ -1,4 +1,5 @@
-"""Shared command-line plumbing for the tools: logging setup, and one-line errors for bad input."""
+"""Shared command-line plumbing for the tools: OpenMP's settings, logging setup, and one-line errors
+for bad input. Every tool imports this module first, before torch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ from contextlib import contextmanager
 OTHER_RANK = int(os.environ.get("RANK", "0")) > 0
 if OTHER_RANK:
     os.environ.setdefault("TQDM_DISABLE", "1")
+
+# OpenMP's idle threads sleep instead of spinning: beside another busy process, torch's threads
+# spinning at every parallel region's end took turns with it, and the demo's training epoch ran
+# 2.9x slower (docs/performance.md, tools/bench_threads.py). OpenMP reads its environment once,
+# when torch loads it: hence here, before any tool imports torch. What the user set wins
+# (OMP_WAIT_POLICY, OMP_NUM_THREADS); COOP_OMP_DEFAULTS=0 leaves OpenMP's own defaults.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def openmp_defaults(environ=os.environ) -> dict[str, str]:
+    """Set OPENMP_DEFAULTS in `environ` where it holds no value of its own; returns what was set."""
+    if environ.get("COOP_OMP_DEFAULTS", "1") == "0":
+        return {}
+    added = {k: v for k, v in OPENMP_DEFAULTS.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
+if "torch" not in sys.modules:  # later, OpenMP has read its environment: nothing to change
+    openmp_defaults()
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -29,12 +29,12 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from omegaconf import OmegaConf
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) before torch loads
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from _bench import alternate, build_models, max_rel_diff, text_bound  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
 
 from coop.methods import build_method  # noqa: E402

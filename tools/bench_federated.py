@@ -26,12 +26,11 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from _bench import alternate, build_models, max_rel_diff  # noqa: E402
-from _cli import run_cli, setup_logging  # noqa: E402
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
 
 from coop.config.load import load_config
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON line per class count")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    setup_logging(args.verbose)
+    _cli.setup_logging(args.verbose)
     for n in args.classes:
         r = bench(args.model, n, args.batch, torch.device(args.device), args.repeats, args.warmup)
         if args.json:
@@ -141,4 +140,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    _cli.run_cli(main)

@@ -28,9 +28,9 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) before torch loads
+import torch  # noqa: E402
 from _bench import alternate, build_models, imagenet_method, max_rel_diff  # noqa: E402
 
 from coop.reference.tcp import tcp_text_features  # noqa: E402

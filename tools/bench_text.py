@@ -40,9 +40,9 @@ import resource
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) before torch loads
+import torch  # noqa: E402
 from _bench import alternate, build_models, imagenet_prompts, max_rel_diff, text_steps  # noqa: E402
 from _bench_families import build_family_models, clip_shaped, family_steps  # noqa: E402
 

@@ -22,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import setup_logging  # noqa: E402
+import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
+import torch  # noqa: E402
 
 from coop.config.load import load_config
 from coop.train.engine import setup, train_one_epoch  # noqa: E402
@@ -53,7 +52,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.epochs < 1 or args.views < 1:
         raise SystemExit("error: --epochs and --views must be >= 1")
-    setup_logging()
+    _cli.setup_logging()
     logging.getLogger("coop").setLevel(logging.WARNING)
 
     overrides = [

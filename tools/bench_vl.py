@@ -53,12 +53,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
+import torch  # noqa: E402
 from _bench import max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
 from _bench_vl import METHODS, build, build_towers, reference_loss, token_bound  # noqa: E402
-from _cli import run_cli  # noqa: E402
 
 
 def timed(step, method, device) -> tuple[float, float, float, dict]:
@@ -303,4 +302,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    _cli.run_cli(main)

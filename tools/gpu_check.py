@@ -61,9 +61,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) before torch loads
+import torch  # noqa: E402
 from _bench import build_models, free  # noqa: E402
 from _gpu_coop import (  # noqa: E402
     TOL,

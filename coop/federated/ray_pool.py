@@ -18,16 +18,22 @@ actor replaces it in the pool, and the message fails with `ActorLost`, whose one
 logs (`round 2: client 0 failed: its Ray actor (pid 1234) died (SYSTEM_ERROR); a new actor takes
 its place`). The round goes on with the other clients (`fl.on_client_failure=continue`); the
 lost client trains again when it is next sampled. The actor is not retried within the round: a
-client whose training needs more memory than the machine has would be killed again.
+client whose training needs more memory than the machine has would be killed again. Under a Flower
+release outside the tested range the pool is left as Flower made it (`coop.versions`).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from pathlib import Path
 
 from flwr.clientapp.client_app import ClientAppException
+
+from coop.versions import untested
+
+log = logging.getLogger(__name__)
 
 
 class ActorLost(ClientAppException):
@@ -50,8 +56,14 @@ def describe(error: Exception) -> str:
 
 def install() -> bool:
     """In Flower's simulation process (`flwr-simulation`) only: replace lost actors (see the module
-    docstring). Returns whether the pool is wrapped (once per process)."""
+    docstring). Returns whether the pool is wrapped (once per process). Under a Flower release
+    outside the tested range (`coop.versions`) it logs that in one line and wraps nothing: the pool
+    is Flower's private class."""
     if Path(sys.argv[0]).name != "flwr-simulation":
+        return False
+    problem = untested("flwr")
+    if problem:
+        log.warning("%s: a lost Ray actor is not replaced (coop.federated.ray_pool)", problem)
         return False
     from flwr.simulation.ray_transport.ray_actor import BasicActorPool
     from ray.exceptions import OutOfMemoryError, RayActorError

@@ -11,6 +11,6 @@ prompts see it), prompt.py (PromptLearner, PromptClassifier), support.py (which 
 models take prompts in which tower), errors.py (ModelError, which any layer catches without
 importing a tower).
 
-May import: coop.config and the root modules (coop.io). Imported by: coop.methods,
+May import: coop.config and the root modules (coop.io, coop.versions). Imported by: coop.methods,
 coop.reference, coop.train, coop.results, coop.interop, coop.federated and the tools.
 """

@@ -18,7 +18,8 @@ between, each through timm's own modules and methods:
 Covered: timm `VisionTransformer` trunks (SigLIP/SigLIP2, MobileCLIP-B and -L, ViTamin, the gap
 ViTs) and `Eva` trunks (EVA01/EVA02 with RoPE and SwiGLU, PE-Core with RoPE and a MAP head).
 Towers without a token sequence (ConvNeXt, FastViT, Swin, ResNets) and other timm ViT variants are
-refused in one line by `timm_config_refusal`.
+refused in one line by `timm_config_refusal`, and so is every timm tower under a timm release
+outside the tested range (`coop.versions`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import nn
 
 from coop.model.errors import ModelError
 from coop.model.image_tower import ImageTower
+from coop.versions import untested
 
 
 class TimmImageTower(ImageTower):
@@ -119,6 +121,9 @@ def timm_config_refusal(visual: nn.Module, name: str | None = None) -> str | Non
     name = name or type(visual).__name__
     if not isinstance(visual, TimmModel):
         return f"model {name}'s image tower {type(visual).__name__} is not a timm tower"
+    problem = untested("timm")  # the walk reads timm's internals (`_pos_embed`, rotary angles)
+    if problem:
+        return f"{problem}: model {name}'s timm image tower is not walked, so it takes no vision prompts"
     trunk = visual.trunk
     if isinstance(trunk, (ConvNeXt, FastVit)):
         return (

@@ -18,6 +18,7 @@ tables (`tools/models.py`, docs/models.md).
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ from coop.model.errors import ModelError
 from coop.model.text_support import text_support
 from coop.model.tokenizer import hub_tokenizer_name
 from coop.model.weights import resolve_model_name
+from coop.versions import untested
+
+log = logging.getLogger(__name__)
 
 # The configs open_clip ships (a config added with `open_clip.add_model_config` is not one of them).
 OPENCLIP_CONFIGS = Path(open_clip.__file__).parent / "model_configs"
@@ -226,7 +230,12 @@ def model_support(model: str) -> ModelSupport:
 
 
 def openclip_models() -> list[str]:
-    """The models open_clip ships, in `open_clip.list_models()`'s order."""
+    """The models open_clip ships, in `open_clip.list_models()`'s order. Under an open_clip release
+    outside the tested range, a warning first: the list, and the towers open_clip's private
+    builders make, may differ from those of docs/models.md."""
+    problem = untested("open_clip_torch")
+    if problem:
+        log.warning("%s: its model list may differ from docs/models.md's", problem)
     return [n for n in open_clip.list_models() if (OPENCLIP_CONFIGS / f"{n}.json").is_file()]
 
 

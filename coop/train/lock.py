@@ -5,7 +5,12 @@
 
 The lock is `fcntl.flock` on `<folder>/.lock`, taken without waiting. The OS drops it when the
 holding process exits, however it exits (killed included), so a lock left behind never blocks a
-resume: the file stays, only a live holder counts. The file records the holder's pid for the
+resume: the file stays, only a live holder counts. The lock belongs to the process that took it,
+not to the processes it forks: a forked child (a DataLoader worker) closes its copy of the lock's
+file at once (`os.register_at_fork`), since a flock lives until the last descriptor of its file
+closes, and orphaned workers of a killed run would otherwise hold it for seconds and refuse its
+resume. (POSIX record locks, not inherited by fork, would be dropped whenever the holding process
+closes any descriptor of the file, e.g. reading the pid back.) The file records the holder's pid for the
 refusal's message. Within one process the lock is re-entrant. A process may also run under a lock
 that another one holds for it: the federated tool holds its folder's lock while the ServerApp, in a
 process that Flower starts, writes the folder (`holder=` the tool's pid, which the ServerApp exits
@@ -89,6 +94,20 @@ def holder_pid(folder: str | os.PathLike) -> str:
     return text if text.isdigit() else "unknown"
 
 
+def _forget_in_child() -> None:
+    """In a forked child: close its copies of the held locks' files; the parent alone holds them."""
+    global _GUARD
+    _GUARD = threading.Lock()  # another thread may have held it at the fork
+    for entry in _HELD.values():
+        if entry[0] is not None:
+            entry[0].close()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _acquire(folder: Path):
     f = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 - held until released
     try:
@@ -151,9 +170,10 @@ def run_lock(folder: str | os.PathLike, holder: int | None = None) -> Iterator[N
         yield
     finally:
         with _GUARD:
-            entry = _HELD[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _HELD[key]
-                if entry[0] is not None:
-                    entry[0].close()  # closing the file releases the flock
+            entry = _HELD.get(key)  # None in a forked child leaving its parent's block: never held
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _HELD[key]
+                    if entry[0] is not None:
+                        entry[0].close()  # closing the file releases the flock
