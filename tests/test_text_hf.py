@@ -1,0 +1,250 @@
+"""The ten open_clip models whose text tower is a Hugging Face model (RoBERTa, XLM-R, mT5, NLLB),
+through `coop.model.text_hf.HFTextTower`, against open_clip's own `HFTextEncoder`.
+
+Each model is built by open_clip from its own config (pooler, projection, CoCa's decoder) with a
+tiny transformers config of its architecture (2 layers, width 32; open_clip builds the encoder from
+it as from the hub's config) and a tiny image tower, random weights with every bias and norm
+weight randomised; prompts come from tiny local tokenizers of each family (tests/tiny_tokenizers.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import open_clip
+import pytest
+import torch
+from tiny_tokenizers import nllb_like, roberta_like, unigram, xlmr_like
+from transformers import AutoConfig
+
+import coop
+from coop.model.text_hf import building_with, openclip_text_cfg
+from coop.model.text_support import text_support
+from coop.model.tokenizer import PromptTokenizer
+
+HF = [n for n in open_clip.list_models() if open_clip.get_model_config(n)["text_cfg"].get("hf_model_name")]
+SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+# the architecture of each hub config (model_type) and a tiny config of it; its tokenizer's builder
+TINY = {
+    "roberta": (
+        {"model_type": "roberta", **SIZES, "max_position_embeddings": 80, "pad_token_id": 1},
+        roberta_like,
+    ),
+    "xlm-roberta": (
+        {"model_type": "xlm-roberta", **SIZES, "max_position_embeddings": 80, "pad_token_id": 1},
+        xlmr_like,
+    ),
+    "mt5": (
+        {"model_type": "mt5", "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2, "num_heads": 2},
+        unigram,
+    ),
+    "m2m_100": (
+        {
+            "model_type": "m2m_100",
+            "d_model": 32,
+            "encoder_layers": 2,
+            "decoder_layers": 1,
+            "encoder_attention_heads": 2,
+            "decoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64,
+            "max_position_embeddings": 80,
+            "pad_token_id": 1,
+            "scale_embedding": True,
+        },
+        nllb_like,
+    ),
+}
+HUB_TYPES = {
+    "roberta-base": "roberta",
+    "xlm-roberta": "xlm-roberta",
+    "google/mt5": "mt5",
+    "facebook/nllb": "m2m_100",
+}
+FAMILIES = {"roberta": "roberta-ViT-B-32", "xlm-roberta": "xlm-roberta-base-ViT-B-32"}
+FAMILIES.update({"mt5": "mt5-base-ViT-B-32", "m2m_100": "nllb-clip-base"})
+
+
+def architecture(name: str) -> str:
+    hub = open_clip.get_model_config(name)["text_cfg"]["hf_model_name"]
+    return next(t for prefix, t in HUB_TYPES.items() if hub.startswith(prefix))
+
+
+def shrunk(name: str, seed: int = 0) -> torch.nn.Module:
+    """open_clip's model `name` built from its config with a tiny transformers config and image tower."""
+    cfg = copy.deepcopy(open_clip.get_model_config(name))
+    config = AutoConfig.for_model(vocab_size=400, **TINY[architecture(name)][0])
+    vision = {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16}
+    args = dict(embed_dim=32, vision_cfg=vision, text_cfg=openclip_text_cfg(cfg["text_cfg"]))
+    torch.manual_seed(seed)
+    with building_with(config):
+        if "multimodal_cfg" in cfg:
+            vision["output_tokens"] = True
+            mm = {**cfg["multimodal_cfg"], "width": 32, "heads": 2, "layers": 1}
+            model = open_clip.CoCa(multimodal_cfg=mm, **args)
+        else:
+            model = open_clip.CustomTextCLIP(**args)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.text.parameters():
+            if p.dim() == 1:  # biases and norm weights: no term hides
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-tokenizers")
+    return {arch: open_clip.tokenizer.HFTokenizer(str(make(root / arch))) for arch, (_, make) in TINY.items()}
+
+
+def ours_and_open_clip(name: str, tokenizers):
+    oc = shrunk(name)
+    return coop.CLIP.from_openclip(oc, tokenizer=tokenizers[architecture(name)], name=name), oc
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+TEXTS = [
+    "a photo of a dog.",
+    "a golden retriever",
+    "crane (bird)",
+    "x",
+    "a photo of the long class name st bernard.",
+]
+
+
+def test_the_ten_models():
+    assert len(HF) == 10 and {architecture(n) for n in HF} == set(TINY)
+    assert all(text_support(n) is None for n in HF)
+
+
+@pytest.mark.parametrize("name", HF)
+def test_encode_text_and_prompt_embeddings_equal_open_clip(name, tokenizers):
+    """Token ids (`encode_text`) and the same rows as prompt embeddings (`encode_embeddings`, cut to
+    the longest row) give open_clip's encode_text."""
+    clip, oc = ours_and_open_clip(name, tokenizers)
+    ids = clip.tokenize(TEXTS)
+    text = clip.text
+    eos = text.pool_positions(ids)
+    assert bool((ids.gather(1, eos[:, None]) == PromptTokenizer(clip.tokenizer).eos_id).all())
+    x = text.token_embedding(ids[:, : text.cut_length(eos, ids.shape[1])])
+    with torch.no_grad():
+        ref = oc.encode_text(ids, normalize=False)
+        plain, embedded = clip.encode_text(ids), text.encode_embeddings(x, eos)
+    assert torch.equal(plain, ref)
+    assert relative_error(embedded, ref) < 1e-5
+    assert x.shape[1] < ids.shape[1]  # the masked padding was cut
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_prompts_are_the_tokenizers_rows(arch, tokenizers):
+    """ctx_init "a photo of a": the initial prompts give open_clip's features of "a photo of a {name}."
+    as the family's tokenizer writes it (<s>/language code .. </s>, or .. </s>)."""
+    clip, oc = ours_and_open_clip(FAMILIES[arch], tokenizers)
+    names = ["dog", "golden retriever", "crane (bird)"]
+    learner = coop.PromptLearner(clip, names, ctx_init="a photo of a")
+    with torch.no_grad():
+        ours = coop.PromptClassifier(clip, learner).text_features()
+        ref = oc.encode_text(clip.tokenize([f"a photo of a {n}." for n in names]), normalize=False)
+    assert relative_error(ours, ref) < 1e-5
+    lead = PromptTokenizer(clip.tokenizer).lead
+    assert learner.n_sos == len(lead) == (arch != "mt5")
+
+
+def phrase_rows(learner, phrases: torch.Tensor, pad: int, length: int) -> torch.Tensor:
+    """The learner's rows with the context slots holding the ids `phrases` ((M,) or (n_cls, M)),
+    padded to `length`: what open_clip reads for prompts whose context is those tokens' embeddings."""
+    ids = learner.token_ids.clone()
+    ids.scatter_(1, learner.slots, phrases.expand(len(ids), -1))
+    return torch.cat([ids, ids.new_full((len(ids), length - ids.shape[1]), pad)], dim=1)
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+@pytest.mark.parametrize("position", ["end", "middle", "front"])
+@pytest.mark.parametrize("csc", [False, True])
+def test_layouts_with_real_tokens_equal_open_clip(arch, position, csc, tokenizers):
+    """CoOp's three layouts, shared and class-specific context: with the context set to real tokens'
+    embeddings, the prompt features equal open_clip's encode_text of those token rows."""
+    clip, oc = ours_and_open_clip(FAMILIES[arch], tokenizers)
+    learner = coop.PromptLearner(
+        clip, ["dog", "golden retriever", "crane (bird)"], n_ctx=4, position=position, csc=csc
+    )
+    gen = torch.Generator().manual_seed(3)
+    phrases = torch.randint(4, 60, (3, 4) if csc else (4,), generator=gen)
+    with torch.no_grad():
+        learner.ctx.copy_(clip.text.token_embedding(phrases))
+        ours = coop.PromptClassifier(clip, learner).text_features()
+        ref = oc.encode_text(phrase_rows(learner, phrases, clip.text.cfg.pad_id, 77), normalize=False)
+    assert relative_error(ours, ref) < 1e-5
+
+
+def open_clip_layers(oc) -> torch.nn.ModuleList:
+    t = oc.text.transformer
+    return t.encoder.layer if hasattr(t, "embeddings") else t.block if hasattr(t, "block") else t.layers
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_deep_prompts_equal_open_clip_with_the_tokens_written_in(arch, tokenizers):
+    """Depth 3, class-specific deep context in the middle: open_clip's encoder with the deep tokens
+    written over the context slots' hidden states before its layers 1 and 2 (here, in the test)."""
+    clip, oc = ours_and_open_clip(FAMILIES[arch], tokenizers)
+    assert clip.text.cfg.layers == 2
+    learner = coop.PromptLearner(clip, ["dog", "crane (bird)"], n_ctx=2, position="middle", csc=True, depth=2)
+    phrases = torch.tensor([[5, 9], [7, 11]])
+    with torch.no_grad():
+        learner.ctx.copy_(clip.text.token_embedding(phrases))
+        learner.deep_ctx.normal_(generator=torch.Generator().manual_seed(4))
+    slots, deep = learner.slots, learner.deep_ctx[0]  # (n_cls, M), (n_cls, M, W) before layer 1
+
+    def write(module, args):
+        return (args[0].scatter(1, slots.unsqueeze(-1).expand(-1, -1, args[0].shape[-1]), deep), *args[1:])
+
+    handle = open_clip_layers(oc)[1].register_forward_pre_hook(write)
+    try:
+        with torch.no_grad():
+            ref = oc.encode_text(phrase_rows(learner, phrases, clip.text.cfg.pad_id, 77), normalize=False)
+    finally:
+        handle.remove()
+    classifier = coop.PromptClassifier(clip, learner)
+    ours = classifier.text_features()
+    assert relative_error(ours, ref) < 1e-5
+    ours.square().sum().backward()
+    assert learner.ctx.grad.abs().sum() > 0 and learner.deep_ctx.grad.abs().sum() > 0
+    assert all(p.grad is None for p in clip.parameters())
+    with torch.no_grad():
+        assert (
+            relative_error(clip.encode_text(phrase_rows(learner, phrases, clip.text.cfg.pad_id, 77)), ref)
+            > 1e-3
+        )
+
+
+def test_grad_checkpointing_gives_the_same_gradients(tokenizers):
+    clip, _ = ours_and_open_clip(FAMILIES["roberta"], tokenizers)
+    learner = coop.PromptLearner(clip, ["dog", "crane (bird)"], depth=2)
+    classifier = coop.PromptClassifier(clip, learner)
+    grads = []
+    for recompute in (False, True):
+        clip.text.grad_checkpointing = recompute
+        learner.zero_grad()
+        classifier.text_features().square().sum().backward()
+        grads.append(learner.deep_ctx.grad.clone())
+    clip.text.grad_checkpointing = False
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+    assert "forward" not in vars(clip.text.blocks[0])
+
+
+def test_real_weights_offline_say_what_is_missing_in_one_line(tokenizers, tmp_path, monkeypatch):
+    """A hub model's tower needs its transformers config (open_clip builds the encoder from it):
+    offline and not cached, one line naming the model and the hub name, before anything is built."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))
+    directory = tmp_path / "tok"
+    tokenizers["roberta"].save_pretrained(directory)
+    with pytest.raises(coop.model.image_tower.ModelError) as err:
+        coop.load_clip("roberta-ViT-B-32", pretrained="laion2b_s12b_b32k", tokenizer=str(directory))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("model roberta-ViT-B-32's text tower")
+    assert "'roberta-base'" in message and "offline" in message
