@@ -10,10 +10,12 @@ weight randomised; prompts come from tiny local tokenizers of each family (tests
 from __future__ import annotations
 
 import copy
+import json
 
 import open_clip
 import pytest
 import torch
+from conftest import REPO
 from tiny_tokenizers import nllb_like, roberta_like, unigram, xlmr_like
 from transformers import AutoConfig
 
@@ -23,38 +25,21 @@ from coop.model.text_support import text_support
 from coop.model.tokenizer import PromptTokenizer
 
 HF = [n for n in open_clip.list_models() if open_clip.get_model_config(n)["text_cfg"].get("hf_model_name")]
-SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
-# the architecture of each hub config (model_type) and a tiny config of it; its tokenizer's builder
-TINY = {
-    "roberta": (
-        {"model_type": "roberta", **SIZES, "max_position_embeddings": 80, "pad_token_id": 1},
-        roberta_like,
-    ),
-    "xlm-roberta": (
-        {"model_type": "xlm-roberta", **SIZES, "max_position_embeddings": 80, "pad_token_id": 1},
-        xlmr_like,
-    ),
-    "mt5": (
-        {"model_type": "mt5", "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2, "num_heads": 2},
-        unigram,
-    ),
-    "m2m_100": (
-        {
-            "model_type": "m2m_100",
-            "d_model": 32,
-            "encoder_layers": 2,
-            "decoder_layers": 1,
-            "encoder_attention_heads": 2,
-            "decoder_attention_heads": 2,
-            "encoder_ffn_dim": 64,
-            "decoder_ffn_dim": 64,
-            "max_position_embeddings": 80,
-            "pad_token_id": 1,
-            "scale_embedding": True,
-        },
-        nllb_like,
-    ),
+# the architecture of each hub config (model_type): the tiny model config of that family, whose
+# text_cfg.hf_config is a 2-layer, width-32 transformers config of it, and its tokenizer's builder
+TINY_CONFIGS = {
+    "roberta": "roberta-tiny",
+    "xlm-roberta": "xlmr-tiny",
+    "mt5": "mt5-tiny",
+    "m2m_100": "nllb-tiny",
 }
+BUILDERS = {"roberta": roberta_like, "xlm-roberta": xlmr_like, "mt5": unigram, "m2m_100": nllb_like}
+
+
+def tiny_config(arch: str) -> dict:
+    return json.loads((REPO / "configs" / "models" / f"{TINY_CONFIGS[arch]}.json").read_text())
+
+
 HUB_TYPES = {
     "roberta-base": "roberta",
     "xlm-roberta": "xlm-roberta",
@@ -73,7 +58,7 @@ def architecture(name: str) -> str:
 def shrunk(name: str, seed: int = 0) -> torch.nn.Module:
     """open_clip's model `name` built from its config with a tiny transformers config and image tower."""
     cfg = copy.deepcopy(open_clip.get_model_config(name))
-    config = AutoConfig.for_model(vocab_size=400, **TINY[architecture(name)][0])
+    config = AutoConfig.for_model(**tiny_config(architecture(name))["text_cfg"]["hf_config"])
     vision = {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16}
     args = dict(embed_dim=32, vision_cfg=vision, text_cfg=openclip_text_cfg(cfg["text_cfg"]))
     torch.manual_seed(seed)
@@ -95,7 +80,7 @@ def shrunk(name: str, seed: int = 0) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-tokenizers")
-    return {arch: open_clip.tokenizer.HFTokenizer(str(make(root / arch))) for arch, (_, make) in TINY.items()}
+    return {arch: open_clip.tokenizer.HFTokenizer(str(make(root / arch))) for arch, make in BUILDERS.items()}
 
 
 def ours_and_open_clip(name: str, tokenizers):
@@ -104,7 +89,7 @@ def ours_and_open_clip(name: str, tokenizers):
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+    return float((a - b).abs().max() / b.abs().max())  # callers pass tensors without grad
 
 
 TEXTS = [
@@ -117,7 +102,7 @@ TEXTS = [
 
 
 def test_the_ten_models():
-    assert len(HF) == 10 and {architecture(n) for n in HF} == set(TINY)
+    assert len(HF) == 10 and {architecture(n) for n in HF} == set(BUILDERS)
     assert all(text_support(n) is None for n in HF)
 
 
@@ -210,7 +195,7 @@ def test_deep_prompts_equal_open_clip_with_the_tokens_written_in(arch, tokenizer
         handle.remove()
     classifier = coop.PromptClassifier(clip, learner)
     ours = classifier.text_features()
-    assert relative_error(ours, ref) < 1e-5
+    assert relative_error(ours.detach(), ref) < 1e-5
     ours.square().sum().backward()
     assert learner.ctx.grad.abs().sum() > 0 and learner.deep_ctx.grad.abs().sum() > 0
     assert all(p.grad is None for p in clip.parameters())
@@ -248,3 +233,24 @@ def test_real_weights_offline_say_what_is_missing_in_one_line(tokenizers, tmp_pa
     message = str(err.value)
     assert "\n" not in message and message.startswith("model roberta-ViT-B-32's text tower")
     assert "'roberta-base'" in message and "offline" in message
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_tiny_configs_load_offline(arch, tokenizers, tmp_path, monkeypatch):
+    """configs/models/{roberta,xlmr,mt5,nllb}-tiny.json: the transformers config inline
+    (`text_cfg.hf_config`) and a local tokenizer directory, nothing from the hub; the model's pooler
+    and projection are its config's."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    directory = tmp_path / "tok"
+    tokenizers[arch].save_pretrained(directory)
+    path = REPO / "configs" / "models" / f"{TINY_CONFIGS[arch]}.json"
+    clip = coop.load_clip(str(path), tokenizer=str(directory))
+    text_cfg = tiny_config(arch)["text_cfg"]
+    assert clip.text.cfg.pool == text_cfg["hf_pooler_type"]
+    assert clip.text.cfg.projection == text_cfg.get("hf_proj_type", "mlp")
+    assert (clip.text.cfg.layers, clip.text.cfg.width) == (2, 32)
+    learner = coop.PromptLearner(clip, ["dog", "crane (bird)"], ctx_init="a photo of a")
+    with torch.no_grad():
+        ours = coop.PromptClassifier(clip, learner).text_features()
+        ref = clip.encode_text(clip.tokenize(["a photo of a dog.", "a photo of a crane (bird)."]))
+    assert relative_error(ours, ref) < 1e-5
