@@ -254,3 +254,30 @@ def test_tiny_configs_load_offline(arch, tokenizers, tmp_path, monkeypatch):
         ours = coop.PromptClassifier(clip, learner).text_features()
         ref = clip.encode_text(clip.tokenize(["a photo of a dog.", "a photo of a crane (bird)."]))
     assert relative_error(ours, ref) < 1e-5
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_lora_on_the_encoders_q_k_v_equals_open_clip_with_the_merged_weights(arch, tokenizers):
+    """CLIP-LoRA's updates, added by forward hooks on the encoder's q/k/v Linears (RoBERTa's
+    query/key/value, T5's q/k/v, NLLB's q_proj/k_proj/v_proj), give open_clip's encode_text with
+    W + s B A loaded into its own encoder; detached, the frozen model again."""
+    from coop.model.lora import LoRAAdapters
+
+    clip, oc = ours_and_open_clip(FAMILIES[arch], tokenizers)
+    adapters = LoRAAdapters(clip, ["text"], ["q", "k", "v"], "all", rank=2, alpha=1.0, dropout=0.0)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in adapters.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    merged = adapters.merged_weights()
+    assert len(merged) == 3 * clip.text.cfg.layers
+    ids = clip.tokenize(TEXTS)
+    with torch.no_grad():
+        frozen = clip.encode_text(ids)
+        adapters.attach()
+        ours = clip.encode_text(ids)
+        adapters.detach()
+        assert torch.equal(clip.encode_text(ids), frozen)
+        oc.text.load_state_dict(merged, strict=False)
+        ref = oc.encode_text(ids, normalize=False)
+    assert relative_error(ours, ref) < 1e-5 and relative_error(frozen, ref) > 1e-3

@@ -107,7 +107,7 @@ def load_clip(
         raise ModelError(refusal)
     text_tokenizer = load_tokenizer(model_name, tokenizer)  # before the weights: a quick refusal
     kwargs, weights, local = {}, None, False
-    building = _hf_text_tower(model_name, kwargs)  # its transformers config, before the weights
+    building = hf_text_building(model_name, kwargs)  # its transformers config, before the weights
     if pretrained in NO_WEIGHTS:
         pass
     elif _is_path(pretrained):
@@ -145,7 +145,7 @@ def load_clip(
     return clip
 
 
-def _hf_text_tower(model_name: str, kwargs: dict):
+def hf_text_building(model_name: str, kwargs: dict):
     """For a Hugging Face text tower: its transformers config (inline, a local directory, the
     cache or the hub: `coop.model.text_hf.hf_text_config`) for open_clip to build it from, and
     `create_model` options that never fetch the tower's own weights (they come with the CLIP's, or
