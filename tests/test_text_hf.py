@@ -281,3 +281,27 @@ def test_lora_on_the_encoders_q_k_v_equals_open_clip_with_the_merged_weights(arc
         oc.text.load_state_dict(merged, strict=False)
         ref = oc.encode_text(ids, normalize=False)
     assert relative_error(ours, ref) < 1e-5 and relative_error(frozen, ref) > 1e-3
+
+
+def test_mmrl_is_refused_in_one_line_when_built(tokenizers):
+    """MMRL inserts tokens at a layer; transformers' encoder fixes the sequence before its layers."""
+    from coop.config.load import load_config
+    from coop.methods import build_method
+
+    clip, _ = ours_and_open_clip(FAMILIES["roberta"], tokenizers)
+    cfg = load_config(None, ["method=mmrl", "mmrl.layers=[1]", "mmrl.vision_layers=null"])
+    with pytest.raises(coop.model.image_tower.ModelError) as err:
+        build_method(clip, ["dog", "cat"], cfg)
+    assert str(err.value).startswith("model roberta-ViT-B-32's text tower (Hugging Face RobertaModel")
+    assert "inserted tokens" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_layer_count_from_the_config_here_without_the_hub(arch, monkeypatch):
+    """`hf_layer_count`: the encoder's layers from the inline config (what a check before the run
+    needs); None for a hub name whose config is not here."""
+    from coop.model.text_hf import hf_layer_count
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hf_layer_count(TINY_CONFIGS[arch], tiny_config(arch)["text_cfg"]) == 2
+    assert hf_layer_count("x", {"hf_model_name": "no-such-org/no-such-model"}) is None

@@ -154,7 +154,7 @@ class HFTextTower(nn.Module):
         """`encode_embeddings` of the rows `prefix` (1, P, W) + `x` (N, L-P, W): nothing is computed
         once here (every token sees the rows after the prefix)."""
         if inserted is not None:
-            raise ValueError(f"{self.describe()} takes no inserted tokens")
+            raise ValueError(self.inserted_refusal())
         x = torch.cat([prefix.expand(len(x), -1, -1), x], dim=1)  # (N, L, W)
         return self.encode_embeddings(x, eos, deep_prompts, slots)
 
@@ -165,6 +165,13 @@ class HFTextTower(nn.Module):
 
     def encode_with_attention(self, *args, **kwargs):
         raise ValueError(f"{self.describe()}: attention maps are read from open_clip's own text blocks only")
+
+    def inserted_refusal(self) -> str:
+        """Why tokens cannot be inserted at a layer (MMRL's), one line."""
+        return (
+            f"{self.describe()} takes no inserted tokens (MMRL's): transformers' encoder fixes the "
+            "sequence and its mask before its first layer"
+        )
 
     def describe(self) -> str:
         """The tower in words, for messages."""
@@ -261,6 +268,16 @@ def hf_config_refusal(name: str, text_cfg: dict) -> str | None:
     if pooler not in open_clip.hf_model._POOLERS:
         return f"model {name}'s text tower names pooler '{pooler}', which open_clip does not have"
     return None
+
+
+def hf_layer_count(name: str, text_cfg: dict) -> int | None:
+    """The encoder layers of model `name`'s Hugging Face text tower when its transformers config is
+    here (inline, a local directory, the Hugging Face cache), else None; never asks the hub."""
+    try:
+        config = hf_text_config(name, text_cfg, reachable=lambda: False)
+    except ModelError:
+        return None
+    return int(config.num_hidden_layers)  # transformers maps T5's num_layers, M2M100's encoder_layers
 
 
 def hf_text_config(name: str, text_cfg: dict, reachable):
