@@ -24,7 +24,10 @@ Where the update is added (`projections`, one rule for every tower): our attenti
 (`coop.model.blocks.CausalSelfAttention`, both towers of open_clip's CLIP) computes a packed q|k|v
 and consults its `qkv_delta`; timm's attention (SigLIP, EVA, PE-Core, ... image towers) computes
 q|k|v with one fused `qkv` Linear or with three `q_proj`/`k_proj`/`v_proj` Linears, and each gets a
-forward hook that adds its targets' updates to the Linear's output. timm's EVA attention with a
+forward hook that adds its targets' updates to the Linear's output; so do the three Linears of
+transformers' attention in the Hugging Face text towers (`coop.model.text_hf`: RoBERTa's
+`query`/`key`/`value`, T5's `q`/`k`/`v`, NLLB's `q_proj`/`k_proj`/`v_proj`; `attention_of` finds
+them inside each encoder layer). timm's EVA attention with a
 fused weight and separate q/v biases applies the weight through `F.linear` without calling the
 Linear; while adapted it runs its own `qkv_bias_separate` branch (the Linear, then the biases), the
 same sum in another order. The adapters belong to whoever builds them (a method); the modules hold
