@@ -305,3 +305,52 @@ def test_layer_count_from_the_config_here_without_the_hub(arch, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hf_layer_count(TINY_CONFIGS[arch], tiny_config(arch)["text_cfg"]) == 2
     assert hf_layer_count("x", {"hf_model_name": "no-such-org/no-such-model"}) is None
+
+
+def test_weights_file_loads_into_the_tiny_config(tokenizers, tmp_path, monkeypatch):
+    """open_clip's state dict of a model with a Hugging Face text tower, saved to a file, loads
+    through `load_clip(config json, pretrained=file)` (open_clip's keys, `text.transformer.*` and
+    `text.proj.*`): our features are open_clip's."""
+    from conftest import build_openclip
+
+    from coop.model.weights import resolve_model_name
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    directory = tmp_path / "tok"
+    tokenizers["m2m_100"].save_pretrained(directory)
+    path = str(REPO / "configs" / "models" / "nllb-tiny.json")
+    oc = build_openclip(resolve_model_name(path), seed=3)
+    torch.save(oc.state_dict(), tmp_path / "weights.pt")
+    clip = coop.load_clip(path, pretrained=str(tmp_path / "weights.pt"), tokenizer=str(directory))
+    ids = clip.tokenize(TEXTS)
+    with torch.no_grad():
+        assert torch.equal(clip.encode_text(ids), oc.encode_text(ids, normalize=False))
+        fresh = coop.load_clip(path, tokenizer=str(directory)).encode_text(ids)
+    assert relative_error(fresh, oc.encode_text(ids, normalize=False).detach()) > 1e-3
+
+
+def test_nllb_run_evaluates_exports_and_predicts(image_folder, tmp_path, monkeypatch):
+    """A CoOp run with deep prompts on nllb-tiny (its transformers config inline, the language code
+    as [SOS], pooled at it), offline: tools/eval.py gives the run's accuracy, and the exported
+    prompts predict through tools/predict.py."""
+    from conftest import run_tool_in_process, tiny_args
+
+    from coop.interop import export_run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok, out = nllb_like(tmp_path / "tok"), tmp_path / "run"
+    extra = {"model.name": REPO / "configs" / "models" / "nllb-tiny.json", "model.tokenizer": tok}
+    extra.update({"train.epochs": 2, "train.warmup_epochs": 0, "train.batch_size": 6})
+    res = run_tool_in_process(
+        REPO / "tools" / "train.py", [*tiny_args(image_folder, out, **extra), "prompt.depth=2"]
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_tool_in_process(REPO / "tools" / "eval.py", [out / "checkpoint.pt", "device=cpu"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    accuracy = json.loads((out / "metrics.json").read_text())["accuracy"]
+    assert json.loads(res.stdout)["accuracy"] == pytest.approx(accuracy)
+    exported, csv = export_run(out, tmp_path / "prompts.safetensors"), tmp_path / "predictions.csv"
+    args = [exported, image_folder / "test", "--out", csv, "--device", "cpu"]
+    res = run_tool_in_process(REPO / "tools" / "predict.py", args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(csv.read_text().splitlines()) == len(list((image_folder / "test").glob("*/*.png"))) + 1
