@@ -354,3 +354,26 @@ def test_nllb_run_evaluates_exports_and_predicts(image_folder, tmp_path, monkeyp
     res = run_tool_in_process(REPO / "tools" / "predict.py", args)
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(csv.read_text().splitlines()) == len(list((image_folder / "test").glob("*/*.png"))) + 1
+
+
+def test_towers_we_cannot_run_are_refused_in_one_line(tmp_path):
+    """open_clip's MaxPooler (it raises on open_clip's own integer mask), by config name before
+    anything is built; a tower open_clip builds without a projection to another width, when built."""
+    from open_clip.hf_model import HFTextEncoder
+    from transformers import RobertaConfig
+
+    text_cfg = {**tiny_config("roberta")["text_cfg"], "hf_pooler_type": "max_pooler"}
+    path = tmp_path / "max-pooled.json"
+    path.write_text(json.dumps({**tiny_config("roberta"), "text_cfg": text_cfg}))
+    open_clip.add_model_config(path)
+    reason = text_support("max-pooled")
+    assert (
+        reason
+        == "model max-pooled's text tower pools with open_clip's MaxPooler, which fails on its own mask"
+    )
+    with pytest.raises(coop.model.image_tower.ModelError, match="^model max-pooled's text tower pools"):
+        coop.load_clip(str(path))
+    config = RobertaConfig(**tiny_config("roberta")["text_cfg"]["hf_config"])
+    encoder = HFTextEncoder("roberta-base", 16, config=config, pooler_type="mean_pooler", proj_type=None)
+    with pytest.raises(coop.model.image_tower.ModelError, match="^model odd's text tower has no projection"):
+        coop.model.text_hf.HFTextTower(encoder, "odd")

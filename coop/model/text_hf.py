@@ -249,6 +249,8 @@ def hf_tower_refusal(encoder: nn.Module, name: str | None = None) -> str | None:
     pooler = type(encoder.pooler).__name__
     if pooler == "MaxPooler":  # masked_fill with open_clip's integer mask raises
         return f"model {name}'s text tower pools with open_clip's MaxPooler, which fails on its own mask"
+    if not hasattr(encoder, "proj"):  # open_clip sets none for proj_type None at another width
+        return f"model {name}'s text tower has no projection from its width to the embedding size"
     config = encoder.config
     if getattr(config, "is_decoder", False):
         return f"model {name}'s Hugging Face text tower is a decoder (causal), not an encoder"

@@ -3,9 +3,9 @@
     cfg, tower = text_config_from_openclip(model, name)   # a built open_clip model -> TextConfig
     text_support("ViT-B-16-SigLIP")                       # None: supported; else the reason, one line
 
-open_clip builds every text tower that is not a Hugging Face model (`coop.model.text_hf`, judged
-by `hf_refusal`) with its `TextTransformer`
-(`open_clip.model._build_text_tower`). `open_clip.CLIP` copies its parts onto the model itself
+open_clip builds every text tower that is not a Hugging Face model with its `TextTransformer`
+(`open_clip.model._build_text_tower`); a Hugging Face one (`text_cfg.hf_model_name`) runs through
+`coop.model.text_hf`, judged from the config alone by `hf_refusal`. `open_clip.CLIP` copies its parts onto the model itself
 (`model.transformer`, `model.token_embedding`, ...; pooling `text_pool_type`), `CustomTextCLIP` and
 `CoCa` keep it as `model.text`. Both read the same way (`_view`), and one rule (`_config`) turns
 the tower into a `TextConfig` or refuses it, naming the model and what we do not reproduce. A
