@@ -377,3 +377,20 @@ def test_towers_we_cannot_run_are_refused_in_one_line(tmp_path):
     encoder = HFTextEncoder("roberta-base", 16, config=config, pooler_type="mean_pooler", proj_type=None)
     with pytest.raises(coop.model.image_tower.ModelError, match="^model odd's text tower has no projection"):
         coop.model.text_hf.HFTextTower(encoder, "odd")
+
+
+def test_nllb_prompts_start_with_the_tokenizers_language_code(tmp_path):
+    """NLLB's rows begin with the source-language code, which the [CLS] pooler reads: a tokenizer
+    loaded for French (`src_lang`) puts fra_Latn there, and so do the prompts."""
+    directory = str(nllb_like(tmp_path / "tok"))
+    french = open_clip.tokenizer.HFTokenizer(directory, src_lang="fra_Latn")
+    code = french.tokenizer.convert_tokens_to_ids("fra_Latn")
+    assert int(french(["a dog"])[0, 0]) == code
+    oc = shrunk("nllb-clip-base")
+    clip = coop.CLIP.from_openclip(oc, tokenizer=french, name="nllb-clip-base")
+    learner = coop.PromptLearner(clip, ["dog", "crane (bird)"], ctx_init="a photo of a")
+    assert PromptTokenizer(french).lead == [code] and bool((learner.token_ids[:, 0] == code).all())
+    with torch.no_grad():
+        ours = coop.PromptClassifier(clip, learner).text_features()
+        ref = oc.encode_text(french(["a photo of a dog.", "a photo of a crane (bird)."]), normalize=False)
+    assert relative_error(ours, ref) < 1e-5
