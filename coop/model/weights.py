@@ -150,7 +150,7 @@ def hf_text_building(model_name: str, kwargs: dict):
     cache or the hub: `coop.model.text_hf.hf_text_config`) for open_clip to build it from, and
     `create_model` options that never fetch the tower's own weights (they come with the CLIP's, or
     stay random). A context that builds with that config; for other towers one that does nothing."""
-    text_cfg = open_clip.get_model_config(model_name).get("text_cfg", {})
+    text_cfg = (open_clip.get_model_config(model_name) or {}).get("text_cfg", {})
     if not text_cfg.get("hf_model_name"):
         return contextlib.nullcontext()
     config = hf_text_config(model_name, text_cfg, _hub_reachable)
