@@ -394,3 +394,31 @@ def test_nllb_prompts_start_with_the_tokenizers_language_code(tmp_path):
         ours = coop.PromptClassifier(clip, learner).text_features()
         ref = oc.encode_text(french(["a photo of a dog.", "a photo of a crane (bird)."]), normalize=False)
     assert relative_error(ours, ref) < 1e-5
+
+
+VISION_METHODS = {  # the tiny image tower has 1 block
+    "maple": ["method=maple", "prompt.depth=1"],
+    "ivlp": ["method=ivlp", "prompt.depth=2", "vision.depth=1"],
+    "promptsrc": ["method=promptsrc", "prompt.depth=2", "vision.depth=1"],
+    "vpt": ["method=vpt", "vision.depth=1"],
+    "clip_lora": ["method=clip_lora", "lora.towers=[text,vision]", "lora.dropout=0"],
+}
+
+
+@pytest.mark.parametrize("arch", ["roberta", "mt5"])
+@pytest.mark.parametrize("method_name", sorted(VISION_METHODS))
+def test_methods_with_vision_prompts_train(arch, method_name, tokenizers):
+    """The models with a Hugging Face text tower load, so their ViT image tower takes vision
+    prompts (docs/models.md counts them): MaPLe, IVLP, PromptSRC, VPT and CLIP-LoRA on both towers
+    train two steps on images (finite loss, learned tensors move, no CLIP weight gets a gradient)."""
+    from test_families_e2e import trains_two_steps
+
+    from coop.config.load import load_config
+    from coop.methods import build_method
+
+    clip, _ = ours_and_open_clip(FAMILIES[arch], tokenizers)
+    method = build_method(
+        clip, ["dog", "cat", "crane (bird)"], load_config(None, VISION_METHODS[method_name])
+    )
+    images = torch.randn(3, 3, clip.image_size, clip.image_size, generator=torch.Generator().manual_seed(6))
+    trains_two_steps(method, images)
