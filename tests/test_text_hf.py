@@ -422,3 +422,17 @@ def test_methods_with_vision_prompts_train(arch, method_name, tokenizers):
     )
     images = torch.randn(3, 3, clip.image_size, clip.image_size, generator=torch.Generator().manual_seed(6))
     trains_two_steps(method, images)
+
+
+def test_nearest_words_compare_with_the_embeddings_the_encoder_is_given(tokenizers):
+    """NLLB scales its word embeddings by sqrt(width) in the embedding's forward: the table prompts
+    are compared with is that scaled one, so a context set from a phrase finds its own tokens at
+    Euclidean distance 0."""
+    from coop.results.nearest_words import embedding_table, nearest_words
+
+    clip, _ = ours_and_open_clip(FAMILIES["m2m_100"], tokenizers)
+    learner = coop.PromptLearner(clip, ["dog"], ctx_init="a photo of a")
+    table = embedding_table(clip.text.token_embedding)
+    assert torch.equal(table[:5], clip.text.token_embedding(torch.arange(5)))
+    rows = [r for r in nearest_words(learner, table, clip.tokenizer, 1) if r["metric"] == "euclidean"]
+    assert [r["word"] for r in rows] == ["▁a", "▁photo", "▁of", "▁a"] and all(r["score"] < 1e-3 for r in rows)
