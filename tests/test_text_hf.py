@@ -436,3 +436,19 @@ def test_nearest_words_compare_with_the_embeddings_the_encoder_is_given(tokenize
     assert torch.equal(table[:5], clip.text.token_embedding(torch.arange(5)))
     rows = [r for r in nearest_words(learner, table, clip.tokenizer, 1) if r["metric"] == "euclidean"]
     assert [r["word"] for r in rows] == ["▁a", "▁photo", "▁of", "▁a"] and all(r["score"] < 1e-3 for r in rows)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_tower_config_on_the_meta_device_is_the_loaded_towers(arch, tokenizers, tmp_path, monkeypatch):
+    """`hf_tower_config`: what a check before building reads (vocabulary rows, padding id, pooler,
+    projection, layers) equals the loaded tower's `cfg`; nothing from the hub."""
+    from coop.model.text_hf import hf_tower_config
+    from coop.model.weights import resolve_model_name
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    directory = tmp_path / "tok"
+    tokenizers[arch].save_pretrained(directory)
+    path = str(REPO / "configs" / "models" / f"{TINY_CONFIGS[arch]}.json")
+    meta = hf_tower_config(resolve_model_name(path))
+    assert meta == coop.load_clip(path, tokenizer=str(directory)).text.cfg
+    assert meta.pad_id == PromptTokenizer(tokenizers[arch]).pad_id and meta.vocab_size == 400

@@ -272,6 +272,22 @@ def hf_config_refusal(name: str, text_cfg: dict) -> str | None:
     return None
 
 
+def hf_tower_config(name: str, reachable=lambda: False) -> HFTextConfig:
+    """The `HFTextConfig` of registered model `name`'s Hugging Face text tower, read off the tower
+    open_clip builds, on the meta device (no memory, no weights), as loading reads it. Its
+    transformers config must be here (inline, a local directory, the cache) or `reachable()`;
+    ModelError, in one line, otherwise or for a tower we cannot run."""
+    cfg = open_clip.get_model_config(name)
+    text_cfg = cfg["text_cfg"]
+    refusal = hf_config_refusal(name, text_cfg)
+    if refusal:
+        raise ModelError(refusal)
+    config = hf_text_config(name, text_cfg, reachable)
+    with torch.device("meta"), building_with(config):
+        encoder = open_clip.model._build_text_tower(cfg["embed_dim"], openclip_text_cfg(text_cfg))
+    return HFTextTower(encoder, name, text_cfg.get("context_length")).cfg
+
+
 def hf_layer_count(name: str, text_cfg: dict) -> int | None:
     """The encoder layers of model `name`'s Hugging Face text tower when its transformers config is
     here (inline, a local directory, the Hugging Face cache), else None; never asks the hub."""
