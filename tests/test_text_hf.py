@@ -221,18 +221,35 @@ def test_grad_checkpointing_gives_the_same_gradients(tokenizers):
     assert "forward" not in vars(clip.text.blocks[0])
 
 
+def hub_named(tmp_path, name: str = "roberta-ViT-B-32") -> str:
+    """Model `name`'s config registered under its name + "-uncached", its text tower a hub model no
+    cache holds (what a shipped model is offline on a machine that never fetched its config)."""
+    cfg = open_clip.get_model_config(name)
+    cfg["text_cfg"]["hf_model_name"] = "no-such-org/no-such-roberta"
+    path = tmp_path / f"{name}-uncached.json"
+    path.write_text(json.dumps(cfg))
+    open_clip.add_model_config(path)
+    return path.stem
+
+
 def test_real_weights_offline_say_what_is_missing_in_one_line(tokenizers, tmp_path, monkeypatch):
     """A hub model's tower needs its transformers config (open_clip builds the encoder from it):
-    offline and not cached, one line naming the model and the hub name, before anything is built."""
+    offline and not cached, one line naming the model and the hub name, before the weights and
+    before anything is built; `hf_tower_config` (checks before a run) says the same."""
+    from coop.model.text_hf import hf_tower_config
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))
     directory = tmp_path / "tok"
     tokenizers["roberta"].save_pretrained(directory)
+    name = hub_named(tmp_path)
     with pytest.raises(coop.model.image_tower.ModelError) as err:
-        coop.load_clip("roberta-ViT-B-32", pretrained="laion2b_s12b_b32k", tokenizer=str(directory))
+        coop.load_clip(name, pretrained="laion2b_s12b_b32k", tokenizer=str(directory))
     message = str(err.value)
-    assert "\n" not in message and message.startswith("model roberta-ViT-B-32's text tower")
-    assert "'roberta-base'" in message and "offline" in message
+    assert "\n" not in message and message.startswith(f"model {name}'s text tower is the Hugging Face model")
+    assert "'no-such-org/no-such-roberta'" in message and "offline" in message
+    with pytest.raises(coop.model.image_tower.ModelError) as err:
+        hf_tower_config(name)
+    assert str(err.value) == message
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
@@ -294,17 +311,6 @@ def test_mmrl_is_refused_in_one_line_when_built(tokenizers):
         build_method(clip, ["dog", "cat"], cfg)
     assert str(err.value).startswith("model roberta-ViT-B-32's text tower (Hugging Face RobertaModel")
     assert "inserted tokens" in str(err.value) and "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
-def test_layer_count_from_the_config_here_without_the_hub(arch, monkeypatch):
-    """`hf_layer_count`: the encoder's layers from the inline config (what a check before the run
-    needs); None for a hub name whose config is not here."""
-    from coop.model.text_hf import hf_layer_count
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert hf_layer_count(TINY_CONFIGS[arch], tiny_config(arch)["text_cfg"]) == 2
-    assert hf_layer_count("x", {"hf_model_name": "no-such-org/no-such-model"}) is None
 
 
 def test_weights_file_loads_into_the_tiny_config(tokenizers, tmp_path, monkeypatch):

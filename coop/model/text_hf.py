@@ -288,16 +288,6 @@ def hf_tower_config(name: str, reachable=lambda: False) -> HFTextConfig:
     return HFTextTower(encoder, name, text_cfg.get("context_length")).cfg
 
 
-def hf_layer_count(name: str, text_cfg: dict) -> int | None:
-    """The encoder layers of model `name`'s Hugging Face text tower when its transformers config is
-    here (inline, a local directory, the Hugging Face cache), else None; never asks the hub."""
-    try:
-        config = hf_text_config(name, text_cfg, reachable=lambda: False)
-    except ModelError:
-        return None
-    return int(config.num_hidden_layers)  # transformers maps T5's num_layers, M2M100's encoder_layers
-
-
 def hf_text_config(name: str, text_cfg: dict, reachable):
     """The transformers config of model `name`'s text tower: inline (`text_cfg.hf_config`, a dict
     with `model_type`), a local directory (`hf_model_name`), or the hub's (cached, else downloaded
