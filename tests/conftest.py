@@ -43,9 +43,14 @@ def randomise_prompts(learner: torch.nn.Module, seed: int = 0) -> torch.nn.Modul
 
 
 def build_openclip(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """open_clip's model `name` with random weights (`overrides`: config entries that replace its own)."""
+    """open_clip's model `name` with random weights (`overrides`: config entries that replace its own);
+    a Hugging Face text tower from its transformers config as `coop.load_clip` builds it (inline in
+    the tiny configs)."""
+    from coop.model.weights import hf_text_building
+
     torch.manual_seed(seed)
-    model = open_clip.create_model(name, pretrained=None, **overrides)
+    with hf_text_building(name, overrides):
+        model = open_clip.create_model(name, pretrained=None, **overrides)
     return randomise_text_tower(model, seed).eval()
 
 

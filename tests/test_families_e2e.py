@@ -2,7 +2,8 @@
 
 configs/models/*-tiny.json shrink open_clip's own config of one model per family (2 text layers,
 width 64; the image tower of the same kind: timm's smallest variant of the family's timm tower,
-or a 1-block ViT). Each method trains two steps on the family's own image features (open_clip's
+or a 1-block ViT; the Hugging Face text towers: RoBERTa, XLM-R, mT5 and NLLB encoders of 2 layers,
+width 32, their transformers config inline). Each method trains two steps on the family's own image features (open_clip's
 `encode_image` for timm, FastViT and CoCa towers); CoOp's prompts are checked against the tower's
 `encode_text` of the same token sequence; one `tools/train.py` run per family trains CoOp end to end.
 """
@@ -22,7 +23,7 @@ from coop.model.prompt import PromptLearner
 from coop.model.tokenizer import PromptTokenizer
 
 pytest.importorskip("transformers")
-from tiny_tokenizers import unigram, wordpiece  # noqa: E402
+from tiny_tokenizers import nllb_like, roberta_like, unigram, wordpiece, xlmr_like  # noqa: E402
 
 # family: (config stem, tokenizer builder or None for CLIP's BPE)
 FAMILIES = {
@@ -33,6 +34,11 @@ FAMILIES = {
     "clipa": ("clipa-tiny", wordpiece),
     "mobileclip-s": ("mobileclip-s-tiny", None),
     "coca": ("coca-tiny", None),
+    # Hugging Face text towers (coop.model.text_hf), the transformers config inline
+    "roberta": ("roberta-tiny", roberta_like),
+    "xlmr": ("xlmr-tiny", xlmr_like),
+    "mt5": ("mt5-tiny", unigram),
+    "nllb": ("nllb-tiny", nllb_like),
 }
 CLASSES = ["dog", "golden_retriever", "crane (bird)"]
 
@@ -187,11 +193,14 @@ def test_coop_run_end_to_end(family, image_folder, tmp_path):
     assert (out / "checkpoint.pt").exists()
 
 
-@pytest.mark.parametrize("family", ["clipa", "mobileclip-s", "siglip"], indirect=True)
+@pytest.mark.parametrize(
+    "family", ["clipa", "mobileclip-s", "siglip", "roberta", "mt5", "nllb"], indirect=True
+)
 @pytest.mark.parametrize("position", ["end", "middle"])
 def test_cocoop_on_towers_without_the_cut(family, position):
-    """Where nothing can be shared (a tower that is not causal), CoCoOp runs each image's prompts
-    whole, [SOS] included: the features of running them through `encode_embeddings`."""
+    """Where nothing can be shared (a tower that is not causal, a Hugging Face encoder), CoCoOp runs
+    each image's prompts whole, [SOS] included: the features of running them through
+    `encode_embeddings`."""
     _, _, clip, _ = family
     assert not clip.text.cuts  # causal towers share the prefix: tests/test_cocoop.py
     cfg = load_config(None, ["method=cocoop", "prompt.n_ctx=4", f"prompt.position={position}"])

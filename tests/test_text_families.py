@@ -14,9 +14,7 @@ import copy
 import open_clip
 import pytest
 import torch
-import transformers
 from conftest import randomise_text_tower
-from open_clip.hf_model import HFTextEncoder
 
 import coop
 from coop.model.errors import ModelError
@@ -218,33 +216,6 @@ def test_attention_weights_follow_the_mask(fam):
             keys = torch.arange(length) <= eos[row] + 1
             keys[-1] = bool(eos[row] == text.cfg.context_length - 1)
             assert torch.equal(seen[row], causal & keys)
-
-
-@pytest.mark.parametrize("name", HF)
-def test_hf_towers_are_refused_in_one_line(name):
-    reason = text_support(name)
-    assert reason is not None and "\n" not in reason
-    assert name in reason and "Hugging Face" in reason
-    with pytest.raises(ModelError) as err:  # before open_clip would fetch the HF config
-        coop.load_clip(name)
-    assert str(err.value) == reason
-
-
-def test_hf_tower_model_is_refused_when_built():
-    config = transformers.RobertaConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
-    )
-    model = open_clip.CustomTextCLIP(
-        embed_dim=32,
-        vision_cfg={"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},
-        text_cfg={"width": 32, "heads": 2, "layers": 1},
-    )
-    model.text = HFTextEncoder(
-        "roberta-base", 32, config=config, pooler_type="mean_pooler", proj_type="linear"
-    )
-    with pytest.raises(ModelError, match="model my-roberta's text tower is the Hugging Face") as err:
-        coop.CLIP.from_openclip(model, name="my-roberta")
-    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(

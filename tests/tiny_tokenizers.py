@@ -72,3 +72,104 @@ def gemma_like(path):
     )
     fast.save_pretrained(path)
     return path
+
+
+def _specials_first(pieces: list[str], specials: list[str]) -> list[tuple[str, float]]:
+    """A Unigram vocabulary: `specials` first (ids 0..), then `pieces`, words likelier than characters."""
+    return [
+        (p, 0.0 if p in specials else -2.0 if p[1:] in WORDS else -6.0)
+        for p in dict.fromkeys(specials + pieces)
+    ]
+
+
+def _sentencepiece(specials: list[str], bpe: bool = False) -> Tokenizer:
+    """SentencePiece-like pieces ("▁word"), Unigram or (`bpe`) BPE, `specials` at ids 0.."""
+    if bpe:
+        vocab, merges = dict.fromkeys([*specials, "▁", *CHARS]), []
+        for word in ("▁" + w for w in WORDS):
+            for i in range(2, len(word) + 1):
+                if word[:i] not in vocab:
+                    vocab[word[:i]] = None
+                    merges.append((word[: i - 1], word[i - 1]))
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges, unk_token="<unk>"))
+    else:
+        pieces = ["▁", *("▁" + w for w in WORDS), *CHARS, *("▁" + c for c in CHARS)]
+        vocab = _specials_first(pieces, specials)
+        tok = Tokenizer(models.Unigram(vocab, unk_id=[p for p, _ in vocab].index("<unk>")))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return tok
+
+
+def roberta_like(path):
+    """A RoBERTa-like tokenizer: byte-level BPE ("Ġ" marks a leading space), "<s> $A </s>", specials
+    <s> 0, <pad> 1, </s> 2, <unk> 3 (roberta-base's ids)."""
+    from transformers import RobertaTokenizerFast
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab, merges = dict.fromkeys([*specials, *sorted(alphabet)]), []
+    for word in [*("Ġ" + w for w in WORDS), *WORDS]:  # "Ġ" + first, so "Ġphoto" is one token
+        for i in range(2, len(word) + 1):
+            if word[:i] not in vocab:
+                vocab[word[:i]] = None
+                merges.append((word[: i - 1], word[i - 1]))
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), add_prefix_space=False)
+    fast = RobertaTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        sep_token="</s>",
+        cls_token="<s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<unk>",
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+def xlmr_like(path):
+    """An XLM-R-like tokenizer: SentencePiece pieces, "<s> $A </s>", <s> 0, <pad> 1, </s> 2, <unk> 3."""
+    tok = _sentencepiece(["<s>", "<pad>", "</s>", "<unk>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        cls_token="<s>",
+        sep_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+def nllb_like(path, languages=("eng_Latn", "fra_Latn")):
+    """An NLLB-like tokenizer (transformers' NllbTokenizerFast): SentencePiece BPE pieces, each text
+    "<source language code> $A </s>" (eng_Latn by default), <s> 0, <pad> 1, </s> 2, <unk> 3, the
+    language codes after the pieces."""
+    from transformers import NllbTokenizerFast
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    tok = _sentencepiece(specials, bpe=True)
+    tok.add_special_tokens(list(languages))
+    fast = NllbTokenizerFast(
+        tokenizer_object=tok,
+        src_lang=languages[0],
+        bos_token="<s>",
+        eos_token="</s>",
+        sep_token="</s>",
+        cls_token="<s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens=list(languages),
+    )
+    fast.save_pretrained(path)
+    return path

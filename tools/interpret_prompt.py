@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import add_model_args, run_cli, setup_logging, tokenizer_hint  # noqa: E402
 
-from coop.results.nearest_words import format_words_table, nearest_words  # noqa: E402
+from coop.results.nearest_words import embedding_table, format_words_table, nearest_words  # noqa: E402
 from coop.train.checkpoint import load_trained  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     with tokenizer_hint(args.tokenizer):
         clip, learner, ckpt = load_trained(args.checkpoint, args.device, args.pretrained, args.tokenizer)
-    rows = nearest_words(learner, clip.text.token_embedding.weight, clip.tokenizer, args.topk)
+    rows = nearest_words(learner, embedding_table(clip.text.token_embedding), clip.tokenizer, args.topk)
     model = ckpt["config"]["model"]
     print(
         f"{args.checkpoint}: {model['name']} ({model['pretrained']}), n_ctx={learner.n_ctx}, "

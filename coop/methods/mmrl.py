@@ -52,7 +52,9 @@ from coop.methods.promptsrc import frozen_text_features
 from coop.methods.vpt import VisionPromptMethod
 from coop.methods.zeroshot import resolve_templates
 from coop.model.clip import CLIP
+from coop.model.errors import ModelError
 from coop.model.inserted import InsertedTokens
+from coop.model.text_hf import HFTextTower
 from coop.model.tokenizer import prompt_tokenizer
 
 
@@ -149,6 +151,8 @@ class MMRL(VisionPromptMethod):
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)  # ModelError: a tower without tokens or their features
+        if isinstance(clip.text, HFTextTower):
+            raise ModelError(clip.text.inserted_refusal())
         self.n_sos = int(prompt_tokenizer(clip.tokenizer).sos_id is not None)  # the text tokens go after it
         m = cfg.mmrl
         self.n_tokens, self.rep_dim = int(m.n_tokens), int(m.rep_dim)

@@ -3,7 +3,8 @@
     clip = coop.load_clip("ViT-B-16", pretrained="openai")      # or pretrained=None / a file
     clip = coop.CLIP.from_openclip(open_clip_model)              # wrap an already-built model
 
-`from_openclip` copies the text-tower weights into `coop.model.text_encoder.TextTransformer` and the
+`from_openclip` copies the text-tower weights into `coop.model.text_encoder.TextTransformer` (a
+Hugging Face text tower into `coop.model.text_hf.HFTextTower`, transformers' modules) and the
 image tower into a `coop.model.image_tower.ImageTower`: open_clip's ViT into our
 `coop.model.image_encoder.ImageTransformer` (same state-dict keys, checked one by one), a timm ViT or
 EVA trunk into `coop.model.image_timm.TimmImageTower` (timm's modules, taken over without a copy and
@@ -22,6 +23,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from open_clip.hf_model import HFTextEncoder
 from open_clip.modified_resnet import ModifiedResNet
 from open_clip.timm_model import TimmModel
 from open_clip.tokenizer import SimpleTokenizer
@@ -33,6 +35,7 @@ from coop.model.image_encoder import ImageTransformer, vision_config_from_opencl
 from coop.model.image_timm import TimmImageTower, timm_config_refusal
 from coop.model.image_tower import ImageTower
 from coop.model.text_encoder import TextTransformer
+from coop.model.text_hf import HFTextTower
 from coop.model.text_support import text_config_from_openclip
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ class CLIP(nn.Module):
     def __init__(
         self,
         visual: nn.Module,
-        text: TextTransformer,
+        text: TextTransformer | HFTextTower,
         logit_scale: torch.Tensor,
         tokenizer,
         name: str | None = None,
@@ -124,16 +127,20 @@ class CLIP(nn.Module):
 
         Args:
             model: an open_clip model.
-            tokenizer: texts -> ids; OpenCLIP's `SimpleTokenizer` when None.
+            tokenizer: texts -> ids; OpenCLIP's `SimpleTokenizer` when None (a Hugging Face text
+                tower's tokenizer must be given: its context length is the tokenizer's).
             name: the model's name (e.g. "ViT-B-16"), used in messages; the class name when None.
         """
         name = name or type(model).__name__
-        cfg, src = text_config_from_openclip(model, name)
-        text = TextTransformer(cfg, name)
-        load_checked(text, src, "text")
-        text.to(next(model.parameters()).device)
-        if tokenizer is None:
-            tokenizer = SimpleTokenizer(context_length=cfg.context_length)
+        if isinstance(getattr(model, "text", None), HFTextEncoder):  # its tokenizer: the model's, given
+            text = HFTextTower(model.text, name, getattr(tokenizer, "context_length", None))
+        else:
+            cfg, src = text_config_from_openclip(model, name)
+            text = TextTransformer(cfg, name)
+            load_checked(text, src, "text")
+            text.to(next(model.parameters()).device)
+            if tokenizer is None:
+                tokenizer = SimpleTokenizer(context_length=cfg.context_length)
         visual, refusal = _image_tower(model.visual, name)
         return cls(visual, text, model.logit_scale, tokenizer, name=name, vision_refusal=refusal)
 

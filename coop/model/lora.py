@@ -24,7 +24,10 @@ Where the update is added (`projections`, one rule for every tower): our attenti
 (`coop.model.blocks.CausalSelfAttention`, both towers of open_clip's CLIP) computes a packed q|k|v
 and consults its `qkv_delta`; timm's attention (SigLIP, EVA, PE-Core, ... image towers) computes
 q|k|v with one fused `qkv` Linear or with three `q_proj`/`k_proj`/`v_proj` Linears, and each gets a
-forward hook that adds its targets' updates to the Linear's output. timm's EVA attention with a
+forward hook that adds its targets' updates to the Linear's output; so do the three Linears of
+transformers' attention in the Hugging Face text towers (`coop.model.text_hf`: RoBERTa's
+`query`/`key`/`value`, T5's `q`/`k`/`v`, NLLB's `q_proj`/`k_proj`/`v_proj`; `attention_of` finds
+them inside each encoder layer). timm's EVA attention with a
 fused weight and separate q/v biases applies the weight through `F.linear` without calling the
 Linear; while adapted it runs its own `qkv_bias_separate` branch (the Linear, then the biases), the
 same sum in another order. The adapters belong to whoever builds them (a method); the modules hold
@@ -44,6 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 TARGETS = ("q", "k", "v")
+# the names of separate q, k and v Linears: timm's and NLLB's (M2M100), RoBERTa's and XLM-R's, T5's
+SEPARATE = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
 TOWERS = ("text", "vision")
 LAYER_SETS = ("all", "half-up", "half-bottom")
 
@@ -115,19 +120,42 @@ def projections(attn: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
     the weight's rows packed in the targets' order (q|k|v for a fused projection).
 
     Ours (`CausalSelfAttention`): its packed `in_proj_weight`. timm's (`Attention`, `EvaAttention`,
-    `AttentionRope`): its fused `qkv` Linear, or its `q_proj`, `k_proj` and `v_proj` Linears.
-    A LoRAError names any other attention.
+    `AttentionRope`): its fused `qkv` Linear, or its `q_proj`, `k_proj` and `v_proj` Linears;
+    transformers' (RoBERTa's `query`/`key`/`value`, T5's `q`/`k`/`v`, NLLB's `q_proj`/...): its
+    three Linears. A LoRAError names any other attention.
     """
     if hasattr(attn, "qkv_delta"):
         return [(TARGETS, attn.in_proj_weight)]
     if isinstance(getattr(attn, "qkv", None), nn.Linear):
         return [(TARGETS, attn.qkv.weight)]
-    if all(isinstance(getattr(attn, f"{t}_proj", None), nn.Linear) for t in TARGETS):
-        return [((t,), getattr(attn, f"{t}_proj").weight) for t in TARGETS]
+    linears = _separate(attn)
+    if linears:
+        return [((t,), linear.weight) for t, linear in zip(TARGETS, linears, strict=True)]
     raise LoRAError(
         f"attention {type(attn).__name__} has neither a packed q|k|v projection (qkv) nor "
-        "q_proj/k_proj/v_proj: CLIP-LoRA cannot adapt it"
+        "separate q, k and v Linears: CLIP-LoRA cannot adapt it"
     )
+
+
+def _separate(attn: nn.Module) -> list[nn.Linear] | None:
+    """The q, k and v Linears of an attention that has them separately (`SEPARATE`), else None."""
+    for names in SEPARATE:
+        linears = [getattr(attn, n, None) for n in names]
+        if all(isinstance(m, nn.Linear) for m in linears):
+            return linears
+    return None
+
+
+def attention_of(block: nn.Module) -> nn.Module:
+    """A block's self-attention: `attn` (ours, timm's), else the first module inside the block with
+    separate q, k and v Linears (transformers' layers: RoBERTa's `attention.self`, T5's
+    `layer[0].SelfAttention`, NLLB's `self_attn`)."""
+    if hasattr(block, "attn"):
+        return block.attn
+    found = next((m for m in block.modules() if _separate(m)), None)
+    if found is None:
+        raise LoRAError(f"block {type(block).__name__} has no attention with q, k and v projections")
+    return found
 
 
 def _widths(attn: nn.Module) -> tuple[int, list[int]]:
@@ -155,10 +183,11 @@ def attach_update(attn: nn.Module, update: QKVLoRA | None) -> None:
     if update is None:
         return
     handles = []
+    separate = dict(zip(TARGETS, _separate(attn) or (), strict=False))
     for targets, _ in projections(attn):
         if not any(t in update.targets for t in targets):
             continue  # a separate projection left frozen
-        linear = attn.qkv if targets == TARGETS else getattr(attn, f"{targets[0]}_proj")
+        linear = attn.qkv if targets == TARGETS else separate[targets[0]]
 
         def add(module, args, out, targets=targets):
             return out + update(args[0], targets)  # (B, T, 3d) fused q|k|v or (B, T, d_t), updated
@@ -255,7 +284,7 @@ class LoRAAdapters(nn.Module):
             chosen = resolve_layers(layers, len(blocks), tower)
             adapters = {}
             for i in chosen:
-                width, out_widths = _widths(blocks[i].attn)
+                width, out_widths = _widths(attention_of(blocks[i]))
                 adapters[str(i)] = QKVLoRA(width, targets, rank, alpha, dropout, out_widths)
             self.modules_of[tower] = nn.ModuleDict(adapters)
 
@@ -286,7 +315,7 @@ class LoRAAdapters(nn.Module):
         for tower, module in self._towers.items():
             adapted = self.modules_of[tower] if tower in self.modules_of else {}
             for i, block in enumerate(module.blocks):
-                attach_update(block.attn, adapted[str(i)] if str(i) in adapted else None)
+                attach_update(attention_of(block), adapted[str(i)] if str(i) in adapted else None)
 
     @torch.no_grad()
     def merged_weights(self) -> dict[str, torch.Tensor]:
@@ -302,7 +331,7 @@ class LoRAAdapters(nn.Module):
             prefix = "" if tower == "text" else "visual."
             keys = {id(p): key for key, p in module.named_parameters()}
             for i, lora in self.modules_of[tower].items():
-                for targets, weight in projections(module.blocks[int(i)].attn):
+                for targets, weight in projections(attention_of(module.blocks[int(i)])):
                     if any(t in lora.targets for t in targets):
                         delta = lora.delta_weight(targets).to(weight.dtype)
                         out[prefix + keys[id(weight)]] = weight + delta
@@ -312,4 +341,4 @@ class LoRAAdapters(nn.Module):
         """Remove the updates from the CLIP's attention modules (the frozen model again)."""
         for module in self._towers.values():
             for block in module.blocks:
-                attach_update(block.attn, None)
+                attach_update(attention_of(block), None)

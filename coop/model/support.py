@@ -7,7 +7,7 @@
     rows = support_table("SigLIP")    # one family
 
 Text: `coop.model.text_support.text_support`, the rule loading applies to the text tower, on the
-tower built on the meta device. Vision: open_clip builds the model's image tower on the meta device
+tower built on the meta device (a Hugging Face tower, `coop.model.text_hf`, from its config alone). Vision: open_clip builds the model's image tower on the meta device
 and `coop.model.clip._image_tower` (what `CLIP.from_openclip` runs) turns it into our
 `ImageTower` (over open_clip's ViT, or over timm's ViT and EVA trunks), key by key and shape by
 shape, or keeps open_clip's module with the reason it takes no vision prompts. Nothing downloads

@@ -4,7 +4,8 @@
     text_support("ViT-B-16-SigLIP")                       # None: supported; else the reason, one line
 
 open_clip builds every text tower that is not a Hugging Face model with its `TextTransformer`
-(`open_clip.model._build_text_tower`). `open_clip.CLIP` copies its parts onto the model itself
+(`open_clip.model._build_text_tower`); a Hugging Face one (`text_cfg.hf_model_name`) runs through
+`coop.model.text_hf`, judged from the config alone by `hf_refusal`. `open_clip.CLIP` copies its parts onto the model itself
 (`model.transformer`, `model.token_embedding`, ...; pooling `text_pool_type`), `CustomTextCLIP` and
 `CoCa` keep it as `model.text`. Both read the same way (`_view`), and one rule (`_config`) turns
 the tower into a `TextConfig` or refuses it, naming the model and what we do not reproduce. A
@@ -25,6 +26,7 @@ from open_clip.transformer import QuickGELU, ResidualAttentionBlock, TextTransfo
 from torch import nn
 
 from coop.model.errors import ModelError
+from coop.model.text_hf import hf_config_refusal
 
 POOLS = ("argmax", "eos", "last", "first")  # open_clip's `pool_type`s that give one token
 
@@ -63,12 +65,10 @@ TEXT_KEYS = (
 )
 
 
-def hf_refusal(name: str, hf_model_name: str) -> str:
-    """The one line that refuses a Hugging Face text tower."""
-    return (
-        f"model {name}'s text tower is the Hugging Face transformers model '{hf_model_name}', not open_clip's "
-        "TextTransformer: its blocks, positions and pooling are not ours, so prompts cannot enter it"
-    )
+def hf_refusal(name: str, text_cfg: dict) -> str | None:
+    """Why model `name`'s Hugging Face text tower (`text_cfg.hf_model_name`, run by
+    `coop.model.text_hf.HFTextTower`) cannot take prompts, one line, else None; from the config."""
+    return hf_config_refusal(name, text_cfg)
 
 
 def text_config_from_openclip(model: nn.Module, name: str | None = None) -> tuple[TextConfig, dict]:
@@ -91,7 +91,7 @@ def text_config_from_openclip(model: nn.Module, name: str | None = None) -> tupl
         view = _view(tower, inline=False)
         state = {k: v for k, v in tower.state_dict().items() if k.startswith(TEXT_KEYS)}
     elif isinstance(tower, HFTextEncoder):
-        raise ModelError(hf_refusal(name, tower.config.name_or_path or type(tower.transformer).__name__))
+        raise ModelError(f"model {name}'s text tower is a Hugging Face one: coop.model.text_hf reads it")
     else:
         raise ModelError(
             f"model {name} ({type(model).__name__}) has no open_clip TextTransformer text tower; "
@@ -111,7 +111,7 @@ def text_support(name: str) -> str | None:
         return f"unknown open_clip model '{name}'"
     text_cfg = dict(cfg.get("text_cfg", {}))
     if text_cfg.get("hf_model_name"):
-        return hf_refusal(name, text_cfg["hf_model_name"])
+        return hf_refusal(name, text_cfg)
     with torch.device("meta"):
         tower = _build_text_tower(cfg["embed_dim"], text_cfg, quick_gelu=cfg.get("quick_gelu", False))
     custom = cfg.get("custom_text", False) or "multimodal_cfg" in cfg  # open_clip's choice of class

@@ -10,6 +10,7 @@ weights are not cached is a `WeightsUnavailableError` that says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -26,6 +27,7 @@ from torch import nn
 from coop.io import refused_unpickling
 from coop.model.clip import CLIP
 from coop.model.errors import ModelError
+from coop.model.text_hf import building_with, hf_text_config, openclip_text_cfg
 from coop.model.text_support import text_support
 from coop.model.tokenizer import hub_reachable as _hub_reachable
 from coop.model.tokenizer import load_tokenizer
@@ -106,6 +108,7 @@ def load_clip(
         raise ModelError(refusal)
     text_tokenizer = load_tokenizer(model_name, tokenizer)  # before the weights: a quick refusal
     kwargs, weights, local = {}, None, False
+    building = hf_text_building(model_name, kwargs)  # its transformers config, before the weights
     if pretrained in NO_WEIGHTS:
         pass
     elif _is_path(pretrained):
@@ -131,7 +134,8 @@ def load_clip(
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # random weights (pretrained=None) are the same in every process
-            model = open_clip.create_model(model_name, pretrained=None, device=device, **kwargs)
+            with building:
+                model = open_clip.create_model(model_name, pretrained=None, device=device, **kwargs)
     finally:
         root.removeFilter(quiet)
     if weights is not None:
@@ -140,6 +144,19 @@ def load_clip(
     if local and not openai_archive:
         _say_activation(clip, model_name)
     return clip
+
+
+def hf_text_building(model_name: str, kwargs: dict):
+    """For a Hugging Face text tower: its transformers config (inline, a local directory, the
+    cache or the hub: `coop.model.text_hf.hf_text_config`) for open_clip to build it from, and
+    `create_model` options that never fetch the tower's own weights (they come with the CLIP's, or
+    stay random). A context that builds with that config; for other towers one that does nothing."""
+    text_cfg = (open_clip.get_model_config(model_name) or {}).get("text_cfg", {})
+    if not text_cfg.get("hf_model_name"):
+        return contextlib.nullcontext()
+    config = hf_text_config(model_name, text_cfg, _hub_reachable)
+    kwargs.update(text_cfg=openclip_text_cfg(text_cfg), pretrained_text=False)
+    return building_with(config)
 
 
 def pretrained_available(name: str, pretrained: str | None) -> bool:

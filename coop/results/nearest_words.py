@@ -3,7 +3,8 @@
     from coop.train.checkpoint import load_trained
     from coop.results import nearest_words
     clip, learner, ckpt = load_trained("runs/.../checkpoint.pt")
-    rows = nearest_words.nearest_words(learner, clip.text.token_embedding.weight, clip.tokenizer, topk=5)
+    table = nearest_words.embedding_table(clip.text.token_embedding)
+    rows = nearest_words.nearest_words(learner, table, clip.tokenizer, topk=5)
 
 Entry point: `tools/interpret_prompt.py` (as in CoOp's paper). Every learned context vector --
 shared or per class, the input layer and every deep layer -- is compared with the whole
@@ -21,6 +22,13 @@ from tqdm import tqdm
 from coop.model.prompt import PromptLearner
 
 METRICS = ("euclidean", "cosine")
+
+
+def embedding_table(embedding: torch.nn.Module) -> torch.Tensor:
+    """(V, W) the vector the text tower's embedding gives each token id, what the learned context
+    vectors stand in for: its weight, times the scale an embedding applies in its forward (NLLB's
+    `M2M100ScaledWordEmbedding`: sqrt(width)); the weight itself for every other tower."""
+    return embedding.weight * getattr(embedding, "embed_scale", 1.0)
 
 
 def readable_token(tokenizer, token: str) -> str:
@@ -109,7 +117,7 @@ def nearest_words(learner: PromptLearner, table: torch.Tensor, tokenizer, topk: 
 
     Args:
         learner: a trained PromptLearner (shared or class-specific, any depth).
-        table: the token-embedding table (V, W), `clip.text.token_embedding.weight`.
+        table: the token-embedding table (V, W), `embedding_table(clip.text.token_embedding)`.
         tokenizer: the model's tokenizer, to name the token ids.
         topk: words per vector and metric.
     Returns:
