@@ -2,6 +2,7 @@
 
     cfg, tower = text_config_from_openclip(model, name)   # a built open_clip model -> TextConfig
     text_support("ViT-B-16-SigLIP")                       # None: supported; else the reason, one line
+    text_config("ViT-B-16-SigLIP")                        # its TextConfig, without weights (or ModelError)
 
 open_clip builds every text tower that is not a Hugging Face model with its `TextTransformer`
 (`open_clip.model._build_text_tower`). `open_clip.CLIP` copies its parts onto the model itself
@@ -106,20 +107,26 @@ def text_support(name: str) -> str | None:
     Reads the model config (`open_clip.get_model_config`) and builds only its text tower, on the
     meta device; the rule is `text_config_from_openclip`'s.
     """
-    cfg = open_clip.get_model_config(name)
-    if cfg is None:
-        return f"unknown open_clip model '{name}'"
-    text_cfg = dict(cfg.get("text_cfg", {}))
-    if text_cfg.get("hf_model_name"):
-        return hf_refusal(name, text_cfg["hf_model_name"])
-    with torch.device("meta"):
-        tower = _build_text_tower(cfg["embed_dim"], text_cfg, quick_gelu=cfg.get("quick_gelu", False))
-    custom = cfg.get("custom_text", False) or "multimodal_cfg" in cfg  # open_clip's choice of class
     try:
-        _config(_view(tower, inline=not custom), name)
+        text_config(name)
     except ModelError as e:
         return str(e)
     return None
+
+
+def text_config(name: str) -> TextConfig:
+    """The `TextConfig` of model `name`'s text tower, read off the tower built on the meta device (no
+    memory, no weights); ModelError, in one line, for an unknown model or a tower we do not reproduce."""
+    cfg = open_clip.get_model_config(name)
+    if cfg is None:
+        raise ModelError(f"unknown open_clip model '{name}'")
+    text_cfg = dict(cfg.get("text_cfg", {}))
+    if text_cfg.get("hf_model_name"):
+        raise ModelError(hf_refusal(name, text_cfg["hf_model_name"]))
+    with torch.device("meta"):
+        tower = _build_text_tower(cfg["embed_dim"], text_cfg, quick_gelu=cfg.get("quick_gelu", False))
+    custom = cfg.get("custom_text", False) or "multimodal_cfg" in cfg  # open_clip's choice of class
+    return _config(_view(tower, inline=not custom), name)
 
 
 def _view(tower: nn.Module, inline: bool) -> SimpleNamespace:

@@ -1,5 +1,9 @@
 """Checks of a run config against its method and model, before anything is built or written.
 
+    check_model_files(cfg)    # ModelError: unknown or refused model, not a tag of it; TokenizerError:
+                              # no tokenizer here, or one that does not fit the model;
+                              # WeightsUnavailableError, FileNotFoundError: no weights here
+    check_run_model(cfg, recorded, run)  # the same, and the tokenizer is the one the run recorded
     check_model_limits(cfg)   # ConfigError: prompt.depth above the text tower's layers, ...;
                               # ModelError: vision prompts for a tower without tokens (RN50)
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
@@ -24,7 +28,9 @@ from coop.config.checks import ConfigError
 from coop.methods import METHODS
 from coop.methods.base import TowerLayers
 from coop.model.support import meta_image_tower
-from coop.model.weights import resolve_model_name
+from coop.model.text_support import text_config
+from coop.model.tokenizer import check_fits, check_same_tokenizer, load_tokenizer, prompt_tokenizer
+from coop.model.weights import require_weights, resolve_model_name, tokenizer_source
 
 
 @functools.cache
@@ -40,6 +46,28 @@ def tower_layers(model: str) -> TowerLayers | None:
         return None
     tower, refusal = meta_image_tower(name)
     return TowerLayers(text, None, refusal) if refusal else TowerLayers(text, int(tower.layers))
+
+
+def check_model_files(cfg: DictConfig) -> dict:
+    """Everything `coop.model.weights.load_clip` would refuse about `cfg.model`, without building the
+    model or reading its weights: the model (a name, or a config .json that exists), its text tower
+    (`text_config`: e.g. a Hugging Face tower), the tokenizer (`model.tokenizer` or the model's own:
+    loaded here, and `check_fits` the tower) and the weights (a file that exists, or a tag of the model
+    that is cached or downloadable). Returns the tokenizer's identity (`PromptTokenizer.identity`)."""
+    name = resolve_model_name(str(cfg.model.name))
+    text = text_config(name)
+    directory = cfg.model.tokenizer
+    tok = prompt_tokenizer(load_tokenizer(name, directory))
+    check_fits(tok, text, name, tokenizer_source(name, directory))
+    require_weights(name, cfg.model.pretrained)
+    return tok.identity()
+
+
+def check_run_model(cfg: DictConfig, recorded: dict | None, run: str) -> None:
+    """`check_model_files` for a saved run or export rebuilt with `cfg` (eval, predict,
+    `coop.load_classifier`), and its tokenizer is the one the run recorded at training
+    (`check_same_tokenizer`; a warning for a run that recorded none)."""
+    check_same_tokenizer(check_model_files(cfg), recorded, run)
 
 
 def check_model_limits(cfg: DictConfig) -> None:

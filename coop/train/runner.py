@@ -44,6 +44,7 @@ from coop.config.load import RESULT_FREE_KEYS, flatten, to_yaml
 from coop.config.schema import DEFAULTS
 from coop.data import DataError
 from coop.io import atomic_write, write_json
+from coop.model.tokenizer import check_same_tokenizer, prompt_tokenizer
 from coop.model.weights import absolute_model_files, absolute_tokenizer_dir
 from coop.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from coop.train.engine import (
@@ -55,7 +56,7 @@ from coop.train.engine import (
 )
 from coop.train.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.train.lock import require_run_folder, run_lock
-from coop.train.preflight import check_base_to_new, check_model_limits
+from coop.train.preflight import check_base_to_new, check_model_files, check_model_limits
 from coop.train.run_features import evaluate_run, requested_features, training_features, val_features
 from coop.train.schedule import Schedule, build_optimizer, plan_schedule
 from coop.train.tensorboard import Board, open_board
@@ -106,7 +107,8 @@ def write_history(folder: Path, history: list[dict], fields: list[str] = HISTORY
 
 def train_run(cfg: DictConfig) -> dict:
     """Train (or resume, or skip if finished) the run described by `cfg`; returns its metrics."""
-    check_base_to_new(cfg)  # before the folder is touched: refused in one line, not after training
+    check_model_files(cfg)  # before the folder is touched: the model, its weights and tokenizer are here
+    check_base_to_new(cfg)  # ... a refused protocol in one line, not after training
     check_model_limits(cfg)  # ... as is a key beyond the model's towers (prompt.depth=20)
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
@@ -177,7 +179,15 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
         s.device,
         s.precision,
     )
-    state = {"config": config, "classnames": list(s.dataset.classnames), **method.describe()}
+    tokenizer = prompt_tokenizer(s.clip.tokenizer).identity()  # eval and predict compare theirs with it
+    if ckpt is not None:
+        check_same_tokenizer(tokenizer, ckpt.get("tokenizer"), str(folder))
+    state = {
+        "config": config,
+        "classnames": list(s.dataset.classnames),
+        "tokenizer": tokenizer,
+        **method.describe(),
+    }
 
     def checkpoint(epoch: int, finished: bool) -> None:
         save_checkpoint(
