@@ -22,17 +22,17 @@ from coop.model.prompt import PromptLearner
 from coop.model.tokenizer import PromptTokenizer
 
 pytest.importorskip("transformers")
-from tiny_tokenizers import unigram, wordpiece  # noqa: E402
+from coop.model.tiny_tokenizers import make_tiny_tokenizer, unigram  # noqa: E402
 
-# family: (config stem, tokenizer builder or None for CLIP's BPE)
+# family: (config stem, whether it needs a tiny tokenizer: False for CLIP's BPE)
 FAMILIES = {
-    "siglip": ("siglip-tiny", lambda p: unigram(p, pad="</s>")),
-    "eva02": ("eva02-tiny", None),
-    "pe-core": ("pe-core-tiny", None),
-    "metaclip2": ("metaclip2-tiny", unigram),
-    "clipa": ("clipa-tiny", wordpiece),
-    "mobileclip-s": ("mobileclip-s-tiny", None),
-    "coca": ("coca-tiny", None),
+    "siglip": ("siglip-tiny", True),
+    "eva02": ("eva02-tiny", False),
+    "pe-core": ("pe-core-tiny", False),
+    "metaclip2": ("metaclip2-tiny", True),
+    "clipa": ("clipa-tiny", True),
+    "mobileclip-s": ("mobileclip-s-tiny", False),
+    "coca": ("coca-tiny", False),
 }
 CLASSES = ["dog", "golden_retriever", "crane (bird)"]
 
@@ -60,10 +60,13 @@ def offline(monkeypatch):
 def family(request, tmp_path_factory):
     """(config path, tokenizer directory or None, our CLIP, open_clip's model): random weights,
     the text tower's LayerNorms and biases randomised so that no term hides."""
-    stem, build = FAMILIES[request.param]
-    tok = build(tmp_path_factory.mktemp("tok") / "tok") if build else None
+    stem, tiny = FAMILIES[request.param]
+    config = REPO / "configs" / "models" / f"{stem}.json"
+    tok = tmp_path_factory.mktemp("tok") / "tok" if tiny else None
+    if tiny:
+        make_tiny_tokenizer(config, tok)  # tools/make_tokenizer.py's
     clip, oc = build_family(stem, tok)
-    return REPO / "configs" / "models" / f"{stem}.json", tok, clip, oc
+    return config, tok, clip, oc
 
 
 def images(clip, n: int = 6) -> torch.Tensor:

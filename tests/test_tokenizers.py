@@ -1,6 +1,6 @@
 """Tokenizers offline and prompt assembly that does not assume CLIP's BPE (coop.model.tokenizer).
 
-Tiny Hugging Face tokenizers (tests/tiny_tokenizers.py, saved as directories that transformers
+Tiny Hugging Face tokenizers (coop/model/tiny_tokenizers.py, saved as directories that transformers
 loads: T5-like SentencePiece/Unigram with no start token, BERT-like WordPiece with [CLS] text [SEP],
 Gemma-like BPE) are loaded through `model.tokenizer` into open_clip's HFTokenizer for real
 open_clip model names of each family, and compared with open_clip's own `get_tokenizer` reading
@@ -27,7 +27,7 @@ from coop.model.weights import load_clip
 from coop.train.checkpoint import load_trained
 
 pytest.importorskip("transformers")
-from tiny_tokenizers import gemma_like, unigram, wordpiece  # noqa: E402
+from coop.model.tiny_tokenizers import gemma_like, unigram, wordpiece  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 TEXTS = ["a photo of a dog.", "A photo of a St. Bernard (dog).", "golden_retriever", "  x  X x. ", "crane"]
