@@ -10,6 +10,7 @@ or a 1-block ViT). Each method trains two steps on the family's own image featur
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from coop.model.prompt import PromptLearner
 from coop.model.tokenizer import PromptTokenizer
 
 pytest.importorskip("transformers")
-from coop.model.tiny_tokenizers import make_tiny_tokenizer, unigram  # noqa: E402
+from coop.model.tiny_tokenizers import make_tiny_tokenizer, unigram, wordpiece  # noqa: E402
 
 # family: (config stem, whether it needs a tiny tokenizer: False for CLIP's BPE)
 FAMILIES = {
@@ -218,6 +219,7 @@ def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
     from coop.data.images import load_image
     from coop.interop import export_run
     from coop.model.tokenizer import TokenizerError
+    from coop.train.checkpoint import load_checkpoint, save_checkpoint
 
     tok = unigram(tmp_path / "tok", pad="</s>")
     out = tmp_path / "run"
@@ -252,6 +254,28 @@ def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
     res = run_tool_in_process(REPO / "tools" / "predict.py", [*calls["predict.py"], "--tokenizer", moved])
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(csv.read_text().splitlines()) == len(paths) + 1
+
+    # Another model's tokenizer that fits the tower (BERT-like; the tower pools the last position):
+    # the run and the export recorded theirs, so eval, predict and load_classifier refuse it.
+    other = wordpiece(tmp_path / "other")
+    refusal = "not the one {} was trained with (vocab_size 88 here, 103 there)"
+    for tool, args in calls.items():
+        res = run_tool_in_process(REPO / "tools" / tool, [*args, "--tokenizer", other])
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+        assert refusal.format(args[0]) in res.stderr, tool
+    with pytest.raises(TokenizerError, match=re.escape(refusal.format(out))):
+        coop.load_classifier(out, tokenizer=other)
+    res = run_tool_in_process(REPO / "tools" / "eval.py", [*calls["eval.py"], "--tokenizer", ""])
+    assert res.returncode == 2 and res.stderr.startswith("error: model.tokenizer= is empty"), res.stderr
+    with pytest.raises(TokenizerError, match="^model.tokenizer is empty"):
+        coop.load_classifier(exported, tokenizer="")
+    # A run from before runs recorded their tokenizer: a warning, and the same accuracy.
+    ckpt = load_checkpoint(out / "checkpoint.pt", training_state=True)
+    del ckpt["tokenizer"]
+    save_checkpoint(out / "checkpoint.pt", ckpt)
+    res = run_tool_in_process(REPO / "tools" / "eval.py", [*calls["eval.py"], "--tokenizer", moved], log=True)
+    assert res.returncode == 0 and json.loads(res.stdout)["accuracy"] == pytest.approx(accuracy)
+    assert "does not record its tokenizer (made before coop recorded it)" in res.stderr
 
 
 @pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")
