@@ -69,7 +69,7 @@ def build_models(model: str, device: torch.device, seed: int = 0):
     torch.manual_seed(seed)
     oc = open_clip.create_model(resolve_model_name(model), pretrained=None).eval().to(device)
     oc.requires_grad_(False)
-    return oc, coop.CLIP.from_openclip(oc)
+    return oc, coop.CLIP.from_openclip(oc, name=resolve_model_name(model))
 
 
 def imagenet_prompts(
