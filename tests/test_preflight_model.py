@@ -166,7 +166,9 @@ def test_the_fit_rule(tokenizers):
     ):
         fits(t5, vocab_size=102, pool="last")
     with pytest.raises(TokenizerError, match="its start id 2 is beyond the 2 rows of the token embedding"):
-        fits(bert, clipa, tok_vocab=1, vocab_size=2, pool="last")  # specials that the vocabulary's size leaves out
+        fits(
+            bert, clipa, tok_vocab=1, vocab_size=2, pool="last"
+        )  # specials that the vocabulary's size leaves out
     fits(t5, vocab_size=1000, pool="eos", eos_id=1)
     with pytest.raises(TokenizerError, match="the tower pools the first id 2, and its end token is id 1"):
         fits(t5, vocab_size=1000, pool="eos", eos_id=2)

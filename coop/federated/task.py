@@ -67,7 +67,8 @@ FEDERATED_BASE = {"train": {"aug_views": 1}}
 
 def check_config(cfg: DictConfig) -> None:
     """One-line ConfigError, naming the keys, for `fl.*` settings that cannot run with the rest of
-    the config (each key's own type and range: `coop.config.schema`, checked by `load_config`)."""
+    the config (each key's own type and range: `coop.config.schema`, checked by `load_config`); and
+    the model, its weights and tokenizer (`coop.train.preflight.check_model_files`)."""
     fl = cfg.fl
     check_model_files(cfg)  # the model, its weights and tokenizer are here and fit, before the run folder
     check_model_limits(cfg)

@@ -4,7 +4,8 @@ engine.py (a training epoch on features or pixels, evaluation), run_features.py 
 features of a run's splits), runner.py (run folders: resume, checkpoints, metrics), schedule.py
 (optimizers, lr schedules, iteration budgets), checkpoint.py (save, safe load), features.py (the
 image-feature cache), lock.py (one writer per run folder), evaluation.py (eval.targets, saved
-checkpoints), preflight.py (the model-bounded config checks before a run folder exists),
+checkpoints), preflight.py (the model, its weights and tokenizer, and the model-bounded config checks, before a
+run folder exists),
 metrics.py (accuracy, macro F1, per class and per domain), tensorboard.py (a run's event files),
 sweep.py and sweep_submitit.py (grids of runs).
 

@@ -8,11 +8,12 @@
                               # ModelError: vision prompts for a tower without tokens (RN50)
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
 
-The towers' block counts come from OpenCLIP's model config (a name, or a model-config .json) and
-the image tower built on the meta device, so no weights are loaded: `coop.train.runner.train_run`
-calls this before it creates the run folder,
-`coop.federated.task.check_config` before a simulation, and `coop.train.sweep.plan` (and so
-`tools/sweep.py --dry-run`) for every point. What is checked is the method's own
+The towers come from OpenCLIP's model config (a name, or a model-config .json) and the towers
+built on the meta device, so no weights are loaded or downloaded (the tokenizer is loaded: it is
+small, and only loading it shows that it is here and fits): `coop.train.runner.train_run` calls
+these before it creates the run folder, `coop.federated.task.check_config` before a simulation,
+`coop.train.sweep.plan` (and so `tools/sweep.py --dry-run`) for every point, and
+`check_run_model` eval (`coop.train.evaluation`) and `coop.load_classifier` (predict). What is checked is the method's own
 `Method.check_config` (its keys bounded by the towers, its template set), which the method runs
 again on the built model when it is built.
 """

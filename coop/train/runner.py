@@ -10,7 +10,8 @@ on the val split when `tunes_on_val`), then evaluates on test.
 
 Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one row per epoch;
 `lr` is the rate that epoch trained at), `checkpoint.pt` (the method's learned tensors +
-optimizer/epoch/RNG state and the lr schedule's name, written atomically after every epoch),
+optimizer/epoch/RNG state, the lr schedule's name and the tokenizer's identity, which eval and
+predict compare theirs with; written atomically after every epoch),
 when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
 `eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`; and,
 with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.train.tensorboard`).
