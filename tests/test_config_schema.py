@@ -255,9 +255,7 @@ def test_base_to_new_refuses_what_scores_only_its_own_classes():
 def test_federated_checks_refuse_a_depth_above_the_tower():
     from coop.federated.task import check_config
 
-    cfg = load_config(
-        None, [f"model.name={TINY_CONFIG}", "model.pretrained=none", "train.aug_views=1", "prompt.depth=4"]
-    )
+    cfg = load_config(None, [f"model.name={TINY_CONFIG}", "train.aug_views=1", "prompt.depth=4"])
     with pytest.raises(
         ConfigError, match=r"^prompt.depth must be in 1..3 \(the text tower's layers\), got 4$"
     ):

@@ -42,7 +42,7 @@ from coop.model.clip import CLIP, ModelError
 from coop.model.weights import load_clip
 from coop.train.engine import use_fp16
 from coop.train.features import cached_features, resolve_precision
-from coop.train.preflight import check_model_files, check_model_limits
+from coop.train.preflight import check_model_limits
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,8 @@ FEDERATED_BASE = {"train": {"aug_views": 1}}
 
 def check_config(cfg: DictConfig) -> None:
     """One-line ConfigError, naming the keys, for `fl.*` settings that cannot run with the rest of
-    the config (each key's own type and range: `coop.config.schema`, checked by `load_config`); and
-    the model, its weights and tokenizer (`coop.train.preflight.check_model_files`)."""
+    the config (each key's own type and range: `coop.config.schema`, checked by `load_config`)."""
     fl = cfg.fl
-    check_model_files(cfg)  # the model, its weights and tokenizer are here and fit, before the run folder
     check_model_limits(cfg)
     if int(cfg.train.aug_views) == 0:
         raise ConfigError(
