@@ -58,7 +58,7 @@ def build_family(stem: str | Path, tokenizer: Path | None = None, seed: int = 0,
     """(our CLIP, open_clip's model) of the tiny family model configs/models/{stem}.json (or of the
     model config file `stem`, a Path): random
     weights, the text tower's LayerNorms and biases randomised, the tokenizer read from directory
-    `tokenizer` (tests/tiny_tokenizers.py; None: CLIP's BPE); `edit(model)` runs on open_clip's
+    `tokenizer` (coop/model/tiny_tokenizers.py; None: CLIP's BPE); `edit(model)` runs on open_clip's
     model before ours copies its weights. Ours is built from a copy of it: `CLIP.from_openclip`
     takes a timm image tower over, and what a method does to ours (CLIP-LoRA's hooks) must not
     reach the reference."""

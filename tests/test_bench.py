@@ -281,18 +281,49 @@ def test_bench_vl_other_vision_prompt_methods_on_a_timm_tower(method, tmp_path, 
 
 
 def test_bench_vl_bad_input_is_one_line():
-    """The tiny timm configs' text towers have 2 blocks: MaPLe's recipe depth 9 is refused in one
-    line naming the key, as is an unknown model."""
+    """The tiny configs' text towers have 2-3 blocks: MaPLe's recipe depth 9 is refused in one line
+    naming the key and the --set that lowers it, before anything is built; so are an unknown model, a
+    missing config JSON, a refused text tower and RN50 (named as such) for a method that prompts its
+    image tower."""
     from conftest import run_tool_in_process
 
     tool = REPO / "tools" / "bench_vl.py"
-    res = run_tool_in_process(tool, ["--method", "maple", "--model", REPO / "configs/models/eva02-tiny.json"])
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1] == (
-        "error: prompt.depth must be in 1..2 (the text tower's layers), got 9"
+    hf = (
+        "model roberta-ViT-B-32's text tower is the Hugging Face model 'roberta-base', whose config is not in "
+        "the Hugging Face cache and the hub cannot be reached (offline?): run once where there is network, or "
+        "copy that machine's Hugging Face cache (HF_HOME)"
     )
-    res = run_tool_in_process(tool, ["--method", "maple", "--model", "ViT-Q-99"])
-    assert res.returncode == 2 and "unknown open_clip model 'ViT-Q-99'" in res.stderr
+    for model, message in (
+        (REPO / "configs/models/eva02-tiny.json", "prompt.depth must be in 1..2 (the text tower's layers), got 9 "
+         "(method=maple's recipe on model eva02-tiny: lower it with --set KEY=VALUE)"),
+        ("ViT-Q-99", "unknown open_clip model 'ViT-Q-99' (see open_clip.list_models(), or pass a config .json)"),
+        (REPO / "missing.json", f"model config file not found: {REPO / 'missing.json'}"),
+        ("roberta-ViT-B-32", hf),
+        ("RN50", "method=maple prompts the image tower, and model RN50's image tower is a ResNet (a CNN): it has "
+         "no tokens, so it takes no vision prompts (CLIP-LoRA runs with lora.towers=[text])"),
+    ):  # fmt: skip
+        res = run_tool_in_process(tool, ["--method", "maple", "--model", model, "--no-memory"])
+        assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"error: {message}"], res.stderr
+        assert not res.stdout  # refused before the header: nothing was built
+
+
+def test_bench_text_bad_model_is_one_line(tmp_path):
+    """An unknown model, a missing config JSON and a Hugging Face text tower: one line, exit 2."""
+    from conftest import run_tool_in_process
+
+    for model, message in (
+        ("ViT-Q-99", "unknown open_clip model 'ViT-Q-99'"),
+        (tmp_path / "missing.json", f"model config file not found: {tmp_path / 'missing.json'}"),
+        (
+            "roberta-ViT-B-32",
+            "model roberta-ViT-B-32's text tower is the Hugging Face model 'roberta-base', whose config",
+        ),
+    ):
+        res = run_tool_in_process(REPO / "tools" / "bench_text.py", ["--model", model, "--classes", "2"])
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), (
+            res.stderr
+        )
 
 
 def test_bench_threads_times_the_demo_epoch_and_text_step_under_exactly_its_settings():

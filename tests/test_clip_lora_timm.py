@@ -167,7 +167,7 @@ def test_both_towers_match_the_reference_and_train_on_the_family(family, tmp_pat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = None
     if family == "siglip":
-        from tiny_tokenizers import unigram
+        from coop.model.tiny_tokenizers import unigram
 
         tok = unigram(tmp_path / "tok", pad="</s>")
     clip, oc = build_family(FAMILIES[family], tok)

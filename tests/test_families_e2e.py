@@ -11,6 +11,7 @@ width 32, their transformers config inline). Each method trains two steps on the
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -23,22 +24,22 @@ from coop.model.prompt import PromptLearner
 from coop.model.tokenizer import PromptTokenizer
 
 pytest.importorskip("transformers")
-from tiny_tokenizers import nllb_like, roberta_like, unigram, wordpiece, xlmr_like  # noqa: E402
+from coop.model.tiny_tokenizers import make_tiny_tokenizer, unigram, wordpiece  # noqa: E402
 
-# family: (config stem, tokenizer builder or None for CLIP's BPE)
+# family: (config stem, whether it needs a tiny tokenizer: False for CLIP's BPE)
 FAMILIES = {
-    "siglip": ("siglip-tiny", lambda p: unigram(p, pad="</s>")),
-    "eva02": ("eva02-tiny", None),
-    "pe-core": ("pe-core-tiny", None),
-    "metaclip2": ("metaclip2-tiny", unigram),
-    "clipa": ("clipa-tiny", wordpiece),
-    "mobileclip-s": ("mobileclip-s-tiny", None),
-    "coca": ("coca-tiny", None),
+    "siglip": ("siglip-tiny", True),
+    "eva02": ("eva02-tiny", False),
+    "pe-core": ("pe-core-tiny", False),
+    "metaclip2": ("metaclip2-tiny", True),
+    "clipa": ("clipa-tiny", True),
+    "mobileclip-s": ("mobileclip-s-tiny", False),
+    "coca": ("coca-tiny", False),
     # Hugging Face text towers (coop.model.text_hf), the transformers config inline
-    "roberta": ("roberta-tiny", roberta_like),
-    "xlmr": ("xlmr-tiny", xlmr_like),
-    "mt5": ("mt5-tiny", unigram),
-    "nllb": ("nllb-tiny", nllb_like),
+    "roberta": ("roberta-tiny", True),
+    "xlmr": ("xlmr-tiny", True),
+    "mt5": ("mt5-tiny", True),
+    "nllb": ("nllb-tiny", True),
 }
 CLASSES = ["dog", "golden_retriever", "crane (bird)"]
 
@@ -66,10 +67,13 @@ def offline(monkeypatch):
 def family(request, tmp_path_factory):
     """(config path, tokenizer directory or None, our CLIP, open_clip's model): random weights,
     the text tower's LayerNorms and biases randomised so that no term hides."""
-    stem, build = FAMILIES[request.param]
-    tok = build(tmp_path_factory.mktemp("tok") / "tok") if build else None
+    stem, tiny = FAMILIES[request.param]
+    config = REPO / "configs" / "models" / f"{stem}.json"
+    tok = tmp_path_factory.mktemp("tok") / "tok" if tiny else None
+    if tiny:
+        make_tiny_tokenizer(config, tok)  # tools/make_tokenizer.py's
     clip, oc = build_family(stem, tok)
-    return REPO / "configs" / "models" / f"{stem}.json", tok, clip, oc
+    return config, tok, clip, oc
 
 
 def images(clip, n: int = 6) -> torch.Tensor:
@@ -226,6 +230,7 @@ def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
     from coop.data.images import load_image
     from coop.interop import export_run
     from coop.model.tokenizer import TokenizerError
+    from coop.train.checkpoint import load_checkpoint, save_checkpoint
 
     tok = unigram(tmp_path / "tok", pad="</s>")
     out = tmp_path / "run"
@@ -260,6 +265,28 @@ def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
     res = run_tool_in_process(REPO / "tools" / "predict.py", [*calls["predict.py"], "--tokenizer", moved])
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(csv.read_text().splitlines()) == len(paths) + 1
+
+    # Another model's tokenizer that fits the tower (BERT-like; the tower pools the last position):
+    # the run and the export recorded theirs, so eval, predict and load_classifier refuse it.
+    other = wordpiece(tmp_path / "other")
+    refusal = "not the one {} was trained with (vocab_size 88 here, 103 there)"
+    for tool, args in calls.items():
+        res = run_tool_in_process(REPO / "tools" / tool, [*args, "--tokenizer", other])
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+        assert refusal.format(args[0]) in res.stderr, tool
+    with pytest.raises(TokenizerError, match=re.escape(refusal.format(out))):
+        coop.load_classifier(out, tokenizer=other)
+    res = run_tool_in_process(REPO / "tools" / "eval.py", [*calls["eval.py"], "--tokenizer", ""])
+    assert res.returncode == 2 and res.stderr.startswith("error: model.tokenizer= is empty"), res.stderr
+    with pytest.raises(TokenizerError, match="^model.tokenizer is empty"):
+        coop.load_classifier(exported, tokenizer="")
+    # A run from before runs recorded their tokenizer: a warning, and the same accuracy.
+    ckpt = load_checkpoint(out / "checkpoint.pt", training_state=True)
+    del ckpt["tokenizer"]
+    save_checkpoint(out / "checkpoint.pt", ckpt)
+    res = run_tool_in_process(REPO / "tools" / "eval.py", [*calls["eval.py"], "--tokenizer", moved], log=True)
+    assert res.returncode == 0 and json.loads(res.stdout)["accuracy"] == pytest.approx(accuracy)
+    assert "does not record its tokenizer (made before coop recorded it)" in res.stderr
 
 
 @pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")

@@ -96,7 +96,7 @@ def test_loss_logits_and_every_gradient_match_the_reference(case, overrides, tmp
     against the reference's 77+K text and 1+P+K image sequences and its second, full image pass."""
     if case == "metaclip2-mt5":
         pytest.importorskip("transformers")
-        from tiny_tokenizers import unigram
+        from coop.model.tiny_tokenizers import unigram
 
         edit = lambda oc: randomise(oc.visual, seed=1)  # noqa: E731
         clip, oc = build_family("metaclip2-tiny", unigram(tmp_path / "tok"), edit=edit)
@@ -134,7 +134,7 @@ def test_text_tokens_at_the_start_on_a_tower_without_the_causal_mask(tmp_path):
     (Without the mask, where they enter changes nothing: positions are added before, and attention
     without a mask does not see order. MMRL on SigLIP's timm image tower: tests/test_vision_families.py.)"""
     pytest.importorskip("transformers")
-    from tiny_tokenizers import unigram
+    from coop.model.tiny_tokenizers import unigram
 
     clip, oc = build_family("siglip-tiny", unigram(tmp_path / "tok", pad="</s>"))
     assert not clip.text.cuts

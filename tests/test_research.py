@@ -176,6 +176,7 @@ def test_sweep_reports_failures_and_resumes(tmp_path, capsys, monkeypatch):
     fake = tmp_path / "fake_train.py"
     fake.write_text(FAKE_TRAIN)
     args = ["--out", tmp_path / "runs", "--train-script", fake, "--jobs", 2, "data.name=textile"]
+    args += ["model.pretrained=none"]  # the model must be buildable here, though the fake trainer builds none
     args += ["train.lr=[0.002,0.666]", "data.seed=[1,2]"]
     monkeypatch.setenv("FAIL", "1")  # the fake trainer fails at train.lr=0.666
     res = sweep_here(*args)

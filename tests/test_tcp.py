@@ -82,7 +82,7 @@ def test_without_a_start_token_equals_reference(stem, tokenizer, tmp_path):
     SigLIP2's Gemma-like, whose words after the context start with "▁"; no causal mask, pooled at
     the last position): every prompt runs whole."""
     pytest.importorskip("transformers")
-    from tiny_tokenizers import gemma_like, unigram
+    from coop.model.tiny_tokenizers import gemma_like, unigram
 
     builders = {"mt5": unigram, "t5": lambda p: unigram(p, pad="</s>"), "gemma": gemma_like}
     clip, oc = build_family(stem, builders[tokenizer](tmp_path / "tok"))

@@ -4,7 +4,7 @@ through `coop.model.text_hf.HFTextTower`, against open_clip's own `HFTextEncoder
 Each model is built by open_clip from its own config (pooler, projection, CoCa's decoder) with a
 tiny transformers config of its architecture (2 layers, width 32; open_clip builds the encoder from
 it as from the hub's config) and a tiny image tower, random weights with every bias and norm
-weight randomised; prompts come from tiny local tokenizers of each family (tests/tiny_tokenizers.py).
+weight randomised; prompts come from tiny local tokenizers of each family (coop/model/tiny_tokenizers.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import open_clip
 import pytest
 import torch
 from conftest import REPO
-from tiny_tokenizers import nllb_like, roberta_like, unigram, xlmr_like
 from transformers import AutoConfig
 
 import coop
+import coop.model.errors
 from coop.model.text_hf import building_with, openclip_text_cfg
 from coop.model.text_support import text_support
+from coop.model.tiny_tokenizers import nllb_like, roberta_like, unigram, xlmr_like
 from coop.model.tokenizer import PromptTokenizer
 
 HF = [n for n in open_clip.list_models() if open_clip.get_model_config(n)["text_cfg"].get("hf_model_name")]
@@ -242,12 +243,12 @@ def test_real_weights_offline_say_what_is_missing_in_one_line(tokenizers, tmp_pa
     directory = tmp_path / "tok"
     tokenizers["roberta"].save_pretrained(directory)
     name = hub_named(tmp_path)
-    with pytest.raises(coop.model.image_tower.ModelError) as err:
+    with pytest.raises(coop.model.errors.ModelError) as err:
         coop.load_clip(name, pretrained="laion2b_s12b_b32k", tokenizer=str(directory))
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"model {name}'s text tower is the Hugging Face model")
     assert "'no-such-org/no-such-roberta'" in message and "offline" in message
-    with pytest.raises(coop.model.image_tower.ModelError) as err:
+    with pytest.raises(coop.model.errors.ModelError) as err:
         hf_tower_config(name)
     assert str(err.value) == message
 
@@ -307,7 +308,7 @@ def test_mmrl_is_refused_in_one_line_when_built(tokenizers):
 
     clip, _ = ours_and_open_clip(FAMILIES["roberta"], tokenizers)
     cfg = load_config(None, ["method=mmrl", "mmrl.layers=[1]", "mmrl.vision_layers=null"])
-    with pytest.raises(coop.model.image_tower.ModelError) as err:
+    with pytest.raises(coop.model.errors.ModelError) as err:
         build_method(clip, ["dog", "cat"], cfg)
     assert str(err.value).startswith("model roberta-ViT-B-32's text tower (Hugging Face RobertaModel")
     assert "inserted tokens" in str(err.value) and "\n" not in str(err.value)
@@ -377,11 +378,11 @@ def test_towers_we_cannot_run_are_refused_in_one_line(tmp_path):
         reason
         == "model max-pooled's text tower pools with open_clip's MaxPooler, which fails on its own mask"
     )
-    with pytest.raises(coop.model.image_tower.ModelError, match="^model max-pooled's text tower pools"):
+    with pytest.raises(coop.model.errors.ModelError, match="^model max-pooled's text tower pools"):
         coop.load_clip(str(path))
     config = RobertaConfig(**tiny_config("roberta")["text_cfg"]["hf_config"])
     encoder = HFTextEncoder("roberta-base", 16, config=config, pooler_type="mean_pooler", proj_type=None)
-    with pytest.raises(coop.model.image_tower.ModelError, match="^model odd's text tower has no projection"):
+    with pytest.raises(coop.model.errors.ModelError, match="^model odd's text tower has no projection"):
         coop.model.text_hf.HFTextTower(encoder, "odd")
 
 

@@ -1,6 +1,6 @@
 """Tokenizers offline and prompt assembly that does not assume CLIP's BPE (coop.model.tokenizer).
 
-Tiny Hugging Face tokenizers (tests/tiny_tokenizers.py, saved as directories that transformers
+Tiny Hugging Face tokenizers (coop/model/tiny_tokenizers.py, saved as directories that transformers
 loads: T5-like SentencePiece/Unigram with no start token, BERT-like WordPiece with [CLS] text [SEP],
 Gemma-like BPE) are loaded through `model.tokenizer` into open_clip's HFTokenizer for real
 open_clip model names of each family, and compared with open_clip's own `get_tokenizer` reading
@@ -20,6 +20,7 @@ from conftest import REPO, TINY_CONFIG, run_tool_in_process, tiny_args
 from open_clip.tokenizer import SigLipTokenizer, SimpleTokenizer
 
 import coop
+from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.model.prompt import PromptError, PromptLearner, prompt_ids
 from coop.model.tokenizer import PromptTokenizer, TokenizerError, load_tokenizer
@@ -27,8 +28,9 @@ from coop.model.weights import load_clip
 from coop.train.checkpoint import load_trained
 
 pytest.importorskip("transformers")
-from tiny_tokenizers import gemma_like, unigram, wordpiece  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from coop.model.tiny_tokenizers import gemma_like, unigram, wordpiece  # noqa: E402
 
 TEXTS = ["a photo of a dog.", "A photo of a St. Bernard (dog).", "golden_retriever", "  x  X x. ", "crane"]
 CLASSES = ["dog", "golden_retriever", "St. Bernard", "crane (bird)", "airliner"]
@@ -235,8 +237,30 @@ def test_tokenizer_key_errors(tmp_path, monkeypatch):
         load_tokenizer("ViT-B-16", tmp_path)
     with pytest.raises(TokenizerError, match="no such directory"):
         load_tokenizer("ViT-B-16-SigLIP", tmp_path / "missing")
-    with pytest.raises(TokenizerError, match="not a Hugging Face tokenizer directory"):
-        load_tokenizer("ViT-B-16-SigLIP", tmp_path)  # empty
+    with pytest.raises(
+        TokenizerError, match=r"holds none of tokenizer.json, tokenizer_config.json: give the "
+    ):
+        load_tokenizer("ViT-B-16-SigLIP", tmp_path)  # empty: the files it looks for are named
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(
+        TokenizerError, match=r"not a Hugging Face tokenizer directory .*from one of: \(1\)"
+    ) as info:
+        load_tokenizer("ViT-B-16-SigLIP", tmp_path)  # transformers' choices, on one line
+    assert "\n" not in str(info.value) and str(info.value).endswith(".)")
+    with pytest.raises(
+        TokenizerError,
+        match=f"^model.tokenizer={tmp_path / 'tokenizer.json'} is a file; give the directory that holds it: model.tokenizer={tmp_path}$",
+    ):
+        (tmp_path / "tokenizer.json").write_text("{}")
+        load_tokenizer("ViT-B-16-SigLIP", tmp_path / "tokenizer.json")
+    with pytest.raises(TokenizerError, match="^model.tokenizer is empty"):
+        load_tokenizer("ViT-B-16-SigLIP", "")
+    with pytest.raises(
+        ConfigError,
+        match="^model.tokenizer= is empty: give a saved Hugging Face tokenizer's directory, or model.tokenizer=null",
+    ):
+        load_config(None, ["model.tokenizer="])  # OmegaConf alone reads it as null: the model's own
+    assert load_config(None, ["model.tokenizer=null"]).model.tokenizer is None
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
     with pytest.raises(TokenizerError, match=r"pip install 'coop\[hf\]'"):
         load_tokenizer("ViT-B-16-SigLIP", tmp_path)

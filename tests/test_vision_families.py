@@ -41,7 +41,7 @@ from coop.reference.vision_prompts import maple_logits, vpt_logits
 from coop.train.runner import train_run
 
 pytest.importorskip("transformers")
-from tiny_tokenizers import unigram  # noqa: E402
+from coop.model.tiny_tokenizers import unigram  # noqa: E402
 
 # family: (tiny config stem, timm architecture (None: the config's), patch size, needs a tokenizer)
 FAMILIES = {

@@ -70,7 +70,8 @@ def build_models(model: str, device: torch.device, seed: int = 0):
     torch.manual_seed(seed)
     oc = open_clip.create_model(resolve_model_name(model), pretrained=None).eval().to(device)
     oc.requires_grad_(False)
-    return oc, coop.CLIP.from_openclip(copy.deepcopy(oc))  # a timm trunk is taken over: ours is a copy
+    # a timm trunk is taken over: ours is a copy
+    return oc, coop.CLIP.from_openclip(copy.deepcopy(oc), name=resolve_model_name(model))
 
 
 def imagenet_prompts(

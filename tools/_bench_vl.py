@@ -12,7 +12,10 @@ import torch.nn.functional as F
 from _bench import build_models, imagenet_method
 from _bench_families import build_family_models, clip_shaped
 
+from coop.config.checks import ConfigError
+from coop.config.load import load_config
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
+from coop.model.text_support import text_config
 from coop.model.weights import resolve_model_name
 from coop.reference.clip_lora import clip_lora_logits
 from coop.reference.coop import reference_inputs
@@ -21,6 +24,25 @@ from coop.reference.promptsrc import promptsrc_fixed_embeddings, promptsrc_loss
 from coop.reference.vision_prompts import ivlp_logits, maple_logits, vpt_logits
 
 METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora", "mmrl")
+
+
+def check_bench(model: str, method: str, extra=()) -> None:
+    """One line, before anything is built, for a model the bench cannot run: unknown, a missing
+    config JSON, a refused text tower (ModelError); an image tower without tokens for a method that
+    prompts it (RN50; ModelError); a key of the method's recipe beyond the towers, such as MaPLe's
+    depth 9 on a 2-block tiny config (ConfigError; the bench refuses it rather than change the
+    recipe: `--set prompt.depth=N`)."""
+    name = resolve_model_name(model)
+    text_config(name)
+    from coop.train.preflight import check_model_limits  # the tools' layer may import train
+
+    cfg = load_config(overrides=[f"method={method}", "data.name=imagenet", f"model.name={model}", *extra])
+    try:
+        check_model_limits(cfg)
+    except ConfigError as e:
+        raise ConfigError(
+            f"{e} (method={method}'s recipe on model {name}: lower it with --set KEY=VALUE)"
+        ) from None
 
 
 def build_towers(model: str, device: torch.device, seed: int = 0):

@@ -45,7 +45,9 @@ import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) befor
 import torch  # noqa: E402
 from _bench import alternate, build_models, imagenet_prompts, max_rel_diff, text_steps  # noqa: E402
 from _bench_families import build_family_models, clip_shaped, family_steps  # noqa: E402
+from _cli import run_cli  # noqa: E402
 
+from coop.model.text_support import text_config  # noqa: E402
 from coop.model.weights import resolve_model_name  # noqa: E402
 
 
@@ -141,6 +143,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     name = resolve_model_name(args.model)  # a config JSON is registered under its file stem
+    text_config(name)  # a refused text tower (a Hugging Face model): one line, before anything is built
     args.clip_shaped = clip_shaped(name)
     oc, clip = (build_models if args.clip_shaped else build_family_models)(name, torch.device(args.device))
     if args.memory:
@@ -168,4 +171,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

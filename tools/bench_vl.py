@@ -40,6 +40,10 @@ graph would not fit (ours runs the whole context on towers without the causal ma
 `--model` also takes the timm towers (EVA, SigLIP, PE-Core): see `_bench_vl.build_towers`.
 Small sizes run in seconds: `--model configs/models/coop-tiny.json --classes 5 --batch 2
 --set prompt.depth=2` (and `--set vision.depth=2` for vpt and ivlp: the tiny towers are shallow).
+A recipe's key beyond the model's towers (MaPLe's depth 9 on a tiny config) is refused in one line
+before anything is built, not lowered behind the user's back; so are an unknown model, a missing
+config JSON, a text tower that is refused, and an image tower without tokens (RN50) for a method
+that prompts it.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
 from _bench import max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
-from _bench_vl import METHODS, build, build_towers, reference_loss, token_bound  # noqa: E402
+from _bench_vl import METHODS, build, build_towers, check_bench, reference_loss, token_bound  # noqa: E402
 
 
 def timed(step, method, device) -> tuple[float, float, float, dict]:
@@ -285,6 +289,7 @@ def main(argv=None) -> int:
         )
         return 0
 
+    check_bench(args.model, args.method, args.set)  # before anything is built
     device = torch.device(args.device)
     oc, clip = build_towers(args.model, device)
     print(

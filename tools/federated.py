@@ -61,6 +61,7 @@ def main() -> int:
         from coop.federated.partition import PartitionError
         from coop.federated.server import FederatedError, finished_metrics
         from coop.federated.simulation import simulate
+        from coop.train.preflight import check_model_files
     except ImportError as e:
         raise ConfigError(f"federated runs need Flower: pip install 'coop[federated]' ({e})") from None
 
@@ -70,6 +71,7 @@ def main() -> int:
 
     try:
         task.check_config(cfg)
+        check_model_files(cfg)  # the model, its weights and tokenizer are here and fit: before the run folder
         if cfg.output_dir is None:
             cfg.output_dir = str(Path("output") / task.fl_run_name(cfg))
         metrics = finished_metrics(cfg)

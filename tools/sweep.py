@@ -10,7 +10,9 @@
 
 A grid file is a YAML mapping of dotted config keys (those of tools/train.py): a list is swept,
 a scalar is fixed. `key=value` arguments override the file; a list value (`data.seed=[1,2]`)
-sweeps. Every point is validated with `coop.config.load.load_config` before anything starts. Each
+sweeps. Every point is validated with `coop.config.load.load_config` and its model, weights and
+tokenizer with `coop.train.preflight` before anything starts (`--dry-run` lists a point they
+refuse as `refused`, with the reason, and exits 2). Each
 run goes to `OUT/<coop.config.run_names.run_name(cfg)>` (swept keys that the name lacks, such as
 train.lr, are appended to its settings part). Finished runs (metrics.json) are skipped,
 unfinished ones resume (train.py resumes from its output_dir). Each run's console output is
@@ -32,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
+from coop.config.checks import ConfigError  # noqa: E402
 from coop.train.sweep import (  # noqa: E402
     format_value,
     load_grid,
@@ -84,14 +87,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 def sweep(args: argparse.Namespace) -> int:
     root = Path(args.out).resolve()
     runs = plan(load_grid(args.grid, args.overrides), root, args.config, check_data=not args.dry_run)
-    counts = {s: sum(r.status == s for r in runs) for s in ("done", "resume", "new")}
+    counts = {s: sum(r.status == s for r in runs) for s in ("done", "resume", "new", "refused")}
     summary = f"{len(runs)} runs: {counts['done']} done, {counts['resume']} to resume, {counts['new']} new"
+    summary += f", {counts['refused']} refused" if counts["refused"] else ""
+    refused = [r for r in runs if r.status == "refused"]
     if args.dry_run:
         for r in runs:
             values = " ".join(f"{k}={format_value(v)}" for k, v in r.swept.items())
-            print(f"{r.status:<7} {r.folder.relative_to(root)}  {values}")
+            reason = f"  ({r.error})" if r.status == "refused" else ""
+            print(f"{r.status:<7} {r.folder.relative_to(root)}  {values}{reason}".rstrip())
         print(summary)
-        return 0
+        if refused:
+            print(f"error: {len(refused)} of {len(runs)} points are refused (listed above)", file=sys.stderr)
+        return 2 if refused else 0
+    if refused:  # before any run folder exists
+        r = refused[0]
+        where = " ".join(f"{k}={format_value(v)}" for k, v in r.swept.items()) or "(single point)"
+        raise ConfigError(f"point {where}: {r.error}")
     train = Path(args.train_script).resolve()
     if not train.is_file():
         raise FileNotFoundError(f"training script not found: {train}")

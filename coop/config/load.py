@@ -24,6 +24,12 @@ from coop.config.schema import DEFAULTS, SPECS, RunConfig
 from coop.config.spec import check_layer, check_values, shown
 
 SCHEMA = OmegaConf.structured(RunConfig)  # the typed defaults that every config starts from
+# Keys whose `key=` on the command line (which OmegaConf reads as null) is refused: null there means
+# something else than the empty path that was likely meant.
+NOT_EMPTY = {
+    "model.tokenizer": "give a saved Hugging Face tokenizer's directory, or model.tokenizer=null for the "
+    "model's own tokenizer",
+}
 
 # Keys that cannot change a run's results: a run may be resumed with other values, and result
 # tables never split seeds into separate rows by them.
@@ -72,6 +78,9 @@ def load_config(
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
+        key, _, value = item.partition("=")
+        if key.strip() in NOT_EMPTY and not value.strip():  # OmegaConf reads `key=` as null
+            raise ConfigError(f"{key.strip()}= is empty: {NOT_EMPTY[key.strip()]}")
     if overrides:
         try:
             layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))

@@ -46,6 +46,7 @@ from coop.federated import task
 from coop.federated.personal import PERSONAL_FIELDS, round_summary
 from coop.federated.strategy import PromptStrategy, failure_reason
 from coop.io import atomic_write, write_json
+from coop.model.tokenizer import prompt_tokenizer
 from coop.model.weights import load_clip
 from coop.train import runner
 from coop.train.checkpoint import FEDERATED_FORMAT
@@ -169,6 +170,7 @@ class ServerRun:
         self.config = OmegaConf.to_container(cfg, resolve=True)
         self.device = task.resolve_device(cfg.device)
         clip = load_clip(cfg.model.name, cfg.model.pretrained, self.device, cfg.model.tokenizer)
+        self.tokenizer = prompt_tokenizer(clip.tokenizer).identity()  # recorded: eval and predict compare
         self.ds = task.load_data(cfg)
         self.part = task.client_partition(cfg, self.ds)
         self.method = task.build_method(clip, self.ds.classnames, cfg).to(self.device)
@@ -261,6 +263,7 @@ class ServerRun:
             "format": CHECKPOINT_FORMAT,
             "config": self.config,
             "classnames": list(self.ds.classnames),
+            "tokenizer": self.tokenizer,
             "prompt": self.arrays,
             "strategy": self.strategy.state_dict(),
             "round": self.round,

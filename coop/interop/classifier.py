@@ -34,6 +34,7 @@ from coop.model.weights import load_clip
 from coop.train.checkpoint import load_checkpoint
 from coop.train.engine import clip_transforms, resolve_device, use_fp16
 from coop.train.precision import autocast, resolve_precision
+from coop.train.preflight import check_run_model
 
 log = logging.getLogger(__name__)
 
@@ -76,21 +77,37 @@ class Classifier:
 
 def read_prompts(
     path: str | os.PathLike, client: int | None = None
-) -> tuple[dict[str, torch.Tensor], dict, list[str], str | None, str | None]:
-    """(learned tensors, run config, trained class names, federated method, model) of a run folder,
-    checkpoint.pt or exported `.safetensors` file; the last two are None except for a federated run
-    (`coop.interop.federated`: its global model, or with `client` that client's own)."""
+) -> tuple[dict[str, torch.Tensor], dict, list[str], str | None, str | None, dict | None]:
+    """(learned tensors, run config, trained class names, federated method, model, tokenizer) of a run
+    folder, checkpoint.pt or exported `.safetensors` file; federated method and model are None except
+    for a federated run (`coop.interop.federated`: its global model, or with `client` that client's
+    own); tokenizer is the identity of the run's tokenizer (`PromptTokenizer.identity`), None for a
+    run made before coop recorded it."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
         if client is not None:
             raise ExportError(f"{path} holds one model ({read_export(path)[1]['model'] or 'not federated'}): "
                               "a client is chosen when exporting (tools/export.py --client)")  # fmt: skip
         tensors, card = read_export(path)
-        return tensors, card["config"], card["classnames"], card["federated"], card["model"]
+        return (
+            tensors,
+            card["config"],
+            card["classnames"],
+            card["federated"],
+            card["model"],
+            card["tokenizer"],
+        )
     ckpt_path = run_checkpoint(path)
     ckpt = load_checkpoint(ckpt_path)
     tensors, model = run_model(ckpt_path.parent, ckpt, client)
-    return tensors, ckpt["config"], list(ckpt["classnames"]), federated_method(ckpt), model
+    return (
+        tensors,
+        ckpt["config"],
+        list(ckpt["classnames"]),
+        federated_method(ckpt),
+        model,
+        ckpt.get("tokenizer"),
+    )
 
 
 def load_classifier(
@@ -117,13 +134,20 @@ def load_classifier(
     Raises:
         CheckpointError, ExportError: the file cannot be read, or has no model for `client`.
         TransferError: the learned tensors cannot score `classnames`.
-        TokenizerError: the tokenizer cannot be loaded (`coop.model.tokenizer.load_tokenizer`).
+        TokenizerError: the tokenizer cannot be loaded (`coop.model.tokenizer.load_tokenizer`), does
+            not fit the model, or is not the one the run was trained with
+            (`coop.train.preflight.check_run_model`; a warning for a run that recorded none).
+        ModelError, WeightsUnavailableError: the model cannot be rebuilt here.
     """
-    tensors, config, trained, fl_method, model = read_prompts(path, client)
+    tensors, config, trained, fl_method, model, recorded = read_prompts(path, client)
     cfg = load_config(None, [], base=config)
     device = resolve_device(str(device))
-    weights = cfg.model.pretrained if pretrained == "config" else pretrained
-    clip = load_clip(cfg.model.name, weights, device, tokenizer or cfg.model.tokenizer)
+    if pretrained != "config":
+        cfg.model.pretrained = pretrained
+    if tokenizer is not None:  # an empty one is refused, not taken for the run's
+        cfg.model.tokenizer = str(tokenizer)
+    check_run_model(cfg, recorded, str(path))  # before the weights are read
+    clip = load_clip(cfg.model.name, cfg.model.pretrained, device, cfg.model.tokenizer)
     names = list(trained if classnames is None else classnames)
     torch.manual_seed(int(cfg.data.seed))  # any tensor the method does not load starts as in training
     if fl_method is None:
@@ -138,7 +162,7 @@ def load_classifier(
         "%s (%s, %s) on %d classes from %s",
         cfg.method if fl_method is None else f"fl.method={fl_method} ({model} model)",
         cfg.model.name,
-        weights,
+        cfg.model.pretrained,
         len(names),
         path,
     )

@@ -14,6 +14,9 @@ strings only) the card:
     config          JSON of the run's resolved config (every key)
     federated       a federated run's fl.method ("" for other runs)
     model           which of a federated run's models: "global", or "client <k>" ("" for others)
+    tokenizer       JSON of the run's tokenizer (vocabulary size, start/end/padding ids, the
+                    vocabulary's SHA-256), which `coop.load_classifier` compares with the one it loads
+                    ("" for a run made before coop recorded it)
 
 Files given by a path (a model-config JSON as model.name, a weights file as model.pretrained) are
 recorded by absolute path, so the export works from any directory of the machine.
@@ -68,6 +71,7 @@ def card_of(ckpt: dict, model: str | None = None) -> dict[str, str]:
         "config": json.dumps(config, sort_keys=True),
         "federated": federated_method(ckpt) or "",
         "model": model or "",
+        "tokenizer": json.dumps(ckpt["tokenizer"], sort_keys=True) if ckpt.get("tokenizer") else "",
     }
 
 
@@ -133,4 +137,8 @@ def read_export(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]
     if not isinstance(card["classnames"], list) or not isinstance(card["config"], dict):
         raise ExportError(f"{path}'s metadata card is damaged: classnames is not a list or config not a dict")
     card["federated"], card["model"] = card.get("federated") or None, card.get("model") or None
+    try:
+        card["tokenizer"] = json.loads(card["tokenizer"]) if card.get("tokenizer") else None
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}'s metadata card is damaged (tokenizer: {e})") from None
     return tensors, card

@@ -32,6 +32,7 @@ from coop.interop.names import implied_overrides, map_names
 from coop.io import atomic_write, write_json
 from coop.methods import build_method
 from coop.model.clip import CLIP
+from coop.model.tokenizer import prompt_tokenizer
 from coop.model.weights import absolute_model_files, absolute_tokenizer_dir, load_clip
 from coop.train.checkpoint import save_checkpoint
 from coop.train.evaluation import evaluate_on, evaluate_targets
@@ -157,6 +158,7 @@ def import_checkpoint(
         "method_state": {},
         "config": config,
         "classnames": classnames,
+        "tokenizer": prompt_tokenizer(clip.tokenizer).identity(),
         "epoch": int(epoch or 0),
         "finished": True,
         "history": [],

@@ -64,6 +64,7 @@ class HFTextConfig:
     causal: bool = False
     embed_cls: bool = False
     quick_gelu: bool = False
+    masks_padding: bool = True  # open_clip's HFTextEncoder masks exactly the ids equal to `pad_id`
 
 
 class HFTextTower(nn.Module):

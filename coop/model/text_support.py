@@ -2,10 +2,10 @@
 
     cfg, tower = text_config_from_openclip(model, name)   # a built open_clip model -> TextConfig
     text_support("ViT-B-16-SigLIP")                       # None: supported; else the reason, one line
+    text_config("ViT-B-16-SigLIP")                        # its TextConfig, without weights (or ModelError)
 
 open_clip builds every text tower that is not a Hugging Face model with its `TextTransformer`
-(`open_clip.model._build_text_tower`); a Hugging Face one (`text_cfg.hf_model_name`) runs through
-`coop.model.text_hf`, judged from the config alone by `hf_refusal`. `open_clip.CLIP` copies its parts onto the model itself
+(`open_clip.model._build_text_tower`). `open_clip.CLIP` copies its parts onto the model itself
 (`model.transformer`, `model.token_embedding`, ...; pooling `text_pool_type`), `CustomTextCLIP` and
 `CoCa` keep it as `model.text`. Both read the same way (`_view`), and one rule (`_config`) turns
 the tower into a `TextConfig` or refuses it, naming the model and what we do not reproduce. A
@@ -26,7 +26,7 @@ from open_clip.transformer import QuickGELU, ResidualAttentionBlock, TextTransfo
 from torch import nn
 
 from coop.model.errors import ModelError
-from coop.model.text_hf import hf_config_refusal
+from coop.model.text_hf import HFTextConfig, hf_config_refusal, hf_tower_config
 
 POOLS = ("argmax", "eos", "last", "first")  # open_clip's `pool_type`s that give one token
 
@@ -52,6 +52,11 @@ class TextConfig:
     eos_id: int | None = None  # the id `pool="eos"` looks for (MetaCLIP 2 worldwide)
     embed_cls: bool = False  # CoCa: a class token after the text is pooled, ln_final after pooling
     pad_id: int = 0  # with `embed_cls`: padding keys are hidden (open_clip's mask, see `_keys`)
+
+    @property
+    def masks_padding(self) -> bool:
+        """Whether the tower hides the keys of `pad_id` tokens (CoCa's): the tokenizer must pad with it."""
+        return self.embed_cls
 
 
 # State-dict keys of open_clip's text tower (on `open_clip.CLIP` they sit at the model's root).
@@ -101,25 +106,37 @@ def text_config_from_openclip(model: nn.Module, name: str | None = None) -> tupl
 
 
 def text_support(name: str) -> str | None:
-    """Whether our text tower reproduces model `name`'s: None if so, else the reason in one line.
+    """Whether prompts enter model `name`'s text tower: None if so, else the reason in one line.
 
-    Reads the model config (`open_clip.get_model_config`) and builds only its text tower, on the
-    meta device; the rule is `text_config_from_openclip`'s.
+    Reads the model config (`open_clip.get_model_config`): a Hugging Face tower from the config alone
+    (`hf_refusal`: its transformers config may be fetched when it loads), any other by building only
+    its text tower on the meta device (`text_config`, the rule of `text_config_from_openclip`).
     """
     cfg = open_clip.get_model_config(name)
-    if cfg is None:
-        return f"unknown open_clip model '{name}'"
-    text_cfg = dict(cfg.get("text_cfg", {}))
-    if text_cfg.get("hf_model_name"):
-        return hf_refusal(name, text_cfg)
-    with torch.device("meta"):
-        tower = _build_text_tower(cfg["embed_dim"], text_cfg, quick_gelu=cfg.get("quick_gelu", False))
-    custom = cfg.get("custom_text", False) or "multimodal_cfg" in cfg  # open_clip's choice of class
+    if cfg is not None and cfg.get("text_cfg", {}).get("hf_model_name"):
+        return hf_refusal(name, dict(cfg["text_cfg"]))
     try:
-        _config(_view(tower, inline=not custom), name)
+        text_config(name)
     except ModelError as e:
         return str(e)
     return None
+
+
+def text_config(name: str, reachable=lambda: False) -> TextConfig | HFTextConfig:
+    """The config of model `name`'s text tower, read off the tower built on the meta device (no
+    memory, no weights): a `TextConfig`, or an `HFTextConfig` for a Hugging Face tower, whose
+    transformers config must be inline, local, cached or, when `reachable()`, on the hub. ModelError,
+    in one line, for an unknown model or a tower we do not reproduce."""
+    cfg = open_clip.get_model_config(name)
+    if cfg is None:
+        raise ModelError(f"unknown open_clip model '{name}'")
+    text_cfg = dict(cfg.get("text_cfg", {}))
+    if text_cfg.get("hf_model_name"):
+        return hf_tower_config(name, reachable)
+    with torch.device("meta"):
+        tower = _build_text_tower(cfg["embed_dim"], text_cfg, quick_gelu=cfg.get("quick_gelu", False))
+    custom = cfg.get("custom_text", False) or "multimodal_cfg" in cfg  # open_clip's choice of class
+    return _config(_view(tower, inline=not custom), name)
 
 
 def _view(tower: nn.Module, inline: bool) -> SimpleNamespace:

@@ -23,6 +23,9 @@ is a one-line `TokenizerError` that says so. Nothing here downloads when the hub
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -31,7 +34,15 @@ import open_clip
 import torch
 from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH, SimpleTokenizer, basic_clean, canonicalize_text
 
+from coop.model.text_hf import HFTextConfig
+from coop.model.text_support import TextConfig
+
+log = logging.getLogger(__name__)
+
 HUB_HOST = "huggingface.co"
+# What `save_pretrained` writes that transformers reads a tokenizer from (a fast tokenizer's file, or
+# the config beside a slow tokenizer's vocabulary).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 HF_EXTRA = "pip install 'coop[hf]'"
 
 
@@ -67,6 +78,11 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
         TokenizerError: `directory` for a CLIP-BPE model, or not a tokenizer; transformers missing;
             the hub tokenizer neither cached nor reachable.
     """
+    if directory is not None and not str(directory).strip():
+        raise TokenizerError(
+            "model.tokenizer is empty: give a saved Hugging Face tokenizer's directory, or leave the key "
+            "unset (model.tokenizer=null) for the model's own tokenizer"
+        )
     hub_name = hub_tokenizer_name(model_name)
     if hub_name is None:
         if directory is not None:
@@ -97,9 +113,18 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
 
 def _from_directory(model_name: str, hub_name: str, path: Path):
     """open_clip's `get_tokenizer` for a Hugging Face tokenizer, with `path` in place of the hub name."""
+    if path.is_file():
+        raise TokenizerError(
+            f"model.tokenizer={path} is a file; give the directory that holds it: model.tokenizer={path.parent}"
+        )
     if not path.is_dir():
         raise TokenizerError(
             f"model.tokenizer={path}: no such directory (expected a saved '{hub_name}' tokenizer)"
+        )
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise TokenizerError(
+            f"model.tokenizer={path} holds none of {', '.join(TOKENIZER_FILES)}: give the directory that "
+            f"save_pretrained wrote for the tokenizer '{hub_name}'"
         )
     text_cfg = open_clip.get_model_config(model_name)["text_cfg"]
     kwargs = {**text_cfg.get("tokenizer_kwargs", {}), "local_files_only": True}
@@ -112,7 +137,7 @@ def _from_directory(model_name: str, hub_name: str, path: Path):
         )
     except (OSError, ValueError) as e:
         raise TokenizerError(
-            f"model.tokenizer={path}: not a Hugging Face tokenizer directory for '{hub_name}' ({_first_line(e)})"
+            f"model.tokenizer={path}: not a Hugging Face tokenizer directory for '{hub_name}' ({_one_line(e)})"
         ) from None
 
 
@@ -137,6 +162,11 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def _one_line(error: BaseException) -> str:
+    """The whole message of `error` on one line (transformers' messages list their choices below)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
 class PromptTokenizer:
     """One interface over open_clip's tokenizers (CLIP's `SimpleTokenizer`, `HFTokenizer`,
     `SigLipTokenizer`), for assembling prompts from token ids.
@@ -151,6 +181,8 @@ class PromptTokenizer:
         pad_id: the id that fills a row after the end.
         context_length: ids per row.
         n_special: how many ids a row spends on start and end tokens.
+        vocab_size: the ids its vocabulary gives a text, 0..vocab_size-1 (without the tokens a
+            Hugging Face tokenizer adds beyond it, such as T5's unused <extra_id_k>).
     """
 
     def __init__(self, tokenizer):
@@ -165,6 +197,7 @@ class PromptTokenizer:
                 )
             self._encode = tokenizer.encode  # cleans, as its __call__ does
             lead, trail, self.pad_id = [tokenizer.sot_token_id], [tokenizer.eot_token_id], 0
+            self.vocab_size, self._vocabulary = len(tokenizer.encoder), lambda: tokenizer.encoder
         elif hasattr(tokenizer, "tokenizer"):  # HFTokenizer, SigLipTokenizer
             hf = tokenizer.tokenizer
             if getattr(tokenizer, "tokenizer_mode", ""):
@@ -178,6 +211,7 @@ class PromptTokenizer:
                 stripped = hf.sep_token_id in trail
                 trail = [0 if t == hf.sep_token_id else t for t in trail]
             self.pad_id = hf.pad_token_id
+            self.vocab_size, self._vocabulary = int(hf.vocab_size), hf.get_vocab
         else:
             raise TokenizerError(f"unsupported tokenizer {name} (expected one of open_clip's)")
         if len(lead) > 1 or len(trail) > 1:
@@ -188,6 +222,20 @@ class PromptTokenizer:
         self.sos_id = lead[0] if lead else None
         self.eos_id = trail[0] if trail and not stripped else None
         self.n_special = len(lead) + len(trail)
+
+    def identity(self) -> dict:
+        """What a run records of its tokenizer (`check_same_tokenizer`): the vocabulary's size, the
+        start, end and padding ids, and a SHA-256 of the vocabulary (every token and its id)."""
+        vocabulary = json.dumps(
+            sorted(self._vocabulary().items(), key=lambda item: item[1]), ensure_ascii=False
+        )
+        return {
+            "vocab_size": self.vocab_size,
+            "sos_id": self.sos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+            "vocab_sha256": hashlib.sha256(vocabulary.encode()).hexdigest(),
+        }
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text` without start/end tokens, after the tokenizer's own cleaning."""
@@ -209,6 +257,64 @@ class PromptTokenizer:
 def prompt_tokenizer(tokenizer) -> PromptTokenizer:
     """`tokenizer` as a `PromptTokenizer` (itself if it already is one)."""
     return tokenizer if isinstance(tokenizer, PromptTokenizer) else PromptTokenizer(tokenizer)
+
+
+def check_fits(tok: PromptTokenizer, text_cfg: TextConfig | HFTextConfig, model: str, source: str) -> None:
+    """TokenizerError, in one line, unless `tok` gives ids that model `model`'s text tower reads as
+    its own tokenizer's: every id of its vocabulary and its start, end and padding ids are rows of the
+    token embedding, the token the tower pools is its end token (argmax pooling: the highest id;
+    `pool="eos"`: the tower's `eos_id`), and the padding id is the one the tower masks (CoCa's, a
+    Hugging Face tower's).
+
+    Args:
+        tok: the tokenizer.
+        text_cfg: the model's text tower (`coop.model.text_support.text_config`).
+        model: the model's name, for the message.
+        source: where the tokenizer comes from, for the message (e.g. "model.tokenizer=DIR").
+    """
+    rows, problem = text_cfg.vocab_size, None
+    specials = {"start": tok.sos_id, "end": tok.eos_id, "padding": tok.pad_id}
+    outside = [f"{what} id {i}" for what, i in specials.items() if i is not None and i >= rows]
+    if tok.vocab_size > rows:
+        problem = (
+            f"its vocabulary has {tok.vocab_size} tokens, more than the {rows} rows of the token embedding"
+        )
+    elif outside:
+        problem = f"its {', '.join(outside)} is beyond the {rows} rows of the token embedding"
+    elif text_cfg.masks_padding and tok.pad_id != text_cfg.pad_id:
+        problem = f"it pads with id {tok.pad_id}, and the tower masks padding id {text_cfg.pad_id}"
+    elif text_cfg.embed_cls:
+        pass  # CoCa pools its class token, not one of the text's
+    elif text_cfg.pool == "argmax" and (tok.eos_id is None or tok.eos_id < tok.vocab_size - 1):
+        problem = (
+            f"the tower pools the highest id, and its end token (id {tok.eos_id}) is not its highest id "
+            f"({tok.vocab_size - 1})"
+        )
+    elif text_cfg.pool == "eos" and tok.eos_id != text_cfg.eos_id:
+        problem = f"the tower pools the first id {text_cfg.eos_id}, and its end token is id {tok.eos_id}"
+    if problem:
+        raise TokenizerError(
+            f"{source} does not fit model {model}: {problem}; is it another model's tokenizer?"
+        )
+
+
+def check_same_tokenizer(identity: dict, recorded: dict | None, run: str) -> None:
+    """TokenizerError, in one line, unless the tokenizer's `identity` (`PromptTokenizer.identity`) is
+    the one `run` recorded when it was trained; a run from before coop recorded it gets a warning."""
+    if recorded is None:
+        log.warning(
+            "%s does not record its tokenizer (made before coop recorded it): the tokenizer here is not "
+            "checked against the one it was trained with",
+            run,
+        )
+        return
+    differ = [k for k in identity if k in recorded and recorded[k] != identity[k]]
+    if differ:
+        k = differ[0]
+        raise TokenizerError(
+            f"the tokenizer here is not the one {run} was trained with ({k} {identity[k]} here, {recorded[k]} "
+            "there): give that run's tokenizer (model.tokenizer=DIR, or --tokenizer DIR)"
+        )
 
 
 def _siglip_clean(text: str) -> str:

@@ -28,9 +28,9 @@ from coop.io import refused_unpickling
 from coop.model.clip import CLIP
 from coop.model.errors import ModelError
 from coop.model.text_hf import building_with, hf_text_config, openclip_text_cfg
-from coop.model.text_support import text_support
+from coop.model.text_support import text_config
+from coop.model.tokenizer import check_fits, hub_tokenizer_name, load_tokenizer, prompt_tokenizer
 from coop.model.tokenizer import hub_reachable as _hub_reachable
-from coop.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +100,17 @@ def load_clip(
         ModelError: unknown model name or tag, weights that do not fit the model, an unsupported tower.
         FileNotFoundError: `pretrained` names a file that does not exist.
         WeightsUnavailableError: a tag's weights are not cached and cannot be downloaded.
-        TokenizerError: the tokenizer cannot be loaded here (`coop.model.tokenizer.load_tokenizer`).
+        TokenizerError: the tokenizer cannot be loaded here (`coop.model.tokenizer.load_tokenizer`),
+            or does not fit the model (`coop.model.tokenizer.check_fits`).
     """
     model_name = resolve_model_name(name)
-    refusal = text_support(model_name)  # before anything is built or downloaded
-    if refusal is not None:
-        raise ModelError(refusal)
+    text_cfg = text_config(
+        model_name, _hub_reachable
+    )  # before anything is built or downloaded: a refused tower
     text_tokenizer = load_tokenizer(model_name, tokenizer)  # before the weights: a quick refusal
+    check_fits(
+        prompt_tokenizer(text_tokenizer), text_cfg, model_name, tokenizer_source(model_name, tokenizer)
+    )
     kwargs, weights, local = {}, None, False
     building = hf_text_building(model_name, kwargs)  # its transformers config, before the weights
     if pretrained in NO_WEIGHTS:
@@ -115,12 +119,7 @@ def load_clip(
         weights, local = _existing_file(pretrained), True
         log.info("loading weights from file %s", weights)
     else:
-        tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
-        if not tag_cfg:
-            tags = open_clip.list_pretrained_tags_by_model(model_name)
-            raise ModelError(
-                f"pretrained '{pretrained}' is neither a file nor an open_clip tag of {model_name} (tags: {tags})"
-            )
+        tag_cfg = _tag_config(model_name, pretrained)
         if tag_cfg.get("quick_gelu", False):
             kwargs["force_quick_gelu"] = True
         kwargs["force_preprocess_cfg"] = {k: tag_cfg[k] for k in ("mean", "std") if k in tag_cfg}
@@ -159,18 +158,48 @@ def hf_text_building(model_name: str, kwargs: dict):
     return building_with(config)
 
 
+def require_weights(name: str, pretrained: str | None) -> None:
+    """What `load_clip(name, pretrained)` would refuse about its weights, without reading or
+    downloading them: FileNotFoundError (a missing file), ModelError (not a tag of the model),
+    WeightsUnavailableError (a tag neither cached nor downloadable here)."""
+    if pretrained in NO_WEIGHTS:
+        return
+    if _is_path(pretrained):
+        _existing_file(pretrained)
+        return
+    model_name = resolve_model_name(name)
+    if _cached_path(_tag_config(model_name, pretrained)) is None and not _hub_reachable():
+        raise WeightsUnavailableError(_unavailable_weights(model_name, pretrained))
+
+
 def pretrained_available(name: str, pretrained: str | None) -> bool:
     """Whether `load_clip(name, pretrained)` can get its weights here (file, cache or reachable hub).
 
-    A file path that does not exist is an error (FileNotFoundError), not unavailable weights.
+    A file path that does not exist is an error (FileNotFoundError), not unavailable weights; so is
+    a tag that the model does not have (ModelError).
     """
-    if pretrained in NO_WEIGHTS:
-        return True
-    if _is_path(pretrained):
-        _existing_file(pretrained)
-        return True
-    tag_cfg = open_clip.get_pretrained_cfg(resolve_model_name(name), pretrained)
-    return bool(tag_cfg) and (_cached_path(tag_cfg) is not None or _hub_reachable())
+    try:
+        require_weights(name, pretrained)
+    except WeightsUnavailableError:
+        return False
+    return True
+
+
+def tokenizer_source(model_name: str, directory: str | None) -> str:
+    """Where `load_tokenizer(model_name, directory)` reads the tokenizer from, for messages."""
+    if directory is not None:
+        return f"model.tokenizer={directory}"
+    return f"the tokenizer '{hub_tokenizer_name(model_name) or 'CLIP BPE'}'"
+
+
+def _tag_config(model_name: str, pretrained: str) -> dict:
+    tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
+    if not tag_cfg:
+        tags = open_clip.list_pretrained_tags_by_model(model_name)
+        raise ModelError(
+            f"pretrained '{pretrained}' is neither a file nor an open_clip tag of {model_name} (tags: {tags})"
+        )
+    return tag_cfg
 
 
 def _is_path(pretrained: str) -> bool:
@@ -261,18 +290,22 @@ def _cached_path(tag_cfg: dict) -> str | None:
     return None
 
 
+def _unavailable_weights(model_name: str, tag: str) -> str:
+    return (
+        f"open_clip weights '{tag}' for {model_name} are not in the local cache and the hub cannot be "
+        f"reached (offline?). Download them once where there is internet, or pass a local weights file: "
+        f"model.pretrained=/path/to/open_clip_pytorch_model.bin (with a '-quickgelu' model name for "
+        f"OpenAI weights), or OpenAI's original file, e.g. model.pretrained=~/.cache/clip/ViT-B-16.pt"
+    )
+
+
 def _cached_or_download(model_name: str, tag: str, tag_cfg: dict) -> str:
     """Path of the tag's checkpoint: from the local cache, else downloaded; clear error offline."""
     cached = _cached_path(tag_cfg)
     if cached is not None:
         return cached
     if not _hub_reachable():
-        raise WeightsUnavailableError(
-            f"open_clip weights '{tag}' for {model_name} are not in the local cache and the hub cannot be "
-            f"reached (offline?). Download them once where there is internet, or pass a local weights file: "
-            f"model.pretrained=/path/to/open_clip_pytorch_model.bin (with a '-quickgelu' model name for "
-            f"OpenAI weights), or OpenAI's original file, e.g. model.pretrained=~/.cache/clip/ViT-B-16.pt"
-        )
+        raise WeightsUnavailableError(_unavailable_weights(model_name, tag))
     path = open_clip.pretrained.download_pretrained(tag_cfg)
     if not path:
         raise WeightsUnavailableError(f"could not download open_clip weights '{tag}' for {model_name}")

@@ -155,5 +155,7 @@ def load_trained(
     ckpt = load_checkpoint(path, device)
     model = ckpt["config"]["model"]
     weights = model["pretrained"] if pretrained == "config" else pretrained
-    clip = load_clip(model["name"], weights, device, tokenizer or model.get("tokenizer"))
+    clip = load_clip(
+        model["name"], weights, device, model.get("tokenizer") if tokenizer is None else tokenizer
+    )
     return clip, learner_from_checkpoint(clip, ckpt), ckpt

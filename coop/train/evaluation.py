@@ -22,6 +22,7 @@ from coop.io import write_json
 from coop.model.clip import CLIP
 from coop.train.checkpoint import FEDERATED_FORMAT, CheckpointError, load_checkpoint
 from coop.train.engine import setup
+from coop.train.preflight import check_run_model
 from coop.train.run_features import evaluate_run
 from coop.train.tensorboard import OFF, Board
 
@@ -133,9 +134,12 @@ def evaluate_checkpoint(path: str | Path, overrides: list[str] | tuple[str, ...]
     Raises:
         CheckpointError: `path` is missing, corrupt, truncated or not a coop checkpoint.
         TransferError: the learned tensors cannot score the requested classes (csc context).
+        ModelError, TokenizerError, WeightsUnavailableError: the model cannot be rebuilt here, or
+            with the tokenizer the run was trained with (`coop.train.preflight.check_run_model`).
     """
     ckpt = load_evaluable(path)
     cfg = load_config(None, overrides, base=ckpt["config"])
+    check_run_model(cfg, ckpt.get("tokenizer"), str(path))  # before the data: model, weights, tokenizer
     metrics, _ = evaluate_on(
         OmegaConf.to_container(cfg, resolve=True), ckpt, cfg.data.name, cfg.data.subsample_classes
     )
@@ -147,6 +151,7 @@ def evaluate_checkpoint_targets(path: str | Path, targets: list[str], overrides=
     """`eval.targets` for a saved run: each target's metrics, written beside the checkpoint."""
     ckpt = load_evaluable(path)
     cfg = load_config(None, [*overrides, f"eval.targets=[{','.join(targets)}]"], base=ckpt["config"])
+    check_run_model(cfg, ckpt.get("tokenizer"), str(path))
     folder = Path(path).parent
     for dataset in targets:  # re-evaluate on request, even where a file exists
         (folder / eval_file(dataset)).unlink(missing_ok=True)

@@ -1,16 +1,23 @@
 """Checks of a run config against its method and model, before anything is built or written.
 
+    check_model_files(cfg)    # ModelError: unknown or refused model, not a tag of it; TokenizerError:
+                              # no tokenizer here, or one that does not fit the model;
+                              # WeightsUnavailableError, FileNotFoundError: no weights here
+    check_run_model(cfg, recorded, run)  # the same, and the tokenizer is the one the run recorded
     check_model_limits(cfg)   # ConfigError: prompt.depth above the text tower's layers, ...;
                               # ModelError: vision prompts for a tower without tokens (RN50),
                               # image tokens from CoCa's attention pool (MMRL, FedOTP)
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
 
-The towers' block counts come from OpenCLIP's model config (a name, or a model-config .json) and
-the image tower built on the meta device, so no weights are loaded: `coop.train.runner.train_run`
-calls this before it creates the run folder, `coop.federated.task.check_config` before a
-simulation (with `fl.method`'s class), and `coop.train.sweep.plan` (and so `tools/sweep.py
---dry-run`) for every point. What is checked is the method's own `Method.check_config` (the kinds
-of tower it can use, its keys bounded by the towers, its template set), which the method runs
+The towers come from OpenCLIP's model config (a name, or a model-config .json) and the towers
+built on the meta device, so no weights are loaded or downloaded (the tokenizer is loaded: it is
+small, and only loading it shows that it is here and fits): `coop.train.runner.train_run` calls
+these before it creates the run folder, `coop.federated.task.check_config` (the model limits, with
+`fl.method`'s class) and `tools/federated.py` (the model files) before a simulation,
+`coop.train.sweep.plan` (and so `tools/sweep.py --dry-run`) for every point, and `check_run_model`
+eval (`coop.train.evaluation`) and `coop.load_classifier` (predict). What `check_model_limits`
+checks is the method's own `Method.check_config` (the kinds of tower it can use, its keys bounded by
+the towers, its template set), which the method runs
 again on the built model when it is built.
 """
 
@@ -19,10 +26,22 @@ from __future__ import annotations
 import functools
 
 from omegaconf import DictConfig
+from open_clip.tokenizer import SimpleTokenizer
 
 from coop.config.checks import ConfigError
 from coop.methods import METHODS
 from coop.methods.base import Method, TowerLayers
+from coop.model.text_support import TextConfig, text_config
+from coop.model.tokenizer import (
+    PromptTokenizer,
+    check_fits,
+    check_same_tokenizer,
+    hub_reachable,
+    hub_tokenizer_name,
+    load_tokenizer,
+    prompt_tokenizer,
+)
+from coop.model.weights import require_weights, resolve_model_name, tokenizer_source
 
 
 @functools.cache
@@ -31,6 +50,46 @@ def tower_layers(model: str) -> TowerLayers | None:
     (`TowerLayers.of_model`: built on the meta device, no weights); None if the config names no
     text tower layers. ModelError for an unknown model."""
     return TowerLayers.of_model(model)
+
+
+@functools.cache
+def model_text(model: str) -> tuple[str, TextConfig]:
+    """The registered name and the text tower's `TextConfig` of an OpenCLIP model name or config
+    .json (`text_config`, on the meta device); ModelError for an unknown or refused model. Cached
+    per name, as `tower_layers` is: a sweep asks it for every point."""
+    name = resolve_model_name(model)
+    return name, text_config(name, hub_reachable)
+
+
+@functools.cache
+def _clip_bpe() -> PromptTokenizer:
+    """open_clip's CLIP BPE, which ships with it: one vocabulary for every model that uses it (only
+    the context length differs, which `check_fits` does not read); read once, not per sweep point."""
+    return prompt_tokenizer(SimpleTokenizer())
+
+
+def check_model_files(cfg: DictConfig) -> PromptTokenizer:
+    """Everything `coop.model.weights.load_clip` would refuse about `cfg.model`, without building the
+    model or reading its weights: the model (a name, or a config .json that exists), its text tower
+    (`text_config`: e.g. a Hugging Face tower), the tokenizer (`model.tokenizer` or the model's own:
+    loaded here, and `check_fits` the tower) and the weights (a file that exists, or a tag of the model
+    that is cached or downloadable). Returns the tokenizer."""
+    name, text = model_text(str(cfg.model.name))
+    directory = cfg.model.tokenizer
+    if directory is None and hub_tokenizer_name(name) is None:
+        tok = _clip_bpe()
+    else:
+        tok = prompt_tokenizer(load_tokenizer(name, directory))
+    check_fits(tok, text, name, tokenizer_source(name, directory))
+    require_weights(name, cfg.model.pretrained)
+    return tok
+
+
+def check_run_model(cfg: DictConfig, recorded: dict | None, run: str) -> None:
+    """`check_model_files` for a saved run or export rebuilt with `cfg` (eval, predict,
+    `coop.load_classifier`), and its tokenizer is the one the run recorded at training
+    (`check_same_tokenizer`; a warning for a run that recorded none)."""
+    check_same_tokenizer(check_model_files(cfg).identity(), recorded, run)
 
 
 def check_model_limits(cfg: DictConfig, method: type[Method] | None = None) -> None:

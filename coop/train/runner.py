@@ -10,7 +10,8 @@ on the val split when `tunes_on_val`), then evaluates on test.
 
 Folder contents: `config.yaml` (resolved config), `log.txt`, `history.csv` (one row per epoch;
 `lr` is the rate that epoch trained at), `checkpoint.pt` (the method's learned tensors +
-optimizer/epoch/RNG state and the lr schedule's name, written atomically after every epoch),
+optimizer/epoch/RNG state, the lr schedule's name and the tokenizer's identity, which eval and
+predict compare theirs with; written atomically after every epoch),
 when finished `metrics.json`, and one `eval_<dataset>.json` per `eval.targets` entry (plus
 `eval_<dataset>_new.json` for a base-to-new run), with the same fields as `metrics.json`; and,
 with `train.tensorboard` (on by default where tensorboard is installed), `tb/` (`coop.train.tensorboard`).
@@ -44,6 +45,7 @@ from coop.config.load import RESULT_FREE_KEYS, flatten, to_yaml
 from coop.config.schema import DEFAULTS
 from coop.data import DataError
 from coop.io import atomic_write, write_json
+from coop.model.tokenizer import check_same_tokenizer, prompt_tokenizer
 from coop.model.weights import absolute_model_files, absolute_tokenizer_dir
 from coop.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from coop.train.engine import (
@@ -55,7 +57,7 @@ from coop.train.engine import (
 )
 from coop.train.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.train.lock import require_run_folder, run_lock
-from coop.train.preflight import check_base_to_new, check_model_limits
+from coop.train.preflight import check_base_to_new, check_model_files, check_model_limits
 from coop.train.run_features import evaluate_run, requested_features, training_features, val_features
 from coop.train.schedule import Schedule, build_optimizer, plan_schedule
 from coop.train.tensorboard import Board, open_board
@@ -106,7 +108,8 @@ def write_history(folder: Path, history: list[dict], fields: list[str] = HISTORY
 
 def train_run(cfg: DictConfig) -> dict:
     """Train (or resume, or skip if finished) the run described by `cfg`; returns its metrics."""
-    check_base_to_new(cfg)  # before the folder is touched: refused in one line, not after training
+    check_model_files(cfg)  # before the folder is touched: the model, its weights and tokenizer are here
+    check_base_to_new(cfg)  # ... a refused protocol in one line, not after training
     check_model_limits(cfg)  # ... as is a key beyond the model's towers (prompt.depth=20)
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
@@ -177,7 +180,15 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
         s.device,
         s.precision,
     )
-    state = {"config": config, "classnames": list(s.dataset.classnames), **method.describe()}
+    tokenizer = prompt_tokenizer(s.clip.tokenizer).identity()  # eval and predict compare theirs with it
+    if ckpt is not None:
+        check_same_tokenizer(tokenizer, ckpt.get("tokenizer"), str(folder))
+    state = {
+        "config": config,
+        "classnames": list(s.dataset.classnames),
+        "tokenizer": tokenizer,
+        **method.describe(),
+    }
 
     def checkpoint(epoch: int, finished: bool) -> None:
         save_checkpoint(

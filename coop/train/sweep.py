@@ -41,8 +41,10 @@ from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
 from coop.config.run_names import run_name
 from coop.data import DATASETS
 from coop.model.errors import ModelError
+from coop.model.tokenizer import TokenizerError
+from coop.model.weights import WeightsUnavailableError
 from coop.train.lock import LOCKED, wait_for_writer
-from coop.train.preflight import check_model_limits
+from coop.train.preflight import check_model_files, check_model_limits
 
 log = logging.getLogger("coop.train.sweep")
 
@@ -57,7 +59,7 @@ class Run:
     overrides: list[str]  # key=value for train.py, without output_dir
     swept: dict  # the swept keys' values at this point
     folder: Path
-    status: str = "new"  # new | resume | done
+    status: str = "new"  # new | resume | done | refused (the model, its weights or tokenizer: `error`)
     returncode: int | None = None
     error: str = ""
 
@@ -185,7 +187,7 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
     keys = list(grid)
     swept_keys = [k for k in keys if len(grid[k]) > 1]
     extra = [k for k in swept_keys if k not in NAMED_KEYS]
-    runs, seen = [], {}
+    runs, seen, refusals = [], {}, {}
     for combo in itertools.product(*(grid[k] for k in keys)):
         point = dict(zip(keys, combo, strict=True))
         overrides = [f"{k}={format_value(v)}" for k, v in point.items()]
@@ -198,7 +200,9 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
             if yielding & set(point):  # the method's recipe keeps these keys
                 overrides = [f"{k}={format_value(v)}" for k, v in point.items() if k not in yielding]
                 cfg = load_config(config, overrides)
-            check_model_limits(cfg)  # e.g. prompt.depth above the text tower's layers
+            refusal = model_refusal(cfg, refusals)
+            if not refusal:
+                check_model_limits(cfg)  # e.g. prompt.depth above the text tower's layers
         except (ConfigError, ModelError) as e:
             raise ConfigError(f"point {where}: {e}") from None
         if cfg.data.name not in DATASETS:
@@ -214,8 +218,22 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
                 "sweep keys that change the run, or make the values distinct"
             )
         seen[folder] = where
-        runs.append(Run(overrides, swept, folder, run_status(folder)))
+        status = "refused" if refusal else run_status(folder)
+        runs.append(Run(overrides, swept, folder, status, error=refusal))
     return runs
+
+
+def model_refusal(cfg, seen: dict) -> str:
+    """Why this point's model, weights or tokenizer cannot run here (`check_model_files`), or "";
+    `seen` keeps the answers per (model, weights, tokenizer) across a sweep's points."""
+    key = (str(cfg.model.name), cfg.model.pretrained, cfg.model.tokenizer)
+    if key not in seen:
+        try:
+            check_model_files(cfg)
+            seen[key] = ""
+        except (ModelError, TokenizerError, WeightsUnavailableError, FileNotFoundError) as e:
+            seen[key] = str(e)
+    return seen[key]
 
 
 def run_status(folder: Path) -> str:

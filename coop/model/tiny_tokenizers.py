@@ -1,11 +1,36 @@
 """Tiny Hugging Face tokenizers of the open_clip families, built offline with the `tokenizers`
 library and saved as directories that transformers loads (`model.tokenizer`): T5-like (SigLIP,
-MetaCLIP 2's mT5), BERT-like (CLIPA), Gemma-like (SigLIP2). Shared by the tests that need them."""
+MetaCLIP 2's mT5), BERT-like (CLIPA), Gemma-like (SigLIP2). They make the tiny configs of
+`configs/models/` run offline (`tools/make_tokenizer.py`) and serve the tests; their ~100 tokens
+are enough for prompts of a few words and class names (other words fall back to characters).
+
+    make_tiny_tokenizer("configs/models/siglip-tiny.json", "tok/siglip")  # the family's kind, checked
+    unigram("tok/t5", pad="</s>")                                          # one kind, by hand
+
+Needs transformers and tokenizers (`pip install 'coop[hf]'`).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from coop.model.text_support import text_config
+from coop.model.tokenizer import (
+    PromptTokenizer,
+    TokenizerError,
+    check_fits,
+    hub_reachable,
+    hub_tokenizer_name,
+    load_tokenizer,
+    prompt_tokenizer,
+)
+from coop.model.weights import resolve_model_name
 
 WORDS = "a photo of the dog cat golden retriever st bernard crane bird airliner long class name x".split()
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789.,()-'"
@@ -173,3 +198,61 @@ def nllb_like(path, languages=("eng_Latn", "fra_Latn")):
     )
     fast.save_pretrained(path)
     return path
+
+
+# kind: (builder, what it stands for)
+KINDS = {
+    "t5": (lambda path: unigram(path, pad="</s>"), "SigLIP's T5 SentencePiece, padded with </s>"),
+    "mt5": (unigram, "MetaCLIP 2's mT5 SentencePiece: </s> 1, <pad> 0"),
+    "bert": (wordpiece, "CLIPA's BERT WordPiece, [SEP] stripped"),
+    "gemma": (gemma_like, "SigLIP2's Gemma BPE"),
+    "roberta": (roberta_like, "RoBERTa's byte-level BPE, <s> $A </s>"),
+    "xlmr": (xlmr_like, "XLM-R's SentencePiece, <s> $A </s>"),
+    "nllb": (nllb_like, "NLLB's SentencePiece BPE, the language code first"),
+}
+
+
+def tiny_kind(model_name: str) -> str:
+    """The kind of tiny tokenizer that stands for model `model_name`'s Hugging Face tokenizer; a
+    TokenizerError for a model with CLIP's BPE (nothing to make) or a tokenizer no kind stands for."""
+    hub_name = hub_tokenizer_name(model_name)
+    if hub_name is None:
+        raise TokenizerError(
+            f"model {model_name} uses CLIP's BPE tokenizer, which ships with open_clip: no tokenizer to make"
+        )
+    for pattern, kind in (
+        ("SigLIP2", "gemma"),
+        ("SigLIP", "t5"),
+        ("mt5", "mt5"),
+        ("xlm-roberta", "xlmr"),
+        ("roberta", "roberta"),
+        ("nllb", "nllb"),
+        ("bert-", "bert"),
+    ):
+        if pattern in hub_name:
+            return kind
+    raise TokenizerError(
+        f"no tiny tokenizer stands for model {model_name}'s tokenizer '{hub_name}' (kinds: "
+        + "; ".join(f"{k}: {what}" for k, (_, what) in KINDS.items())
+        + ")"
+    )
+
+
+def make_tiny_tokenizer(model: str, path: str | os.PathLike, kind: str | None = None) -> PromptTokenizer:
+    """Save the tiny tokenizer of `model` (an open_clip name or a model-config .json) in directory
+    `path`, load it as `model.tokenizer=path` loads it, and check that it fits the model's text tower
+    (`check_fits`). `kind` overrides the family's (`tiny_kind`)."""
+    name = resolve_model_name(str(model))
+    kind = kind or tiny_kind(name)
+    if kind not in KINDS:
+        raise TokenizerError(f"unknown tiny tokenizer kind '{kind}' (one of {', '.join(KINDS)})")
+    with tempfile.TemporaryDirectory() as tmp:  # nothing is left in `path` if it does not fit
+        KINDS[kind][0](Path(tmp))
+        check_fits(
+            prompt_tokenizer(load_tokenizer(name, tmp)),
+            text_config(name, hub_reachable),
+            name,
+            f"the tiny '{kind}' tokenizer",
+        )
+        shutil.copytree(tmp, path, dirs_exist_ok=True)
+    return prompt_tokenizer(load_tokenizer(name, path))
