@@ -11,6 +11,7 @@ FedOTP on a CNN tower (MobileCLIP-S's FastViT) after the model was built.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import open_clip
@@ -25,6 +26,7 @@ from coop.methods import METHODS
 from coop.model.clip import _image_tower
 from coop.model.errors import ModelError
 from coop.model.support import TowerLayers
+from coop.model.tiny_tokenizers import make_tiny_tokenizer
 from coop.model.weights import resolve_model_name
 from coop.train.preflight import check_model_limits
 
@@ -38,6 +40,10 @@ CNN = "image tower is timm's FastVit, a convolutional tower: it has no token seq
 COCA = "image tower pools by attention (CoCa): its ln_post and projection act on the pool's outputs"
 PROMPTS = "prompts the image tower"
 TOKENS = "reads features of the image tower's tokens"
+INSERTS = "inserts tokens at the text tower's layers"
+HF = "text tower (Hugging Face '{}') takes no inserted tokens (MMRL's)"
+HF_TEXT = {"roberta-tiny": "roberta-base", "xlmr-tiny": "xlm-roberta-base", "mt5-tiny": "google/mt5-base"}
+HF_TEXT["nllb-tiny"] = "facebook/nllb-200-distilled-600M"
 REFUSED = {  # (model, method): what the method needs, why the model's tower cannot give it
     ("coca-tiny", "method=mmrl"): (TOKENS, COCA),
     ("coca-tiny", "fl.method=fedotp"): (TOKENS, COCA),
@@ -47,6 +53,7 @@ REFUSED = {  # (model, method): what the method needs, why the model's tower can
     },
     ("mobileclip-s-tiny", "method=clip_lora"): ("adapts the image tower (lora.towers)", CNN),
     ("mobileclip-s-tiny", "fl.method=fedotp"): ("matches prompts to the image tower's patch tokens", CNN),
+    **{(stem, "method=mmrl"): (INSERTS, HF.format(hub)) for stem, hub in HF_TEXT.items()},
 }
 
 
@@ -85,8 +92,12 @@ def test_the_meta_towers_verdicts_are_the_real_towers(path):
     cfg = open_clip.get_model_config(name)
     torch.manual_seed(0)
     real, refusal = _image_tower(_build_vision_tower(cfg["embed_dim"], cfg["vision_cfg"]), name)
-    towers = TowerLayers.of_tower(int(cfg["text_cfg"]["layers"]), real, refusal, name)
-    assert towers == TowerLayers.of_model(str(path))
+    meta = TowerLayers.of_model(str(path))
+    if path.stem in HF_TEXT:  # the text tower's blocks from its transformers config (test_text_hf)
+        assert meta.text_refusal is not None and meta.text == 2
+        meta = dataclasses.replace(meta, text_refusal=None, text=int(cfg["text_cfg"].get("layers", 2)))
+    towers = TowerLayers.of_tower(int(cfg["text_cfg"].get("layers", 2)), real, refusal, name)
+    assert towers == meta
     if towers.image_refusal is not None:
         return
     hidden = torch.randn(1, 3, real.width)  # (B, T, W)
@@ -112,6 +123,9 @@ def test_the_tools_refuse_before_the_run_folder(stem, label, folder, tmp_path):
     out = tmp_path / "run"
     data = ["data.name=imagefolder", f"data.root={folder}", "data.num_workers=0", f"output_dir={out}"]
     model = [f"model.name={REPO / 'configs' / 'models' / stem}.json", "model.pretrained=none"]
+    if stem in HF_TEXT:  # its tokenizer, else preflight stops at the (uncached) tokenizer first
+        make_tiny_tokenizer(REPO / "configs" / "models" / f"{stem}.json", tmp_path / "tok")
+        model.append(f"model.tokenizer={tmp_path / 'tok'}")
     args = [*model, *WITHIN, label, *data]
     tool = REPO / "tools" / ("federated.py" if federated else "train.py")
     res = run_tool_in_process(tool, args)

@@ -310,7 +310,10 @@ def test_mmrl_is_refused_in_one_line_when_built(tokenizers):
     cfg = load_config(None, ["method=mmrl", "mmrl.layers=[1]", "mmrl.vision_layers=null"])
     with pytest.raises(coop.model.errors.ModelError) as err:
         build_method(clip, ["dog", "cat"], cfg)
-    assert str(err.value).startswith("model roberta-ViT-B-32's text tower (Hugging Face RobertaModel")
+    assert str(err.value).startswith(
+        "method=mmrl inserts tokens at the text tower's layers, and model roberta-ViT-B-32's text tower "
+        "(Hugging Face RobertaModel"
+    )
     assert "inserted tokens" in str(err.value) and "\n" not in str(err.value)
 
 

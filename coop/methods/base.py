@@ -112,6 +112,7 @@ class Method(nn.Module):
     adds_image_tokens = False  # True: puts tokens into the image tower (`vision.pool_prompts` applies)
     text_prompt = False  # True: a learned text context, `prompt.*` (`coop.model.prompt.PromptLearner`)
     token_features = False  # True: reads image tokens after the final norm (`ImageTower.final_tokens`)
+    inserts_text_tokens = False  # True: inserts tokens at the text tower's layers (MMRL's)
     config_key = "method"  # the key that selects it ("fl.method" for the federated methods)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
@@ -142,6 +143,8 @@ class Method(nn.Module):
             raise ModelError(
                 f"{method} reads features of the image tower's tokens, and {towers.token_refusal}"
             )
+        if cls.inserts_text_tokens and towers.text_refusal is not None:
+            raise ModelError(f"{method} inserts tokens at the text tower's layers, and {towers.text_refusal}")
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:

@@ -52,9 +52,7 @@ from coop.methods.promptsrc import frozen_text_features
 from coop.methods.vpt import VisionPromptMethod
 from coop.methods.zeroshot import resolve_templates
 from coop.model.clip import CLIP
-from coop.model.errors import ModelError
 from coop.model.inserted import InsertedTokens
-from coop.model.text_hf import HFTextTower
 from coop.model.tokenizer import prompt_tokenizer
 
 
@@ -137,6 +135,7 @@ class MMRL(VisionPromptMethod):
 
     name = "mmrl"
     token_features = True  # f_rep: the K tokens after the final norm
+    inserts_text_tokens = True  # its text tokens, from mmrl.layers on
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
@@ -151,8 +150,6 @@ class MMRL(VisionPromptMethod):
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
         super().__init__(clip, classnames, cfg)  # ModelError: a tower without tokens or their features
-        if isinstance(clip.text, HFTextTower):
-            raise ModelError(clip.text.inserted_refusal())
         self.n_sos = int(prompt_tokenizer(clip.tokenizer).sos_id is not None)  # the text tokens go after it
         m = cfg.mmrl
         self.n_tokens, self.rep_dim = int(m.n_tokens), int(m.rep_dim)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import open_clip
@@ -30,8 +30,9 @@ from torch.overrides import TorchFunctionMode
 
 from coop.model.clip import CLIP, _image_tower
 from coop.model.errors import ModelError
+from coop.model.text_hf import HFTextTower, hf_inserted_refusal, hf_tower_config
 from coop.model.text_support import text_support
-from coop.model.tokenizer import hub_tokenizer_name
+from coop.model.tokenizer import hub_reachable, hub_tokenizer_name
 from coop.model.weights import resolve_model_name
 from coop.versions import untested
 
@@ -95,17 +96,23 @@ class TowerLayers:
         image_refusal: why the image tower takes no prompts, one line naming the model (None: it does).
         token_refusal: why the image tower's tokens have no features of their own after its final
             norm (CoCa's attention pool), one line naming the model (None: they have, or no prompts).
+        text_refusal: why no tokens can be inserted at the text tower's layers (MMRL's; a Hugging
+            Face encoder), one line naming the model (None: they can).
     """
 
-    text: int
+    text: int | None  # None: a Hugging Face tower whose transformers config is not here (the table)
     image: int | None
     image_refusal: str | None = None
     token_refusal: str | None = None
+    text_refusal: str | None = None
 
     @classmethod
     def of(cls, clip: CLIP) -> TowerLayers:
         """The towers of a built model."""
-        return cls.of_tower(clip.text.cfg.layers, clip.visual, clip.vision_refusal, clip.name)
+        towers = cls.of_tower(clip.text.cfg.layers, clip.visual, clip.vision_refusal, clip.name)
+        if isinstance(clip.text, HFTextTower):
+            return replace(towers, text_refusal=clip.text.inserted_refusal())
+        return towers
 
     @classmethod
     def of_model(cls, model: str) -> TowerLayers | None:
@@ -118,11 +125,16 @@ class TowerLayers:
         refusal = text_support(name)
         if refusal is not None:
             raise ModelError(refusal)
+        if _hf_text_cfg(name) is not None:  # its layers from its transformers config (ModelError: not here)
+            text = hf_tower_config(name, hub_reachable).layers
+            return replace(cls.of_tower(text, *meta_image_tower(name), name), text_refusal=_hf_refusal(name))
         text = _text_layers(name)
         return cls.of_tower(text, *meta_image_tower(name), name) if text else None
 
     @classmethod
-    def of_tower(cls, text: int, tower: torch.nn.Module, refusal: str | None, name: str) -> TowerLayers:
+    def of_tower(
+        cls, text: int | None, tower: torch.nn.Module, refusal: str | None, name: str
+    ) -> TowerLayers:
         """From the text tower's blocks and the image tower with its refusal (`meta_image_tower`)."""
         if refusal is not None:  # not an `ImageTower`: RN50's stages, ConvNeXt, FastViT
             return cls(text, None, refusal)
@@ -194,6 +206,19 @@ def _text_layers(name: str) -> int:
     return int((open_clip.get_model_config(name) or {}).get("text_cfg", {}).get("layers", 0))
 
 
+def _hf_text_cfg(name: str) -> dict | None:
+    """Model `name`'s `text_cfg` when its text tower is a Hugging Face encoder, else None."""
+    text_cfg = (open_clip.get_model_config(name) or {}).get("text_cfg", {})
+    return text_cfg if text_cfg.get("hf_model_name") else None
+
+
+def _hf_refusal(name: str) -> str:
+    """Why no tokens are inserted into model `name`'s Hugging Face text tower, from its config alone."""
+    return hf_inserted_refusal(
+        f"model {name}'s text tower (Hugging Face '{_hf_text_cfg(name)['hf_model_name']}')"
+    )
+
+
 def meta_image_tower(name: str) -> tuple[torch.nn.Module, str | None]:
     """(image tower, None) when vision prompts enter model `name`'s image tower (our `ImageTower`,
     whose `layers` are its blocks), else (open_clip's module, the reason in one line).
@@ -217,7 +242,10 @@ def model_support(model: str) -> ModelSupport:
     name = resolve_model_name(model)
     cfg = open_clip.get_model_config(name)
     tower, image = meta_image_tower(name)  # built once for both verdicts
-    text_layers = _text_layers(name)
+    text_layers, hf = _text_layers(name), _hf_text_cfg(name) is not None
+    towers = TowerLayers.of_tower(text_layers, tower, image, name) if text_layers else None
+    if hf:  # the kinds of tower from the config alone: its transformers config may not be here
+        towers = replace(TowerLayers.of_tower(None, tower, image, name), text_refusal=_hf_refusal(name))
     return ModelSupport(
         name=name,
         family=family_of(name, cfg),
@@ -225,7 +253,7 @@ def model_support(model: str) -> ModelSupport:
         image=image,
         tokenizer=hub_tokenizer_name(name) or CLIP_BPE,
         pretrained=tuple(open_clip.list_pretrained_tags_by_model(name)),
-        towers=TowerLayers.of_tower(text_layers, tower, image, name) if text_layers else None,
+        towers=towers,
     )
 
 

@@ -169,10 +169,7 @@ class HFTextTower(nn.Module):
 
     def inserted_refusal(self) -> str:
         """Why tokens cannot be inserted at a layer (MMRL's), one line."""
-        return (
-            f"{self.describe()} takes no inserted tokens (MMRL's): transformers' encoder fixes the "
-            "sequence and its mask before its first layer"
-        )
+        return hf_inserted_refusal(self.describe())
 
     def describe(self) -> str:
         """The tower in words, for messages."""
@@ -260,6 +257,14 @@ def hf_tower_refusal(encoder: nn.Module, name: str | None = None) -> str | None:
             f"model {name}'s Hugging Face text tower {type(encoder.transformer).__name__} has no layer list"
         )
     return None
+
+
+def hf_inserted_refusal(tower: str) -> str:
+    """Why no tokens can be inserted at a layer (MMRL's) of the Hugging Face text `tower` (in words)."""
+    return (
+        f"{tower} takes no inserted tokens (MMRL's): transformers' encoder fixes the sequence and its "
+        "mask before its first layer"
+    )
 
 
 def hf_config_refusal(name: str, text_cfg: dict) -> str | None:
