@@ -222,7 +222,6 @@ def noting_fl_sessions(env: dict):
 # The longest files first: `make test` runs `--dist loadfile` (a file per worker), so a long file
 # collected last would run alone at the end.
 LONG_FILES = (
-    "test_federated.py",
     "test_federated_runs.py",
     "test_train.py",
     "test_protocols.py",

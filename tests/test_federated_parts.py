@@ -1,6 +1,7 @@
 """Federated parts without a simulation: partitions, sampling, aggregation, latent-domain prompts,
-the multi-domain reader and bad input. Also `make_multidomain`, the generated multi-domain folder
-(the same classes drawn in three visual styles) that the simulation tests use."""
+the multi-domain reader, bad input and the simulation's reaper. Also `make_multidomain`, the
+generated multi-domain folder (the same classes drawn in three visual styles) that test_federated.py
+uses."""
 
 from __future__ import annotations
 
