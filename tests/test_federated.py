@@ -69,7 +69,7 @@ def reference(promptfl_data, fl_env, tmp_path_factory):
 # ---------------------------------------------------------------- PromptFL
 
 
-def test_promptfl_run_folder(reference, fl_env):
+def test_promptfl_run_folder(reference):
     folder, overrides = reference
     for name in ("config.yaml", "log.txt", "history.csv", "checkpoint.pt", "metrics.json", "partition.json"):
         assert (folder / name).is_file(), name

@@ -46,7 +46,7 @@ def _start(folder: Path, overrides: list[str], env: dict, console: Path) -> subp
         )
 
 
-def _wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
+def _wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {what}"
@@ -134,7 +134,7 @@ def test_a_simulation_killed_and_resumed_equals_the_in_process_run(fl_env, tmp_p
 
     with noting_fl_sessions(fl_env):  # for fl_processes after the run
         resumed = subprocess.run(
-            command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=fl_env, timeout=400
+            command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=fl_env, timeout=600
         )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert fl_processes(fl_env) == {}  # the tool's exit waits for its reaper (coop.federated.reaper)
