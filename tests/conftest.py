@@ -186,7 +186,7 @@ def fl_env(tmp_path_factory, request):
     }
 
 
-_FL_SESSIONS: dict[str, set[int]] = {}  # marker -> the sessions its runs' processes led
+_FL_SESSIONS: dict[str, dict[int, int]] = {}  # marker -> the sessions its runs' processes led (`scan`)
 
 
 def fl_processes(env: dict) -> dict[int, str]:
@@ -196,9 +196,8 @@ def fl_processes(env: dict) -> dict[int, str]:
     of their environment: `coop.federated.reaper.scan`)."""
     from coop.federated.reaper import scan
 
-    sessions = _FL_SESSIONS.setdefault(env["COOP_TEST_RUN"], set())
-    pids, leaders = scan(env["COOP_TEST_RUN"], var="COOP_TEST_RUN", sessions=sessions)
-    sessions |= leaders
+    marker = env["COOP_TEST_RUN"]
+    pids, _FL_SESSIONS[marker] = scan(marker, var="COOP_TEST_RUN", sessions=_FL_SESSIONS.get(marker))
     out = {}
     for pid in pids:
         try:
@@ -232,7 +231,6 @@ def noting_fl_sessions(env: dict):
 # The longest files first: `make test` runs `--dist loadfile` (a file per worker), so a long file
 # collected last would run alone at the end.
 LONG_FILES = (
-    "test_federated.py",
     "test_federated_runs.py",
     "test_train.py",
     "test_protocols.py",

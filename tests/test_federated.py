@@ -1,9 +1,9 @@
-"""Federated prompt learning: real Flower simulations (tiny model, generated images) and their parts.
-
-Each simulation starts a SuperLink, `flwr run` and Ray, which costs 25-35 s on 2 CPU cores, so one
-PromptFL run (3 clients, 3 rounds) is shared by the direct-computation, run-folder and resume
-tests. The other methods' simulations are in test_federated_runs.py (a file of its own, so that
-pytest-xdist runs the two files' simulations side by side).
+"""Federated prompt learning end to end on a tiny model and generated images, through the ServerApp's
+round loop and the ClientApp in one process (tests/local_grid.py: Flower's Message API without a
+SuperLink or Ray): one PromptFL run (3 clients, 3 rounds) shared by the run-folder, TensorBoard and
+direct-computation tests; latent-domain prompts with a failing client; a client failure under
+fl.on_client_failure=stop in the deployed ServerApp. The real simulation (`flwr run`, Ray, SIGKILL
+and resume) is tests/test_federated_runs.py.
 """
 
 from __future__ import annotations
@@ -11,10 +11,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,8 @@ import torch
 pytest.importorskip("flwr")
 pytest.importorskip("flwr_datasets")
 
-from conftest import REPO, TINY_CONFIG, fl_processes, make_image_folder, noting_fl_sessions  # noqa: E402
+from conftest import REPO, TINY_CONFIG, make_image_folder, run_tool_in_process  # noqa: E402
+from local_grid import LocalGrid, flower_identity, run_inprocess  # noqa: E402
 
 from coop.federated import task  # noqa: E402
 
@@ -41,37 +38,16 @@ PROMPTFL = [
     *BASE,
     "data.name=imagefolder",
     f"fl.rounds={ROUNDS}",
-    "fl.local_epochs=12",  # some compute per round: margin for the resume test's kills
+    "fl.local_epochs=2",
     "train.aug_views=2",
     "prompt.csc=true",
     "prompt.depth=2",
 ]
 
 
-def command(folder: Path, overrides: list[str]) -> list[str]:
-    # one Ray actor (~1 GB) runs the three clients in turn, whatever the machine's cores: on 2 cores
-    # that starts faster than two, and with two test files' simulations side by side on a machine
-    # that others use too, memory is what runs out first
-    tool = [sys.executable, str(REPO / "tools" / "federated.py"), "--cpus-per-client", "1", "--num-cpus", "1"]
-    return [*tool, *overrides, f"output_dir={folder}"]
-
-
-def run_tool(
-    folder: Path, overrides: list[str], env: dict, timeout: float = 400
-) -> subprocess.CompletedProcess:
-    with noting_fl_sessions(env):  # for fl_processes after the run
-        return subprocess.run(
-            command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
-        )
-
-
 def history(folder: Path) -> list[dict]:
     path = folder / "history.csv"
     return list(csv.DictReader(path.open())) if path.is_file() else []
-
-
-def ckpt_round(folder: Path) -> int:
-    return int(torch.load(folder / "checkpoint.pt", weights_only=True)["round"])
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +57,19 @@ def promptfl_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(promptfl_data, fl_env, tmp_path_factory):
-    """An uninterrupted PromptFL simulation: 3 clients, 3 rounds, csc, deep prompts, 2 views."""
+    """A PromptFL run: 3 clients, 3 rounds, csc, deep prompts, 2 views."""
     folder = tmp_path_factory.mktemp("fl-reference") / "run"
     overrides = [*PROMPTFL, f"data.root={promptfl_data}"]
-    proc = run_tool(folder, overrides, fl_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert fl_processes(fl_env) == {}  # the tool's exit waits for its reaper (coop.federated.reaper)
-    (folder.parent / "stderr.txt").write_text(proc.stderr)  # the tool's console log
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COOP_CACHE_DIR", fl_env["COOP_CACHE_DIR"])  # the clients' features, for the tests too
+        run_inprocess(folder, overrides, LocalGrid(3))
     return folder, overrides
 
 
-# ---------------------------------------------------------------- simulations
+# ---------------------------------------------------------------- PromptFL
 
 
-def test_promptfl_run_folder(reference, fl_env):
+def test_promptfl_run_folder(reference):
     folder, overrides = reference
     for name in ("config.yaml", "log.txt", "history.csv", "checkpoint.pt", "metrics.json", "partition.json"):
         assert (folder / name).is_file(), name
@@ -117,25 +92,15 @@ def test_promptfl_run_folder(reference, fl_env):
     log = (folder / "log.txt").read_text()
     assert "round 3/3: accuracy" in log
 
-    # a finished run is not repeated: no Ray start, same metrics, checkpoint untouched
+    # a finished run is not repeated by the tool: no simulation, same metrics, checkpoint untouched
     mtime = (folder / "checkpoint.pt").stat().st_mtime_ns
-    again = run_tool(folder, overrides, fl_env, timeout=120)
+    again = run_tool_in_process(
+        REPO / "tools" / "federated.py", [*overrides, f"output_dir={folder}"], log=True
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["accuracy"] == metrics["accuracy"]
-    assert (folder / "checkpoint.pt").stat().st_mtime_ns == mtime
+    assert (folder / "checkpoint.pt").stat().st_mtime_ns == mtime and not (folder / "flower.log").exists()
     assert "finished; not training again" in again.stderr
-
-
-def test_the_simulation_runs_through_flwr_run(reference):
-    """Flower's current entry point (`flwr run` on a simulation SuperLink of the tool's own), no
-    deprecation anywhere, and the console carries the run's log.txt lines, each once."""
-    folder, _ = reference
-    flower = (folder / "flower.log").read_text()
-    assert "Successfully started run" in flower and "Starting Flower Simulation" in flower
-    console, log = (folder.parent / "stderr.txt").read_text(), (folder / "log.txt").read_text()
-    assert "DEPRECATED" not in console + log + flower
-    rounds = [line for line in log.splitlines() if ": accuracy " in line]
-    assert len(rounds) == ROUNDS and all(console.count(line) == 1 for line in rounds)
 
 
 def test_promptfl_tensorboard_one_point_per_round(reference):
@@ -197,66 +162,98 @@ def test_promptfl_equals_direct_computation(reference, fl_env, monkeypatch):
         torch.testing.assert_close(final[key], tensor, rtol=1e-5, atol=1e-6)
 
 
-def _start(folder: Path, overrides: list[str], env: dict, capture: bool = False) -> subprocess.Popen:
-    out = subprocess.PIPE if capture else subprocess.DEVNULL
-    return subprocess.Popen(
-        command(folder, overrides),
-        cwd=REPO,
-        env=env,
-        stdout=out,
-        stderr=out,
-        text=True,
-        start_new_session=True,  # a group of its own, which _kill_when kills
-    )
+# ---------------------------------------------------------------- client failures
 
 
-def _kill_when(proc: subprocess.Popen, ready, env: dict, timeout: float = 300) -> None:
-    """SIGKILL the tool `proc` (its process group) once `ready()`; then no process of its run (which
-    Flower starts in sessions of their own: the SuperExec, flwr-simulation, Ray) may be left."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before it could be killed"
-        assert time.monotonic() < deadline, "timed out waiting to kill the run"
-        time.sleep(0.01)
-    fl_processes(env)  # notes the sessions that the run's processes lead, before they may be gone
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 10  # the reaper acts on the kill at once; 10 s for a loaded machine
-    while left := fl_processes(env):
-        assert time.monotonic() < deadline, f"processes of the killed run are left: {left}"
-        time.sleep(0.05)
+def test_latent_domains_on_multidomain_data_with_a_failing_client(tmp_path):
+    """Leave-one-domain-out on three generated styles, domains mixed across clients by a Dirichlet
+    partition; one client holds an unreadable image, fails every round and is left out of it."""
+    from omegaconf import OmegaConf
+    from test_federated_parts import make_multidomain
 
-
-def test_resume_after_sigkill_at_round_boundary_and_mid_round(reference, fl_env, tmp_path):
-    ref_folder, overrides = reference
+    bad_file = os.path.join("photo", "red_thing", "3.png")
+    root = make_multidomain(tmp_path / "styles", corrupt=bad_file)
     folder = tmp_path / "run"
-    # 0. killed while Ray starts (before the ServerApp has begun): nothing of the run is left
-    ray_starts = lambda: any("raylet" in c for c in fl_processes(fl_env).values())  # noqa: E731
-    _kill_when(_start(folder, overrides, fl_env), ray_starts, fl_env)
-    assert not (folder / "checkpoint.pt").exists()
-    # 1. killed as soon as round 1 is checkpointed (the boundary between rounds 1 and 2; on a loaded
-    #    machine the ServerApp, in a process of Flower's, may finish round 2 before the kill reaches it)
-    _kill_when(_start(folder, overrides, fl_env), lambda: (folder / "checkpoint.pt").is_file(), fl_env)
-    done = ckpt_round(folder)
-    assert 1 <= done < ROUNDS
-    # 2. resumed, then killed while the clients of the next round train
-    log = folder / "log.txt"
-    started = f"round {done + 1}/{ROUNDS}: training"
-    before = log.read_text().count(started)
-    _kill_when(_start(folder, overrides, fl_env), lambda: log.read_text().count(started) > before, fl_env)
-    assert ckpt_round(folder) == done, f"the kill was meant to land inside round {done + 1}"
-    size = log.stat().st_size
-    time.sleep(1.5)  # the ServerApp runs in a process that Flower starts: it must have stopped too
-    assert log.stat().st_size == size and ckpt_round(folder) == done
-    # 3. resumed to the end: the same prompts, history and accuracy as the uninterrupted run
-    proc = run_tool(folder, overrides, fl_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ours = torch.load(folder / "checkpoint.pt", weights_only=True)
-    ref = torch.load(ref_folder / "checkpoint.pt", weights_only=True)
-    assert ours["round"] == ROUNDS and ours["finished"]
-    for key in ref["prompt"]:
-        assert torch.equal(ours["prompt"][key], ref["prompt"][key]), key
-    assert [r["accuracy"] for r in history(folder)] == [r["accuracy"] for r in history(ref_folder)]
-    a, b = (json.loads((f / "metrics.json").read_text()) for f in (folder, ref_folder))
-    assert a["accuracy"] == b["accuracy"] and a["per_class_accuracy"] == b["per_class_accuracy"]
-    assert "resuming" in log.read_text()
+    overrides = [
+        *BASE,
+        "data.name=multidomain",
+        f"data.root={root}",
+        "data.target_domain=sketch",
+        "fl.method=latent_domains",
+        "fl.domains=2",  # neither the number of clients nor of source domains
+        "fl.partition=dirichlet",
+        "fl.rounds=2",
+        "prompt.position=middle",
+        "prompt.depth=2",
+    ]
+    metrics = run_inprocess(folder, overrides, LocalGrid(3))
+
+    ds = task.load_data(OmegaConf.load(folder / "config.yaml"))
+    bad = next(i for i, d in enumerate(ds.train) if d.path.endswith(bad_file))
+    part = json.loads((folder / "partition.json").read_text())
+    culprit = next(c for c, idx in enumerate(part["clients"]) if bad in idx)
+    assert all(set(counts) <= {"photo", "stripes"} for counts in part["domain_counts"])
+
+    rows = history(folder)
+    assert [(r["failed"], r["clients"], r["sampled"]) for r in rows] == [(str(culprit), "2", "3")] * 2
+    assert metrics == json.loads((folder / "metrics.json").read_text())
+    assert [(f["round"], f["client"]) for f in metrics["client_failures"]] == [(1, culprit), (2, culprit)]
+    assert all("3.png" in f["error"] and f["error"].startswith(f"client {culprit}: DataError") for f in
+               metrics["client_failures"])  # fmt: skip
+    assert f"round 1: client {culprit} failed" in (folder / "log.txt").read_text()
+
+    assert metrics["method"] == "latent_domains" and metrics["target_domain"] == "sketch"
+    assert metrics["per_domain_accuracy"] == {"sketch": pytest.approx(metrics["accuracy"], abs=1e-3)}
+    assert metrics["n_test"] == 18 and len(metrics["domain_usage"]) == 2 and sum(metrics["domain_usage"]) > 0
+    prompt = torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
+    assert {"global.deep_ctx", "domain0.deep_ctx", "domain1.deep_ctx", "query"} <= set(prompt)
+
+
+def test_a_client_failure_with_stop_comes_back_to_the_tool_as_one_line(tmp_path):
+    """The deployed ServerApp (`coop.federated.app.server_app`, what `flwr run` starts, here on the
+    in-process grid) with fl.on_client_failure=stop: its FederatedError goes to the result file with
+    its class, which `simulate` raises again in the tool as the same one line; the checkpoint of the
+    last complete round stays (none: round 1 failed). The tool prints a FederatedError as one line
+    and exits with 1."""
+    from flwr.app import Context, RecordDict
+
+    from coop.config.load import load_config, to_yaml
+    from coop.federated.app import server_app
+    from coop.federated.server import FederatedError
+    from coop.federated.simulation import raise_remote
+
+    root = make_image_folder(tmp_path / "images", n_train=6, n_test=4)
+    bad = sorted((root / "train").rglob("*.png"))[0]
+    bad.write_bytes(b"not an image")
+    folder = tmp_path / "run"
+    overrides = [
+        *BASE,
+        "data.name=imagefolder",
+        f"data.root={root}",
+        "fl.rounds=2",
+        "fl.on_client_failure=stop",
+    ]
+    config = tmp_path / "config.yaml"  # the tool's resolved config, as `simulate` writes it
+    config.write_text(
+        to_yaml(load_config(None, [*overrides, f"output_dir={folder}"], base=task.FEDERATED_BASE))
+    )
+    result = tmp_path / "result.json"
+    run_config = {"config": str(config), "overrides": "", "tool-pid": 0, "result-file": str(result)}
+    with flower_identity(), pytest.raises(FederatedError) as e:
+        server_app(LocalGrid(3), Context(1, 0, {}, RecordDict(), run_config))
+    message = str(e.value)
+    assert message.startswith("round 1: client ") and str(bad) in message and "\n" not in message
+    assert message.endswith("fl.on_client_failure=stop, the checkpoint keeps round 0")
+    sent = json.loads(result.read_text())
+    assert sent == {"error": message, "type": "FederatedError", "module": "coop.federated.server"}
+    with pytest.raises(FederatedError) as again:
+        raise_remote(sent)
+    assert str(again.value) == message
+    assert not (folder / "checkpoint.pt").exists() and not (folder / "metrics.json").exists()
+
+    (folder / "checkpoint.pt").write_bytes(b"garbage")  # the tool's own FederatedError: one line, exit 1
+    proc = run_tool_in_process(REPO / "tools" / "federated.py", [*overrides, f"output_dir={folder}"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot read checkpoint {folder / 'checkpoint.pt'} (UnpicklingError); delete it to restart"
+    )

@@ -1,9 +1,11 @@
 """Federated parts without a simulation: partitions, sampling, aggregation, latent-domain prompts,
-the multi-domain reader and bad input. Also `make_multidomain`, the generated multi-domain folder
-(the same classes drawn in three visual styles) that the simulation tests use."""
+the multi-domain reader, bad input and the simulation's reaper. Also `make_multidomain`, the
+generated multi-domain folder (the same classes drawn in three visual styles) that test_federated.py
+uses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -285,7 +287,7 @@ child = (
 with reaper.reaped(marker):
     env = {**os.environ, reaper.RUN_VAR: marker}
     leader = subprocess.Popen([sys.executable, "-c", child, reaper.RUN_VAR], env=env, start_new_session=True)
-    while len(reaper.scan(marker, sessions=[leader.pid])[0]) < 2:  # the leader and its unmarked child
+    while len(reaper.scan(marker, sessions=reaper.scan(marker)[1])[0]) < 2:  # the leader, its unmarked child
         time.sleep(0.05)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     print(other.pid, leader.pid, flush=True)
@@ -315,7 +317,8 @@ def test_no_process_of_a_run_outlives_its_tool(tmp_path, how):
     cmd = [sys.executable, "-c", FAKE_TOOL, marker, how, reaper.__file__]
     tool = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     other, leader = map(int, tool.stdout.readline().split())
-    run = lambda: reaper.scan(marker, sessions=[leader])[0]  # noqa: E731 - the run's processes
+    session = {leader: reaper.start_time(leader)}
+    run = lambda: reaper.scan(marker, sessions=session)[0]  # noqa: E731 - the run's processes
     try:
         if how == "sigkill":
             assert len(run()) == 2, run()  # the session's leader (marked) and its unmarked child
@@ -328,6 +331,83 @@ def test_no_process_of_a_run_outlives_its_tool(tmp_path, how):
         os.kill(other, signal.SIGKILL)
         for pid in run():
             os.kill(pid, signal.SIGKILL)
+
+
+# A session leader (marked when the test says so) that starts an unmarked process in its session,
+# prints that process's pid, and exits when its stdin closes.
+LEADER = (
+    "import os, subprocess, sys; env = {k: v for k, v in os.environ.items() if k != sys.argv[1]}; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], env=env); "
+    "print(child.pid, flush=True); sys.stdin.read()"
+)
+
+
+def _session(env: dict) -> tuple[subprocess.Popen, int]:
+    """(a LEADER started with `env`, the pid of the process it started)."""
+    from coop.federated.reaper import RUN_VAR
+
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEADER, RUN_VAR], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    return leader, int(leader.stdout.readline())
+
+
+def _alive(pid: int) -> bool:  # a zombie is not: its parent may be gone, and nothing reaps it
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_reaper_spares_a_session_whose_id_another_process_leads_now():
+    """A session noted during the run whose id (its leader's pid) another process has taken since:
+    the leader noted exited, its session emptied, and the pid went to a new session leader. The
+    reaper tells them apart by the leader's start time (/proc/<pid>/stat field 22); the session it
+    noted, led by the process it noted, it still kills, with every process in it."""
+    import signal
+
+    from coop.federated import reaper
+
+    marker = f"test-{os.getpid()}-reused"
+    leader, member = _session({k: v for k, v in os.environ.items() if k != reaper.RUN_VAR})  # not the run's
+    try:
+        start = reaper.start_time(leader.pid)
+        reused = {leader.pid: start - 1}  # noted with the start time of the process that had the pid before
+        assert reaper.scan(marker, sessions=reused) == ([], {})  # neither it nor its member, and dropped
+        assert reaper.end_run(marker, reused, timeout=1.0) == 0
+        assert _alive(leader.pid) and _alive(member)
+        noted = {leader.pid: start}  # the process that the reaper saw leading it: the run's
+        assert sorted(reaper.scan(marker, sessions=noted)[0]) == sorted([leader.pid, member])
+        assert reaper.end_run(marker, noted) == 2
+        assert leader.wait(10) == -signal.SIGKILL and _wait_for(lambda: not _alive(member), 5)
+    finally:
+        for pid in (leader.pid, member):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        leader.wait()
+
+
+def test_the_reaper_kills_what_is_left_of_a_noted_session_after_its_leader_exited():
+    """The SuperExec leads the run's session and may exit first: what it leaves in the session (here
+    a process without the marker) is found through the session noted while it ran, and killed."""
+    import signal
+
+    from coop.federated import reaper
+
+    marker = f"test-{os.getpid()}-left"
+    leader, member = _session({**os.environ, reaper.RUN_VAR: marker})
+    try:
+        noted = reaper.scan(marker)[1]
+        assert noted == {leader.pid: reaper.start_time(leader.pid)}
+        leader.stdin.close()
+        assert leader.wait(10) == 0 and reaper.start_time(leader.pid) is None
+        assert reaper.scan(marker)[0] == []  # the marker alone no longer finds it
+        assert reaper.scan(marker, sessions=noted) == ([member], noted)
+        assert reaper.end_run(marker, noted) == 1 and _wait_for(lambda: not _alive(member), 5)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(member, signal.SIGKILL)
 
 
 def test_an_error_of_the_serverapp_is_raised_again_in_the_tool():

@@ -1,12 +1,19 @@
-"""Federated simulations of the other methods (tools/federated.py, tiny model, generated images):
-latent-domain prompts with a failing client, FedOTP (killed and resumed) and FedPGP against the
-in-process grid, and a client failure under fl.on_client_failure=stop. Apart from
-test_federated.py so that pytest-xdist runs the two files' simulations side by side."""
+"""The suite's one real Flower simulation: tools/federated.py as a user runs it, through `flwr run`
+on a SuperLink of its own, Ray running the clients, its Ray actor and then the tool SIGKILLed, and
+the same command resumed to the end. Each launch costs a SuperLink, `flwr run` and Ray (30-50 s on
+2 CPU cores), so this one run carries every check of Flower's processes; the federated logic runs
+in one process elsewhere (tests/local_grid.py, test_federated.py, test_personal_fl.py)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,174 +21,144 @@ import torch
 pytest.importorskip("flwr")
 pytest.importorskip("flwr_datasets")
 
-from conftest import fl_processes, make_image_folder  # noqa: E402
-from test_federated import BASE, _kill_when, _start, ckpt_round, history, run_tool  # noqa: E402
+from conftest import REPO, fl_processes, make_image_folder, noting_fl_sessions  # noqa: E402
+from local_grid import LocalGrid, run_inprocess  # noqa: E402
+from test_personal_fl import BASE, client_personal  # noqa: E402
 
-from coop.federated import task  # noqa: E402
+
+def command(folder: Path, overrides: list[str]) -> list[str]:
+    # one Ray actor (~1 GB) runs the clients in turn, whatever the machine's cores: on 2 cores that
+    # starts faster than two, and on a machine that others use too, memory is what runs out first
+    tool = [sys.executable, str(REPO / "tools" / "federated.py"), "--cpus-per-client", "1", "--num-cpus", "1"]
+    return [*tool, *overrides, f"output_dir={folder}"]
 
 
-def read(path) -> str:
+def _start(folder: Path, overrides: list[str], env: dict, console: Path) -> subprocess.Popen:
+    with console.open("w") as out:  # a file, not a pipe: what the tool wrote stays after a SIGKILL
+        return subprocess.Popen(
+            command(folder, overrides),
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # a group of its own, which _kill_when kills
+        )
+
+
+def _wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _kill(proc: subprocess.Popen, env: dict) -> dict[int, str]:
+    """SIGKILL the tool `proc` (its process group); then no process of its run (which Flower starts
+    in sessions of their own: the SuperExec, flwr-simulation, Ray) may be left. Returns the run's
+    processes at the kill."""
+    running = fl_processes(env)  # also notes the sessions that they lead, before they may be gone
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10  # the reaper acts on the kill at once; 10 s for a loaded machine
+    while left := fl_processes(env):
+        assert time.monotonic() < deadline, f"processes of the killed run are left: {left}"
+        time.sleep(0.05)
+    return running
+
+
+def read(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
 
 
-def test_latent_domains_on_multidomain_data_with_a_failing_client(fl_env, tmp_path):
-    """Leave-one-domain-out on three generated styles, domains mixed across clients by a Dirichlet
-    partition; one client holds an unreadable image, fails every round and is left out of it."""
-    from omegaconf import OmegaConf
-    from test_federated_parts import make_multidomain
+def rows(folder: Path) -> list[dict]:
+    return [
+        {k: v for k, v in r.items() if k != "time_s"} for r in csv.DictReader((folder / "history.csv").open())
+    ]
 
-    bad_file = os.path.join("photo", "red_thing", "3.png")
-    root = make_multidomain(tmp_path / "styles", corrupt=bad_file)
-    folder = tmp_path / "run"
+
+def ckpt_round(folder: Path) -> int:
+    return int(torch.load(folder / "checkpoint.pt", weights_only=True)["round"])
+
+
+def test_a_simulation_killed_and_resumed_equals_the_in_process_run(fl_env, tmp_path, monkeypatch):
+    """FedOTP (QUERY, TRAIN and EVALUATE messages; personal tensors in state files that Ray's actors
+    write), 2 clients, 3 rounds, fl.fraction=0.5 after round 1:
+
+    1. inside round 1 the Ray actor that runs the clients is SIGKILLed (what Ray's memory monitor or
+       the OOM killer do): the client whose message it ran, or was sent next, fails for the round,
+       with one line naming the actor on the console and in log.txt (Flower's traceback and Ray's
+       text go to flower.log), and a new actor runs the rest (`coop.federated.ray_pool`);
+    2. once round 2 trains, the tool is SIGKILLed: no process of its run is left (the reaper:
+       SuperLink, SuperExec, flwr-simulation, Ray's raylet and actor), and log.txt stops growing;
+    3. the same command resumes to the end through `flwr run` (no deprecation anywhere; the console
+       carries the run's new log.txt lines, each once) and leaves no process behind.
+
+    The result equals the run on the in-process grid in which that client fails round 1: global and
+    personal tensors, history, metrics and the failure's line."""
+    root = make_image_folder(tmp_path / "four", classes=("r", "g", "b", "y"), n_train=5, n_test=3)
     overrides = [
         *BASE,
-        "data.name=multidomain",
         f"data.root={root}",
-        "data.target_domain=sketch",
-        "fl.method=latent_domains",
-        "fl.domains=2",  # neither the number of clients nor of source domains
-        "fl.partition=dirichlet",
-        "fl.rounds=2",
-        "prompt.position=middle",
-        "prompt.depth=2",
+        "fl.method=fedotp",
+        "fl.rounds=3",
+        "fl.fraction=0.5",
+        "prompt.n_ctx=4",
     ]
-    proc = run_tool(folder, overrides, fl_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder, console = tmp_path / "ray", tmp_path / "console1.txt"
+    log, flower = folder / "log.txt", folder / "flower.log"
 
-    ds = task.load_data(OmegaConf.load(folder / "config.yaml"))
-    bad = next(i for i, d in enumerate(ds.train) if d.path.endswith(bad_file))
-    part = json.loads((folder / "partition.json").read_text())
-    culprit = next(c for c, idx in enumerate(part["clients"]) if bad in idx)
-    assert all(set(counts) <= {"photo", "stripes"} for counts in part["domain_counts"])
+    proc = _start(folder, overrides, fl_env, console)
+    with noting_fl_sessions(fl_env):
+        _wait_for(proc, lambda: "round 1/3: training" in read(log), "round 1")
+        [actor] = [pid for pid, cmd in fl_processes(fl_env).items() if cmd.startswith("ray::ClientAppActor")]
+        os.kill(actor, signal.SIGKILL)
+        error = f"its Ray actor (pid {actor}) died (SYSTEM_ERROR); a new actor takes its place"
+        lost = f"failed: {error}"
+        _wait_for(proc, lambda: "round 2/3: training" in read(log) and lost in read(console), "round 2")
+        running = _kill(proc, fl_env)
+    commands = list(running.values())
+    assert any("raylet" in c for c in commands) and any(c.startswith("ray::ClientAppActor") for c in commands)
+    assert actor not in running  # a new actor took its place
+    assert ckpt_round(folder) in (1, 2) and not (folder / "metrics.json").exists()
+    size = log.stat().st_size
+    time.sleep(1.5)  # the ServerApp runs in a process that Flower starts: it must have stopped too
+    assert log.stat().st_size == size
+    first = read(console)
+    for text in (first, read(log)):  # the console and log.txt: that one line, none of Ray's
+        assert text.count(lost) == 1, text[-3000:]
+        assert "Traceback" not in text and "ray.exceptions" not in text
+    flower_log = read(flower)  # Flower's traceback and Ray's text stay there
+    assert "Traceback" in flower_log and f"Exception ActorLost occurred. Message: {error}" in flower_log
 
-    rows = history(folder)
-    assert [(r["failed"], r["clients"], r["sampled"]) for r in rows] == [(str(culprit), "2", "3")] * 2
+    with noting_fl_sessions(fl_env):  # for fl_processes after the run
+        resumed = subprocess.run(
+            command(folder, overrides), capture_output=True, text=True, cwd=REPO, env=fl_env, timeout=600
+        )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert fl_processes(fl_env) == {}  # the tool's exit waits for its reaper (coop.federated.reaper)
+    new_lines = read(log)[size:]
+    assert "resuming" in new_lines
+    rounds = [line for line in new_lines.splitlines() if ": accuracy " in line]
+    assert rounds and all(resumed.stderr.count(line) == 1 for line in rounds)
+    flower_log = read(flower)  # both launches went through `flwr run`
+    assert flower_log.count("Successfully started run") == 2 and "Starting Flower Simulation" in flower_log
+    assert "DEPRECATED" not in first + resumed.stderr + read(log) + flower_log
+
     metrics = json.loads((folder / "metrics.json").read_text())
-    assert [(f["round"], f["client"]) for f in metrics["client_failures"]] == [(1, culprit), (2, culprit)]
-    assert all("3.png" in f["error"] and f["error"].startswith(f"client {culprit}: DataError") for f in
-               metrics["client_failures"])  # fmt: skip
-    assert f"round 1: client {culprit} failed" in (folder / "log.txt").read_text()
-
-    assert metrics["method"] == "latent_domains" and metrics["target_domain"] == "sketch"
-    assert metrics["per_domain_accuracy"] == {"sketch": pytest.approx(metrics["accuracy"], abs=1e-3)}
-    assert metrics["n_test"] == 18 and len(metrics["domain_usage"]) == 2 and sum(metrics["domain_usage"]) > 0
-    prompt = torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
-    assert {"global.deep_ctx", "domain0.deep_ctx", "domain1.deep_ctx", "query"} <= set(prompt)
-
-
-PERSONAL_METHODS = {  # extra overrides, global keys, personal keys, killed inside round 2
-    "fedotp": (["fl.method=fedotp"], {"global.ctx"}, {"local.ctx"}, True),
-    "fedpgp": (
-        ["fl.method=fedpgp", "fedpgp.rank=2", "data.subsample_classes=base"],
-        {"sigma"},
-        {"U", "V"},
-        False,
-    ),
-}
-
-
-@pytest.mark.parametrize("method", list(PERSONAL_METHODS))
-def test_personal_simulation_equals_the_in_process_grid(fl_env, tmp_path, monkeypatch, method):
-    """FedOTP and FedPGP (base-to-novel) through the simulation (tools/federated.py), FedOTP killed
-    with SIGKILL inside round 2 (its clients may have written their round-2 state files already) and
-    resumed: the same global and personal tensors and personalised metrics as the uninterrupted run
-    on test_personal_fl's in-process grid. (FedPGP's resume runs the same client-state code; its
-    crashes are tested in process, test_personal_fl.py, to keep the suite's time.)"""
-    from flwr.supercore.task_identity import TaskIdentity
-    from test_personal_fl import BASE as PERSONAL
-    from test_personal_fl import LocalGrid, client_personal, run_inprocess
-
-    extra, global_keys, personal_keys, kill = PERSONAL_METHODS[method]
-    root = make_image_folder(tmp_path / "four", classes=("r", "g", "b", "y"), n_train=5, n_test=3)
-    overrides = [*PERSONAL, f"data.root={root}", *extra, "fl.rounds=3", "fl.fraction=0.5", "prompt.n_ctx=4"]
-    folder = tmp_path / "ray"
-    log = folder / "log.txt"
-    if kill:
-        _kill_when(_start(folder, overrides, fl_env), lambda: "round 2/3: training" in read(log), fl_env)
-        assert ckpt_round(folder) in (1, 2) and not (folder / "metrics.json").exists()
-    proc = run_tool(folder, overrides, fl_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("resuming" in read(log)) == kill
+    [failure] = metrics["client_failures"]
+    assert failure["round"] == 1 and failure["error"] == error
     monkeypatch.setenv("COOP_CACHE_DIR", fl_env["COOP_CACHE_DIR"])
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
-        monkeypatch.setattr(TaskIdentity, name, value)
-    metrics = run_inprocess(tmp_path / "local", overrides, LocalGrid(2))
-    ray, local = (torch.load(tmp_path / f / "checkpoint.pt", weights_only=True) for f in ("ray", "local"))
-    assert set(ray["prompt"]) == global_keys
-    for key in global_keys:
-        assert torch.equal(ray["prompt"][key], local["prompt"][key]), key
-    assert ray["strategy"]["personal_round"] == local["strategy"]["personal_round"]
+    errors = {(1, failure["client"]): failure["error"]}
+    run_inprocess(tmp_path / "local", overrides, LocalGrid(2, errors=errors))
+    ray, ref = (torch.load(tmp_path / f / "checkpoint.pt", weights_only=True) for f in ("ray", "local"))
+    assert set(ray["prompt"]) == {"global.ctx"}
+    assert torch.equal(ray["prompt"]["global.ctx"], ref["prompt"]["global.ctx"])
+    assert ray["strategy"]["personal_round"] == ref["strategy"]["personal_round"]
     for k in (0, 1):  # from each run's client state files (the Ray actors wrote theirs)
         ours, theirs = (client_personal(tmp_path / f, k) for f in ("ray", "local"))
-        assert set(ours) == personal_keys and all(torch.equal(ours[p], theirs[p]) for p in personal_keys)
-    ours = json.loads((folder / "metrics.json").read_text())
-    assert ours["method"] == method and ours["local_per_client"] == metrics["local_per_client"]
-    assert {k: v for k, v in ours.items() if "accuracy" in k or k.startswith("hm")} == {
-        k: v for k, v in metrics.items() if "accuracy" in k or k.startswith("hm")
-    }
-    assert [r["sampled"] for r in history(folder)] == ["2", "1", "1"]
-    fields = ("local_accuracy", "base_accuracy", "novel_accuracy", "global_accuracy")
-    assert [[r[f] for f in fields] for r in history(folder)] == [
-        [r[f] for f in fields] for r in history(tmp_path / "local")
-    ]
-
-
-def test_a_client_failure_with_stop_is_one_line_from_the_serverapps_process(fl_env, tmp_path):
-    """The ServerApp runs in a process that Flower starts; its FederatedError still reaches the
-    tool's console as one line (exit 1), and the checkpoint of the last complete round stays."""
-    root = make_image_folder(tmp_path / "images", n_train=6, n_test=4)
-    bad = sorted((root / "train").rglob("*.png"))[0]
-    bad.write_bytes(b"not an image")
-    folder = tmp_path / "run"
-    overrides = [
-        *BASE,
-        "data.name=imagefolder",
-        f"data.root={root}",
-        "fl.rounds=2",
-        "fl.on_client_failure=stop",
-    ]
-    proc = run_tool(folder, overrides, fl_env)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert fl_processes(fl_env) == {}  # a failed ServerApp leaves no process of its run either
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: round 1: client ") and str(bad) in last
-    assert last.endswith("fl.on_client_failure=stop, the checkpoint keeps round 0")
-    assert not (folder / "checkpoint.pt").exists() and not (folder / "metrics.json").exists()
-
-
-def test_a_lost_ray_actor_fails_one_client_and_is_replaced(fl_env, tmp_path):
-    """SIGKILL of the Ray actor that runs the clients (what Ray's memory monitor or the OOM killer do
-    on a machine short of memory): the first client whose message it was running, or is sent next,
-    fails for that round, with one line naming it and the actor; a new actor runs the other
-    clients, and the run finishes (coop.federated.ray_pool)."""
-    import signal
-    import time
-
-    root = make_image_folder(tmp_path / "images", n_train=6, n_test=4)
-    folder = tmp_path / "run"
-    log = folder / "log.txt"
-    overrides = [*BASE, "data.name=imagefolder", f"data.root={root}", "fl.rounds=2", "fl.local_epochs=4"]
-    proc = _start(folder, overrides, fl_env, capture=True)
-    deadline = time.monotonic() + 300
-    while "round 1/2: training" not in read(log):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.01)
-    [actor] = [pid for pid, cmd in fl_processes(fl_env).items() if cmd.startswith("ray::ClientAppActor")]
-    os.kill(actor, signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-
-    metrics = json.loads((folder / "metrics.json").read_text())
-    [lost] = metrics["client_failures"]
-    assert lost["error"] == f"its Ray actor (pid {actor}) died (SYSTEM_ERROR); a new actor takes its place"
-    rows = history(folder)
-    assert [(r["round"], r["clients"], r["sampled"], r["failed"]) for r in rows] == [
-        (str(r), "2" if r == lost["round"] else "3", "3", str(lost["client"]) if r == lost["round"] else "")
-        for r in (1, 2)
-    ]
-    line = f"round {lost['round']}: client {lost['client']} failed: {lost['error']}"
-    for text in (stderr, read(log)):  # the console and log.txt: that one line, none of Ray's
-        assert text.count(line) == 1 and "Traceback" not in text and "ray.exceptions" not in text
-    flower = read(folder / "flower.log")  # Flower's traceback and Ray's text stay there
-    assert "Traceback" in flower and f"Exception ActorLost occurred. Message: {lost['error']}" in flower
-    assert fl_processes(fl_env) == {}
+        assert set(ours) == {"local.ctx"} and torch.equal(ours["local.ctx"], theirs["local.ctx"])
+    assert rows(folder) == rows(tmp_path / "local")  # the failed client, sampling, bytes, accuracies
+    assert [r["failed"] for r in rows(folder)] == [str(failure["client"]), "", ""]
+    assert metrics == json.loads((tmp_path / "local" / "metrics.json").read_text())

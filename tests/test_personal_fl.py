@@ -3,12 +3,12 @@ draw against a re-derivation of the originals' function (and, for FedPGP's base-
 per-dataset readers: K-shot subset first on DTD, the full base split on Oxford Pets), the OT
 solvers against NumPy float64,
 the patch tokens against open_clip, FedPGP's loss term by term, and both methods end to end on
-Flower's Message API through an in-process grid (the ServerApp's `run_server` and the ClientApp's
-handlers, TRAIN and EVALUATE, no simulation engine), with the personalised metrics recomputed by
+Flower's Message API through an in-process grid (tests/local_grid.py: the ServerApp's `run_server`
+and the ClientApp, TRAIN and EVALUATE, no simulation engine), with the personalised metrics recomputed by
 hand from the checkpoint's global tensors and the clients' state files, no personal tensor in any
 message or in the checkpoint, and crashes (inside a round, after a client saved its state but
 before the server's checkpoint, during the evaluation) resumed to the same tensors. One real Flower
-simulation of FedOTP lives in tests/test_federated.py."""
+simulation of FedOTP lives in tests/test_federated_runs.py."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 pytest.importorskip("flwr")
 
 from conftest import TINY_CONFIG, make_image_folder  # noqa: E402
+from local_grid import LocalGrid, run_inprocess  # noqa: E402
 from test_data import make_split_json_dataset  # noqa: E402
 
 from coop.config.checks import ConfigError
@@ -537,69 +538,11 @@ PERSONAL_KEYS = {"fedpgp": {"U", "V"}, "fedotp": {"local.ctx"}}
 GLOBAL_KEYS = {"fedpgp": {"sigma"}, "fedotp": {"global.ctx"}}
 
 
-class LocalGrid:
-    """Flower's `Grid` in one process: each message goes straight to the ClientApp's handler of
-    its node (partition k on node k + 1). Its Contexts persist while it lives, like SuperNodes'
-    (`contexts`: keep another grid's, as when only the server died); a new grid has new ones, like
-    restarted client processes, whose clients then read their state files. `crash=(phase, n)`
-    raises right after the n-th message of that phase ("train" or "evaluate") was handled, before
-    the server sees the reply. `seen` logs every message: phase, node, config, array keys down/up."""
-
-    def __init__(self, n: int, crash: tuple[str, int] | None = None, contexts: dict | None = None):
-        from flwr.app import Context, RecordDict
-
-        self.contexts = contexts or {
-            k + 1: Context(1, k + 1, {"partition-id": k, "num-partitions": n}, RecordDict(), {})
-            for k in range(n)
-        }
-        self.crash, self.handled, self.seen = crash, defaultdict(int), []
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def send_and_receive(self, messages, timeout=None):
-        from flwr.app import MessageType
-
-        from coop.federated.client import handle_evaluate, handle_query, handle_train
-
-        handlers = {
-            MessageType.QUERY: ("query", handle_query),
-            MessageType.TRAIN: ("train", handle_train),
-            MessageType.EVALUATE: ("evaluate", handle_evaluate),
-        }
-        replies = []
-        for m in messages:
-            phase, handler = handlers[m.metadata.message_type]
-            reply = handler(m, self.contexts[m.metadata.dst_node_id])
-            up = reply.content if reply.has_content() else {}  # an error reply has none
-            keys = {
-                d: set(r["arrays"].keys()) if "arrays" in r else set()
-                for d, r in (("down", m.content), ("up", up))
-            }
-            config = dict(m.content["config"]) if "config" in m.content else {}
-            self.seen.append({"phase": phase, "node": m.metadata.dst_node_id, "config": config, **keys})
-            self.handled[phase] += 1
-            if self.crash == (phase, self.handled[phase]):
-                raise KeyboardInterrupt("killed")  # the server dies inside the round
-            replies.append(reply)
-        return replies
-
-
 def client_personal(folder: Path, k: int) -> dict:
     """Client k's personal tensors of the version the server's checkpoint names, from its state file."""
     rnd = torch.load(folder / "checkpoint.pt", weights_only=True)["strategy"]["personal_round"][k]
     path = folder / "clients" / f"client{k}" / f"personal_round{rnd}.pt"
     return torch.load(path, weights_only=True)["tensors"]
-
-
-@pytest.fixture(scope="module")
-def task_identity():
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # what a ServerApp process has
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 @pytest.fixture(scope="module")
@@ -609,31 +552,15 @@ def four_classes(tmp_path_factory):
     )
 
 
-def run_inprocess(folder: Path, overrides: list[str], grid: LocalGrid) -> dict:
-    from coop.federated.server import run_server
-
-    cfg = load_config(None, [*overrides, f"output_dir={folder}"], base=task.FEDERATED_BASE)
-    task.check_config(cfg)
-    return run_server(grid, cfg)
-
-
 @pytest.fixture(scope="module")
-def personal_runs(task_identity, four_classes, tmp_path_factory):
+def personal_runs(four_classes, tmp_path_factory):
     """FedPGP base-to-novel and FedOTP, 2 clients, 3 rounds, fraction 0.5 after round 1."""
-    import logging
-
-    logger = logging.getLogger("coop")
-    level = logger.level
-    logger.setLevel(logging.INFO)  # progress lines to log.txt, as tools/federated.py sets it
-    try:
-        runs = {}
-        for method, extra in (("fedpgp", ["data.subsample_classes=base", "fedpgp.rank=2"]), ("fedotp", [])):
-            overrides = [*BASE, f"data.root={four_classes}", f"fl.method={method}", f"fl.rounds={ROUNDS}",
-                         "fl.fraction=0.5", "prompt.n_ctx=4", *extra]  # fmt: skip
-            folder, grid = tmp_path_factory.mktemp(method) / "run", LocalGrid(2)
-            runs[method] = (folder, overrides, run_inprocess(folder, overrides, grid), grid)
-    finally:
-        logger.setLevel(level)
+    runs = {}
+    for method, extra in (("fedpgp", ["data.subsample_classes=base", "fedpgp.rank=2"]), ("fedotp", [])):
+        overrides = [*BASE, f"data.root={four_classes}", f"fl.method={method}", f"fl.rounds={ROUNDS}",
+                     "fl.fraction=0.5", "prompt.n_ctx=4", *extra]  # fmt: skip
+        folder, grid = tmp_path_factory.mktemp(method) / "run", LocalGrid(2)
+        runs[method] = (folder, overrides, run_inprocess(folder, overrides, grid), grid)
     return runs
 
 
