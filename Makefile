@@ -42,15 +42,15 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check coop tools tests
 
 bench: $(VENV)/.installed
-	$(PY) tools/bench_text.py
-	$(PY) tools/bench_train.py
-	$(PY) tools/bench_ddp.py --model ViT-B-32 --shots 4 --batch-size 4
-	$(PY) tools/bench_threads.py
+	$(PY) tools/bench/bench_text.py
+	$(PY) tools/bench/bench_train.py
+	$(PY) tools/bench/bench_ddp.py --model ViT-B-32 --shots 4 --batch-size 4
+	$(PY) tools/bench/bench_threads.py
 
 # Parity, text speed-up, peak memory and epoch time on one CUDA GPU (~5 min); writes gpu_check.json.
 # Without CUDA it says so and exits 0. ARGS="--quick" uses fewer images for the epoch.
 gpu-check: $(VENV)/.installed
-	$(PY) tools/gpu_check.py $(ARGS)
+	$(PY) tools/bench/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

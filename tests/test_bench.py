@@ -14,7 +14,9 @@ from conftest import REPO, TINY_CONFIG
 
 
 def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"coop_tool_{name}", REPO / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"coop_tool_{name}", REPO / "tools" / "bench" / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -287,7 +289,7 @@ def test_bench_vl_bad_input_is_one_line():
     image tower."""
     from conftest import run_tool_in_process
 
-    tool = REPO / "tools" / "bench_vl.py"
+    tool = REPO / "tools" / "bench" / "bench_vl.py"
     hf = (
         "model roberta-ViT-B-32's text tower is the Hugging Face model 'roberta-base', whose config is not in "
         "the Hugging Face cache and the hub cannot be reached (offline?): run once where there is network, or "
@@ -319,7 +321,9 @@ def test_bench_text_bad_model_is_one_line(tmp_path):
             "model roberta-ViT-B-32's text tower is the Hugging Face model 'roberta-base', whose config",
         ),
     ):
-        res = run_tool_in_process(REPO / "tools" / "bench_text.py", ["--model", model, "--classes", "2"])
+        res = run_tool_in_process(
+            REPO / "tools" / "bench" / "bench_text.py", ["--model", model, "--classes", "2"]
+        )
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), (
             res.stderr

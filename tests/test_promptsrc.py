@@ -385,7 +385,7 @@ def test_promptsrc_recipes_and_grids(tmp_path):
 
 
 def test_bench_vl_promptsrc_step_matches_the_official_way(tmp_path, capsys):
-    """tools/bench_vl.py --method promptsrc on the tiny model: both sides run, the same loss terms
+    """tools/bench/bench_vl.py --method promptsrc on the tiny model: both sides run, the same loss terms
     and gradients, the speed-up printed."""
     out_json = tmp_path / "vl.json"
     args = ["--method", "promptsrc", "--model", str(REPO / "configs" / "models" / "coop-tiny.json")]

@@ -242,7 +242,7 @@ def test_mmrl_matches_its_reference(family):
 
 @pytest.mark.parametrize("family", ["eva02", "pe-core"], indirect=True)  # CLIP's BPE: the text reference's
 def test_bench_vl_runs_on_the_tower(family, tmp_path, capsys):
-    """tools/bench_vl.py --model on a timm tower: MaPLe's step equals the reference's, and the
+    """tools/bench/bench_vl.py --model on a timm tower: MaPLe's step equals the reference's, and the
     image tokens of the bound are the tower's own (class token + 16 patches) plus the 2 prompts."""
     path, kwargs = family[1], family[3]
     out = tmp_path / "vl.json"

@@ -17,7 +17,7 @@ if OTHER_RANK:
 
 # OpenMP's idle threads sleep instead of spinning: beside another busy process, torch's threads
 # spinning at every parallel region's end took turns with it, and the demo's training epoch ran
-# 2.9x slower (docs/performance.md, tools/bench_threads.py). OpenMP reads its environment once,
+# 2.9x slower (docs/performance.md, tools/bench/bench_threads.py). OpenMP reads its environment once,
 # when torch loads it: hence here, before any tool imports torch. What the user set wins
 # (OMP_WAIT_POLICY, OMP_NUM_THREADS); COOP_OMP_DEFAULTS=0 leaves OpenMP's own defaults.
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -1,7 +1,7 @@
 """Step-by-step reference computations on OpenCLIP's own modules, one module per method family.
 
 This is what the original code computes, slow on purpose: ground truth for the tests and the
-baseline of `tools/bench_text.py`, `tools/bench_cocoop.py` and `tools/bench_vl.py`.
+baseline of `tools/bench/bench_text.py`, `tools/bench/bench_cocoop.py` and `tools/bench/bench_vl.py`.
 
 - `coop.py`: CoOp's and CoCoOp's prompts at the full context length through open_clip's text
   modules (deep prompts too), and that full-length text side for the vision-language methods;

@@ -8,7 +8,7 @@ block with explicit loops over open_clip's `ResidualAttentionBlock`s (ln_1, the 
 projections, attention with open_clip's additive causal mask where the tower has one, out_proj,
 ln_2, mlp), pooled where open_clip pools (`coop.reference.text_parts`). Nothing here
 shares code with `coop.model.lora` or our towers: it is the ground truth of the tests and the
-original-style side of `tools/bench_vl.py --method clip_lora`.
+original-style side of `tools/bench/bench_vl.py --method clip_lora`.
 
 The image side of a timm tower (open_clip's `TimmModel`: SigLIP, EVA, PE-Core, ...) runs open_clip's
 own unmodified forward with every adapted projection's weight replaced by W_t + s * B_t @ A_t

@@ -4,7 +4,7 @@ Every class's prompt runs at the full context length plus K (77 + K tokens, a fr
 over the longer sequence, [EOS] read at its index + K), every image's sequence at 197 + K for
 ViT-B/16, tokens put in place with `torch.cat` before each listed block, and the frozen tower's
 features come from a second, complete pass over the same images. Slow on purpose: ground truth
-for the tests and the baseline of `tools/bench_vl.py --method mmrl`.
+for the tests and the baseline of `tools/bench/bench_vl.py --method mmrl`.
 
 The original knows CLIP's tokenizer only. The text side runs on any family's text modules
 (`coop.reference.text_parts`: its mask, over 77+K when causal, and its pooled token); with a

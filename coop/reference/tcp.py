@@ -4,7 +4,7 @@ Every class's full template ("X X X X {name}, a type of pet.") is tokenised to t
 the four placeholder tokens after [SOS] are replaced by `ctx` with `torch.cat`, and OpenCLIP's
 text blocks run on all 77 positions; before block `layer` the four slots are replaced by the
 meta-net's class tokens (the original's `ResidualAttentionBlock_MaPLe` with `layers=[8]` and
-weight 1.0). Slow on purpose: ground truth for tests/test_tcp.py and tools/bench_text.py.
+weight 1.0). Slow on purpose: ground truth for tests/test_tcp.py and tools/bench/bench_text.py.
 
 The original knows CLIP's tokenizer only. With another family's tokenizer (`tokenizer`) the same
 steps run on that family's text modules (`coop.reference.text_parts`: its mask, its pooled

@@ -142,15 +142,15 @@ def methods_markdown(rows: list[ModelSupport], methods: MethodChecks) -> str:
 
 
 def method_refusals_markdown(rows: list[ModelSupport], methods: MethodChecks) -> str:
-    """Per fact of a tower that refuses methods (no tokens, tokens without features; the model's name
-    left out): the methods it refuses and its models by family. Models that do not load (their
+    """Per fact of a tower that refuses methods (no image tokens, image tokens without features, a
+    text tower that takes no inserted tokens; the first that applies, the model's name left out): the methods it refuses and its models by family. Models that do not load (their
     text tower is refused) are left to the tower refusals above."""
     groups: dict[tuple[str, str], list[ModelSupport]] = defaultdict(list)
     for r in rows:
         if r.text is not None or r.towers is None:
             continue
         refused = [label for label, why in method_verdicts(r, methods).items() if why is not None]
-        fact = r.towers.image_refusal or r.towers.token_refusal
+        fact = r.towers.image_refusal or r.towers.token_refusal or r.towers.text_refusal
         if refused:
             groups[fact.replace(f"model {r.name}", "the model", 1), _names(refused)].append(r)
     lines = [_row(["the model's tower", "methods refused", "models", "families"]), _row(["---"] * 4)]

@@ -1,8 +1,8 @@
-"""The two sides of one training step for tools/bench_vl.py: each method built with its recipe (ours),
+"""The two sides of one training step for tools/bench/bench_vl.py: each method built with its recipe (ours),
 the official computation's loss as a function of the images and labels (the reference), and the
 tokens per step of both with the speed-up they bound.
 
-Which computation the reference follows for each method is described in tools/bench_vl.py.
+Which computation the reference follows for each method is described in tools/bench/bench_vl.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Benchmark one run across ranks: epoch time of 1 rank vs N ranks (torchrun, coop.distributed).
 
-    python tools/bench_ddp.py [--ranks 2] [--device cpu|cuda] [--model ViT-B-16] [--shots 16]
-    python tools/bench_ddp.py --model configs/models/coop-tiny.json --depth 2 --shots 4   # seconds
+    python tools/bench/bench_ddp.py [--ranks 2] [--device cpu|cuda] [--model ViT-B-16] [--shots 16]
+    python tools/bench/bench_ddp.py --model configs/models/coop-tiny.json --depth 2 --shots 4   # seconds
 
 For each rank count (1, then `--ranks`) the script starts `torchrun --standalone
 --nproc-per-node=K` on itself; every rank builds the same run (bundled textile images, random
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from _cli import setup_logging  # noqa: E402
 
 WORKLOADS = {

@@ -1,6 +1,6 @@
 """Benchmark one FedOTP client step: ours vs the original's way of computing it.
 
-    python tools/bench_federated.py [--model ViT-B-16] [--classes 10 100] [--batch 16] [--device cpu]
+    python tools/bench/bench_federated.py [--model ViT-B-16] [--classes 10 100] [--batch 16] [--device cpu]
 
 Both sides compute the same training step (forward + cross-entropy + backward into `global.ctx`
 and `local.ctx`) of `fl.method=fedotp` on the same cached patch tokens (random weights, the first
@@ -14,7 +14,7 @@ N ImageNet class names, the recipe's n_ctx 16, gamma 0.8, eps 0.1, up to 100 ite
   diagonal matrices) and a `.item()` stop check each iteration.
 
 Each side gets `--warmup` untimed steps, then the best of `--repeats` timed steps counts, the two
-sides alternating (`tools/_bench.alternate`); wall and CPU seconds, the speed-up and the largest
+sides alternating (`tools/bench/_bench.alternate`); wall and CPU seconds, the speed-up and the largest
 relative differences of loss and gradients are printed, one JSON line per class count with --json.
 Small sizes run in seconds: `--model configs/models/coop-tiny.json --classes 5 --batch 2`.
 """
@@ -26,14 +26,14 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _bench import alternate, build_models, max_rel_diff  # noqa: E402
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
 
-from coop.config.load import load_config
+from coop.config.load import load_config  # noqa: E402
 from coop.federated.fedotp import FedOTP  # noqa: E402
 from coop.reference.coop import coop_text_features, reference_inputs  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Benchmark training epochs: CoOp's per-step image encoding vs cached image features.
 
-    python tools/bench_train.py [--model ViT-B-32] [--shots 16] [--views 1] [--epochs 3]
+    python tools/bench/bench_train.py [--model ViT-B-32] [--shots 16] [--views 1] [--epochs 3]
 
 On the bundled textile images (random weights, so it runs offline), in the same process and with
 the training code itself (`coop.train.engine.train_one_epoch`):
@@ -22,11 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
 
-from coop.config.load import load_config
+from coop.config.load import load_config  # noqa: E402
 from coop.train.engine import setup, train_one_epoch  # noqa: E402
 from coop.train.run_features import training_features  # noqa: E402
 

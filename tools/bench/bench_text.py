@@ -1,6 +1,6 @@
 """Benchmark the prompt text side: our packed, shared-prefix Transformer vs CoOp's full-77 one.
 
-    python tools/bench_text.py [--model ViT-B-16] [--classes 100] [--n-ctx 4 16]
+    python tools/bench/bench_text.py [--model ViT-B-16] [--classes 100] [--n-ctx 4 16]
                                [--position end middle front] [--repeats 3]
 
 Times forward + backward of `PromptClassifier.text_features()` for ImageNet class names (random
@@ -25,7 +25,7 @@ memory. Small sizes (`--model configs/models/coop-tiny.json --classes 10`)
 run in seconds.
 
 `--model NAME` of any open_clip family whose text tower we reproduce (`coop.model.text_support`)
-prints that family's bound and speed-up: towers built as `tools/_bench_families.py` says (CLIP's
+prints that family's bound and speed-up: towers built as `tools/bench/_bench_families.py` says (CLIP's
 tokenizer, a tiny image tower), the reference through open_clip's own text modules at the full
 context L. Causal towers pooled at [EOS] (CLIP's, EVA, PE-Core, MetaCLIP 2, MobileCLIP-B) keep
 the bound L / (mean tokens per prompt - P); the others (SigLIP, CLIPA, MobileCLIP-S*, CoCa) see
@@ -40,7 +40,7 @@ import resource
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
 from _bench import alternate, build_models, imagenet_prompts, max_rel_diff, text_steps  # noqa: E402

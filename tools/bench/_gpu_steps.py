@@ -1,7 +1,7 @@
-"""The vision-language sections of tools/gpu_check.py: time and peak memory of one training step of
+"""The vision-language sections of tools/bench/gpu_check.py: time and peak memory of one training step of
 MaPLe, CLIP-LoRA and MMRL, ours (with and without grad checkpointing) against the reference.
 
-What each section measures is described in tools/gpu_check.py.
+What each section measures is described in tools/bench/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from _bench import build_models, free, imagenet_method, peak_fields, precision_context, reset_peak, sync
 
 # --tiny: the test suite's model, so that every section runs on a CPU in seconds
-TINY_MODEL = str(Path(__file__).resolve().parents[1] / "configs/models/coop-tiny.json")
+TINY_MODEL = str(Path(__file__).resolve().parents[2] / "configs/models/coop-tiny.json")
 
 # --- MaPLe: one vision-language training step -----------------------------------------------
 
@@ -218,7 +218,7 @@ TIMM_SIZES = {
 
 def check_timm(method: str, device, tiny: bool) -> list[dict]:
     """Time and peak memory of one `method` step ("maple" or "clip_lora") on each timm tower, ours
-    (with and without grad checkpointing) and the reference, built as tools/bench_vl.py builds them
+    (with and without grad checkpointing) and the reference, built as tools/bench/bench_vl.py builds them
     (`_bench_vl`: the family's own image tower, CLIP's tokenizer; the reference's image side is
     timm's own forward)."""
     return per_model(TIMM_SIZES[method], lambda m, sizes, d: timm_steps(method, m, sizes, d), device, tiny)

@@ -1,6 +1,6 @@
 """Benchmark TCP's text step: our packed pass (shared prefix before `tcp.layer`) vs TCP's full-77 one.
 
-    python tools/bench_tcp.py [--model ViT-B-16] [--classes 100] [--layer 8] [--repeats 3]
+    python tools/bench/bench_tcp.py [--model ViT-B-16] [--classes 100] [--layer 8] [--repeats 3]
 
 Times forward + backward of `TCP.text_features()` (ImageNet class names, random weights, the
 "a photo of a {}." template) against the reference TCP computation (`coop.reference.tcp`: every
@@ -28,7 +28,7 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
 from _bench import alternate, build_models, imagenet_method, max_rel_diff  # noqa: E402

@@ -1,7 +1,7 @@
-"""The CoOp sections of tools/gpu_check.py: parity, text speed and the token bound of the text side
+"""The CoOp sections of tools/bench/gpu_check.py: parity, text speed and the token bound of the text side
 against the reference, and the peak memory and epoch time of one CoOp training step.
 
-What each section measures, and its tolerances, are described in tools/gpu_check.py.
+What each section measures, and its tolerances, are described in tools/bench/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def check_text_bound(oc, clip, classes, n_ctxs, device, repeats: int) -> list[di
     """Speed-up of the text side over the reference as a share of the token bound, per layout.
 
     Forward + backward in fp32, shared context, the sides alternating (`_bench.alternate`); the
-    bound is 77 / (mean tokens per prompt - shared prefix), as tools/bench_text.py prints it.
+    bound is 77 / (mean tokens per prompt - shared prefix), as tools/bench/bench_text.py prints it.
     """
     rows = []
     for n in classes:

@@ -1,6 +1,6 @@
 """Benchmark one CoCoOp training step: our batched shared-prefix path vs the original's per-image loop.
 
-    python tools/bench_cocoop.py [--model ViT-B-16] [--classes 100] [--batch 8] [--repeats 2]
+    python tools/bench/bench_cocoop.py [--model ViT-B-16] [--classes 100] [--batch 8] [--repeats 2]
 
 Both sides compute the same step for the same `ctx` and meta-net, in one process: B image
 features (random, as from the frozen image tower; its cost is outside both sides), the meta-net,
@@ -29,7 +29,7 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -1,6 +1,6 @@
 """GPU check: parity with the reference, text speed-up, peak memory and epoch time on one GPU.
 
-    python tools/gpu_check.py [--out DIR] [--quick] [--device cuda:0]      # or: make gpu-check
+    python tools/bench/gpu_check.py [--out DIR] [--quick] [--device cuda:0]      # or: make gpu-check
 
 One script, about 5 minutes on one H100/H200-class GPU, everything on the same device and with
 random weights (offline). It checks, against the reference CoOp computation (`coop.reference.coop`):
@@ -14,7 +14,7 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              M = 4 and 16, class at the end, shared context, fp32 and bf16 (best of 3 after a
              warm-up call);
   text bound the same text side per layout (end, middle, front; M = 4 and 16; 100 and 1,000
-             classes; fp32, the sides alternating, as tools/bench_text.py): shared prefix P, the
+             classes; fp32, the sides alternating, as tools/bench/bench_text.py): shared prefix P, the
              bound 77 / (mean tokens per prompt - P) and the speed-up as a share of it;
   memory     peak GPU memory (torch.cuda.max_memory_allocated) of one 1,000-class training step,
              M = 16, batch 32: ours, ours with grad checkpointing, and the reference;
@@ -39,10 +39,10 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              the MaPLe and CLIP-LoRA steps above on the timm towers of EVA02-B-16 (RoPE),
              ViT-B-16-SigLIP2 (no class token, MAP pool, 64-token text without the causal mask)
              and PE-Core-B-16 (RoPE, MAP pool, 32-token text), 1,000 classes, built as
-             tools/bench_vl.py builds them (CLIP's tokenizer; the reference's image side is timm's
+             tools/bench/bench_vl.py builds them (CLIP's tokenizer; the reference's image side is timm's
              own forward, `coop.reference.timm_vit`); a model the method cannot be built on is one
              row saying why ("not supported: ...").
-  ddp        where several GPUs are visible: one run on 1 GPU vs on all of them (tools/bench_ddp.py:
+  ddp        where several GPUs are visible: one run on 1 GPU vs on all of them (tools/bench/bench_ddp.py:
              torchrun, NCCL, ViT-B/16, CoOp on cached features and MaPLe on pixels, epoch times).
 
 Writes `gpu_check.json` into --out (default: the current folder) and prints a table. Without
@@ -61,7 +61,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402, F401 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
 from _bench import build_models, free  # noqa: E402
@@ -99,7 +99,7 @@ SIZES = {  # --tiny: the test suite's model, so that the whole script runs on a 
 
 
 def check_ddp(device) -> list[dict]:
-    """1 vs all visible GPUs for one run (tools/bench_ddp.py under torchrun, NCCL), when there
+    """1 vs all visible GPUs for one run (tools/bench/bench_ddp.py under torchrun, NCCL), when there
     are several; one row saying why not otherwise."""
     n = torch.cuda.device_count() if device.type == "cuda" else 0
     if n < 2:
@@ -125,7 +125,7 @@ def check_ddp(device) -> list[dict]:
 
 
 def print_ddp(rows: list[dict]) -> None:
-    print("one run across GPUs (tools/bench_ddp.py)")
+    print("one run across GPUs (tools/bench/bench_ddp.py)")
     for r in rows:
         if "skipped" in r:
             print(f"  skipped: {r['skipped']}")

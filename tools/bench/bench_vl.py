@@ -1,6 +1,6 @@
 """Benchmark one VPT, IVLP, MaPLe, PromptSRC, CLIP-LoRA or MMRL training step: ours vs the official way.
 
-    python tools/bench_vl.py --method maple [--model ViT-B-16] [--classes 100 1000] [--batch 4]
+    python tools/bench/bench_vl.py --method maple [--model ViT-B-16] [--classes 100 1000] [--batch 4]
                              [--memory-classes 1000] [--no-memory] [--device cpu]
 
 Both sides compute the same step (forward + cross-entropy + backward into every learned tensor)
@@ -57,7 +57,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
 from _bench import max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402

@@ -1,7 +1,7 @@
 """Benchmark torch's CPU threads on an idle machine and beside one busy process: which OpenMP
 settings the tools start with (`tools/_cli.py`, docs/performance.md).
 
-    python tools/bench_threads.py [--epochs 10] [--repeats 5] [--classes 100] [--model ViT-B-16]
+    python tools/bench/bench_threads.py [--epochs 10] [--repeats 5] [--classes 100] [--model ViT-B-16]
 
 For each setting of OpenMP's environment (torch's defaults; `OMP_WAIT_POLICY=PASSIVE`, the tools'
 default; `OMP_NUM_THREADS=1`), a fresh process (OpenMP reads its environment once, when torch
@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
 from _cli import run_cli  # noqa: E402 - OpenMP's settings before torch (this process runs none)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # name -> the OpenMP environment of the measuring process (COOP_OMP_DEFAULTS=0: nothing else added)
 SETTINGS = {
     "torch's defaults": {},

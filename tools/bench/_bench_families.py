@@ -1,4 +1,4 @@
-"""Text towers of every open_clip family for `tools/bench_text.py --model NAME` (random weights).
+"""Text towers of every open_clip family for `tools/bench/bench_text.py --model NAME` (random weights).
 
     oc, clip = build_family_models("ViT-B-16-SigLIP", device)
     steps = family_steps(oc, classifier)          # {"reference": open_clip's full context, "coop": ours}
@@ -7,7 +7,7 @@ The prompts are tokenised with CLIP's tokenizer (the families' own tokenizers lo
 a vocabulary smaller than CLIP's is widened to 49,408 rows, and a tower pooled at an [EOS] id
 (MetaCLIP 2 worldwide) looks for CLIP's [EOS] id, 49,407. Neither changes what the tower computes
 per token. The image tower is replaced by a tiny ViT, as it plays no part in the text side, unless
-`image_tower=True` (`tools/bench_vl.py`, whose methods prompt it).
+`image_tower=True` (`tools/bench/bench_vl.py`, whose methods prompt it).
 
 The reference assembles CoOp's prompts at the full context (`coop.reference.coop.coop_layout`) and runs
 them through open_clip's own text modules as its `TextTransformer.forward` does after the token
