@@ -132,7 +132,7 @@ def test_text_method_trains(family, family_features, method_name):
 
 def trains_two_steps(method, inputs: torch.Tensor) -> None:
     """Two SGD steps of `method` on `inputs` (features or images): the loss is finite, every learned
-    tensor moves and no CLIP weight gets a gradient."""
+    tensor moves (or gets a gradient at the second step) and no CLIP weight gets a gradient."""
     labels = torch.arange(len(inputs)) % len(method.classnames)
     before = {k: v.detach().clone() for k, v in method.learnable().items()}
     params = [p for p in method.parameters() if p.requires_grad]
@@ -149,7 +149,11 @@ def trains_two_steps(method, inputs: torch.Tensor) -> None:
         f"{method.name}: a frozen weight has a gradient"
     )
     after = method.learnable()
-    moved = [k for k in before if not torch.equal(before[k], after[k].detach())]
+    # A tensor that got a gradient at the second step but did not move: its step is below float
+    # resolution. CLIP-LoRA's A matrices start with B = 0 and so get their first gradient then; on
+    # the tiny Hugging Face towers (attention nearly uniform at transformers' init) q and k's are ~1e-10.
+    learning = [k for k in before if after[k].grad is not None and bool(after[k].grad.any())]
+    moved = [k for k in before if not torch.equal(before[k], after[k].detach()) or k in learning]
     assert moved == list(before), f"{method.name}: {set(before) - set(moved)} did not move"
 
 

@@ -26,6 +26,7 @@ from coop.methods import METHODS
 from coop.model.clip import _image_tower
 from coop.model.errors import ModelError
 from coop.model.support import TowerLayers
+from coop.model.text_hf import hf_tower_config
 from coop.model.tiny_tokenizers import make_tiny_tokenizer
 from coop.model.weights import resolve_model_name
 from coop.train.preflight import check_model_limits
@@ -93,11 +94,14 @@ def test_the_meta_towers_verdicts_are_the_real_towers(path):
     torch.manual_seed(0)
     real, refusal = _image_tower(_build_vision_tower(cfg["embed_dim"], cfg["vision_cfg"]), name)
     meta = TowerLayers.of_model(str(path))
-    if path.stem in HF_TEXT:  # the text tower's blocks from its transformers config (test_text_hf)
-        assert meta.text_refusal is not None and meta.text == 2
-        meta = dataclasses.replace(meta, text_refusal=None, text=int(cfg["text_cfg"].get("layers", 2)))
-    towers = TowerLayers.of_tower(int(cfg["text_cfg"].get("layers", 2)), real, refusal, name)
-    assert towers == meta
+    if path.stem in HF_TEXT:  # the text tower's blocks from its transformers config (inline here)
+        text = hf_tower_config(name).layers
+        assert meta.text_refusal.startswith(f"model {name}'s {HF.format(HF_TEXT[path.stem])}")
+    else:
+        text = int(cfg["text_cfg"]["layers"])
+        assert meta.text_refusal is None
+    towers = TowerLayers.of_tower(text, real, refusal, name)
+    assert towers == dataclasses.replace(meta, text_refusal=None)
     if towers.image_refusal is not None:
         return
     hidden = torch.randn(1, 3, real.width)  # (B, T, W)

@@ -72,8 +72,12 @@ def test_method_verdicts_are_the_methods_own_checks(row, methods):
         assert refused == [f"method={m}" for m in METHODS if m in image] + ["fl.method=fedotp"]
     assert method_verdicts(row["ViT-B-16"], methods) == dict.fromkeys(methods)
     assert method_verdicts(row["ViT-B-16-SigLIP"], methods) == dict.fromkeys(methods)  # MAP: timm's tokens
-    roberta = method_verdicts(row["roberta-ViT-B-32"], methods)
-    assert set(roberta.values()) == {"model roberta-ViT-B-32 does not load (its text tower is refused)"}
+    roberta = method_verdicts(row["roberta-ViT-B-32"], methods)  # a Hugging Face text tower
+    assert [m for m, why in roberta.items() if why] == ["method=mmrl"]
+    assert roberta["method=mmrl"].startswith(
+        "method=mmrl inserts tokens at the text tower's layers, and model roberta-ViT-B-32's text tower "
+        "(Hugging Face 'roberta-base') takes no inserted tokens (MMRL's)"
+    )
 
 
 def test_one_model_by_name_or_config_file():
