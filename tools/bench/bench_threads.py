@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from _cli import run_cli  # noqa: E402 - OpenMP's settings before torch (this process runs none)
 
 REPO = Path(__file__).resolve().parents[2]
