@@ -260,3 +260,12 @@ def test_federated_checks_refuse_a_depth_above_the_tower():
         ConfigError, match=r"^prompt.depth must be in 1..3 \(the text tower's layers\), got 4$"
     ):
         check_config(cfg)
+
+
+def test_an_empty_model_pretrained_is_refused_not_random_weights():
+    """OmegaConf reads `model.pretrained=` as null, which would train on random weights unasked."""
+    with pytest.raises(
+        ConfigError, match="^model.pretrained= is empty: give an open_clip tag or a weights file"
+    ):
+        load_config(None, ["model.pretrained="])
+    assert load_config(None, ["model.pretrained=none"]).model.pretrained == "none"

@@ -29,6 +29,7 @@ SCHEMA = OmegaConf.structured(RunConfig)  # the typed defaults that every config
 NOT_EMPTY = {
     "model.tokenizer": "give a saved Hugging Face tokenizer's directory, or model.tokenizer=null for the "
     "model's own tokenizer",
+    "model.pretrained": "give an open_clip tag or a weights file, or model.pretrained=none for random weights",
 }
 
 # Keys that cannot change a run's results: a run may be resumed with other values, and result
