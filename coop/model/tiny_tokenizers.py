@@ -126,14 +126,20 @@ def _sentencepiece(specials: list[str], bpe: bool = False) -> Tokenizer:
     return tok
 
 
+# RoBERTa's, XLM-R's and NLLB's special tokens, at ids 0.. in this order, and their roles
+SENTENCE_IDS = ["<s>", "<pad>", "</s>", "<unk>"]
+SENTENCE_SPECIALS = dict(
+    bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>", pad_token="<pad>", unk_token="<unk>"
+)
+
+
 def roberta_like(path):
     """A RoBERTa-like tokenizer: byte-level BPE ("Ġ" marks a leading space), "<s> $A </s>", specials
     <s> 0, <pad> 1, </s> 2, <unk> 3 (roberta-base's ids)."""
     from transformers import RobertaTokenizerFast
 
-    specials = ["<s>", "<pad>", "</s>", "<unk>"]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab, merges = dict.fromkeys([*specials, *sorted(alphabet)]), []
+    vocab, merges = dict.fromkeys([*SENTENCE_IDS, *sorted(alphabet)]), []
     for word in [*("Ġ" + w for w in WORDS), *WORDS]:  # "Ġ" + first, so "Ġphoto" is one token
         for i in range(2, len(word) + 1):
             if word[:i] not in vocab:
@@ -145,12 +151,7 @@ def roberta_like(path):
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), add_prefix_space=False)
     fast = RobertaTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        sep_token="</s>",
-        cls_token="<s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
+        **SENTENCE_SPECIALS,
         mask_token="<unk>",
     )
     fast.save_pretrained(path)
@@ -159,18 +160,13 @@ def roberta_like(path):
 
 def xlmr_like(path):
     """An XLM-R-like tokenizer: SentencePiece pieces, "<s> $A </s>", <s> 0, <pad> 1, </s> 2, <unk> 3."""
-    tok = _sentencepiece(["<s>", "<pad>", "</s>", "<unk>"])
+    tok = _sentencepiece(SENTENCE_IDS)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
     )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        cls_token="<s>",
-        sep_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
+        **SENTENCE_SPECIALS,
     )
     fast.save_pretrained(path)
     return path
@@ -182,18 +178,12 @@ def nllb_like(path, languages=("eng_Latn", "fra_Latn")):
     language codes after the pieces."""
     from transformers import NllbTokenizerFast
 
-    specials = ["<s>", "<pad>", "</s>", "<unk>"]
-    tok = _sentencepiece(specials, bpe=True)
+    tok = _sentencepiece(SENTENCE_IDS, bpe=True)
     tok.add_special_tokens(list(languages))
     fast = NllbTokenizerFast(
         tokenizer_object=tok,
         src_lang=languages[0],
-        bos_token="<s>",
-        eos_token="</s>",
-        sep_token="</s>",
-        cls_token="<s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
+        **SENTENCE_SPECIALS,
         extra_special_tokens=list(languages),
     )
     fast.save_pretrained(path)
