@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -230,6 +231,20 @@ def noting_fl_sessions(env: dict):
 
 # The longest files first: `make test` runs `--dist loadfile` (a file per worker), so a long file
 # collected last would run alone at the end.
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any connection attempt fails the test; the hub is offline for huggingface_hub too."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a test tried to reach the network: {args[:2]}")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
 LONG_FILES = (
     "test_federated_runs.py",
     "test_train.py",

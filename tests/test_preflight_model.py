@@ -7,7 +7,6 @@ for the tiny configs come from tools/make_tokenizer.py."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 from conftest import REPO, TINY_CONFIG, run_tool_in_process, tiny_args
@@ -29,14 +28,7 @@ HF_OFFLINE = (
 )
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"a test tried to reach the network: {args[:2]}")
-
-    monkeypatch.setattr(socket, "create_connection", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")  # conftest: any connection fails the test
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ the same directory. Nothing may reach the network.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import open_clip
@@ -36,16 +35,7 @@ TEXTS = ["a photo of a dog.", "A photo of a St. Bernard (dog).", "golden_retriev
 CLASSES = ["dog", "golden_retriever", "St. Bernard", "crane (bird)", "airliner"]
 
 
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Any connection attempt fails the test; the hub is offline for huggingface_hub too."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"a test tried to reach the network: {args[:2]}")
-
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(socket.socket, "connect", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")  # conftest: any connection fails the test
 
 
 # family: (open_clip model, tokenizer builder, expected (sos, eos, pad) ids)
