@@ -241,12 +241,16 @@ def _projection(proj: nn.Module) -> str:
     return "linear" if isinstance(proj, nn.Linear) else "mlp"
 
 
+# open_clip's MaxPooler masks with its own integer mask, which masked_fill refuses
+MAX_POOLER = "pools with open_clip's MaxPooler, which fails on its own mask"
+
+
 def hf_tower_refusal(encoder: nn.Module, name: str | None = None) -> str | None:
     """Why a built `HFTextEncoder` cannot take prompts here (one line naming the model), else None."""
     name = name or type(encoder).__name__
     pooler = type(encoder.pooler).__name__
     if pooler == "MaxPooler":  # masked_fill with open_clip's integer mask raises
-        return f"model {name}'s text tower pools with open_clip's MaxPooler, which fails on its own mask"
+        return f"model {name}'s text tower {MAX_POOLER}"
     if not hasattr(encoder, "proj"):  # open_clip sets none for proj_type None at another width
         return f"model {name}'s text tower has no projection from its width to the embedding size"
     config = encoder.config
@@ -272,7 +276,7 @@ def hf_config_refusal(name: str, text_cfg: dict) -> str | None:
     None: read from the config alone, nothing built or downloaded."""
     pooler = text_cfg.get("hf_pooler_type", "mean_pooler")  # open_clip's CLIPTextCfg default
     if pooler == "max_pooler":
-        return f"model {name}'s text tower pools with open_clip's MaxPooler, which fails on its own mask"
+        return f"model {name}'s text tower {MAX_POOLER}"
     if pooler not in open_clip.hf_model._POOLERS:
         return f"model {name}'s text tower names pooler '{pooler}', which open_clip does not have"
     return None
