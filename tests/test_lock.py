@@ -143,17 +143,29 @@ def test_a_sweep_point_whose_other_writer_stopped_is_a_failure_naming_the_refusa
     assert (run.returncode, run.error) == (1, "exit code 1: ValueError: boom")
 
 
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid` (its DataLoader workers, for a training run)."""
-    found = []
+def forked_children(pid: int) -> list[int]:
+    """The live processes that `pid` forked (its DataLoader workers, for a training run): children
+    running the same executable, so a helper program it ran (`ldconfig`, say) is left out."""
+    found, exe = [], os.path.realpath(f"/proc/{pid}/exe")
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
+            same_program = os.path.realpath(stat.parent / "exe") == exe
         except OSError:
             continue
-        if fields[1] == str(pid) and fields[0] != "Z":
+        if fields[1] == str(pid) and fields[0] != "Z" and same_program:
             found.append(int(stat.parent.name))
     return found
+
+
+def open_files(pid: int) -> set[str]:
+    """The files `pid` has open (empty once it has exited)."""
+    targets = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                targets.add(os.readlink(fd))
+    return targets
 
 
 def alive(pid: int) -> bool:
@@ -167,7 +179,12 @@ def alive(pid: int) -> bool:
 def test_a_rerun_right_after_sigkill_of_a_run_with_loader_workers_resumes(tmp_path, image_folder):
     """kill -9 of a run while its DataLoader workers live, and the same command at once: the
     orphaned workers (forked with the lock's file open) must not hold the folder's lock, so the
-    rerun is not refused but resumes and finishes."""
+    rerun is not refused but resumes and finishes.
+
+    An orphaned worker exits as soon as it notices its parent is gone, which on a fast machine can
+    be before the rerun starts; so the run and its workers are stopped (SIGSTOP: alive, every
+    descriptor kept) the moment a worker appears, each worker running on only until fork's handler
+    has dropped its copy of the lock's descriptor, and the kill comes to the stopped run."""
     import time
 
     out = tmp_path / "run"
@@ -178,20 +195,33 @@ def test_a_rerun_right_after_sigkill_of_a_run_with_loader_workers_resumes(tmp_pa
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    lock = str((out / LOCK_FILE).resolve())
     deadline, workers = time.time() + 300, []
-    while not workers and time.time() < deadline and proc.poll() is None:
-        workers = children(proc.pid)  # the loader workers that compute the image features
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
     try:
-        assert workers, "the run had no loader workers when it was killed"
-        assert any(alive(w) for w in workers), "the orphaned workers exited before the rerun"
+        while not workers and time.time() < deadline and proc.poll() is None:
+            workers = forked_children(proc.pid)  # the loader workers that compute the image features
+            time.sleep(0.002)
+        assert workers, "the run had no loader workers"
+        for pid in (proc.pid, *workers):
+            os.kill(pid, signal.SIGSTOP)
+        handlers_deadline = time.time() + 30
+        while (holding := [w for w in workers if lock in open_files(w)]) and time.time() < handlers_deadline:
+            for w in holding:  # forked a moment ago: let it run fork's handlers
+                os.kill(w, signal.SIGCONT)
+            time.sleep(0.005)
+            for w in holding:
+                os.kill(w, signal.SIGSTOP)
+        assert not holding, "a loader worker kept the lock's descriptor"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert all(alive(w) for w in workers)
         res = run_tool_in_process(REPO / "tools" / "train.py", args)
         assert res.returncode == 0, res.stderr[-2000:]
         assert (out / "metrics.json").is_file()
     finally:
-        for w in workers:  # orphans exit once they notice their parent is gone (seconds)
+        proc.kill()
+        proc.wait()
+        for w in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w, signal.SIGKILL)
 
