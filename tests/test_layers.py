@@ -18,7 +18,7 @@ RANKS = [
     {"model", "data"},
     {"methods", "reference"},
     {"train", "results"},
-    {"federated"},
+    {"federated", "tta"},
     {"interop"},
     {"face"},  # coop/__init__.py
 ]

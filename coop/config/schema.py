@@ -67,6 +67,7 @@ class DataConfig:
     split_file: str | None = (
         None  # imagefolder: a CoOp split JSON (tools/make_split.py); see coop.data.datasets
     )
+    descriptions: str | None = None  # class -> sentences JSON (coop.data.descriptions); hicropl, coprompt
 
 
 @dataclass
