@@ -1,7 +1,7 @@
 """open_clip's Hugging Face text towers (`HFTextEncoder`: RoBERTa, XLM-R, mT5, NLLB), run through
 transformers' own modules, with prompts placed by hooks.
 
-    text = HFTextTower(open_clip_model.text, name)      # a copy of the tower, same state-dict keys
+    text = HFTextTower(open_clip_model.text, name)      # the tower's modules, same state-dict keys
     text(ids)                                           # open_clip's encode_text
     text.encode_embeddings(prompts, eos, deep, slots)   # prompts (N, L, W) from token embeddings
 
@@ -12,7 +12,8 @@ XLMRobertaModel, the encoder stack of MT5Model or of NLLB's M2M100Model), one of
     mask = ids != pad_token_id
     feats = proj(pooler(transformer(input_ids=ids, attention_mask=mask), mask))
 
-This tower keeps those three modules (copies, under open_clip's keys) and runs the same lines. A
+This tower takes those three modules over (the same modules under open_clip's keys, not copies: the
+weights are held once at load, as for the timm image towers) and runs the same lines. A
 prompt enters as `inputs_embeds` (the encoder adds its own positions: RoBERTa's and NLLB's start
 at padding_idx + 1, mT5 has relative position biases) with the mask over the prompt's tokens,
 [SOS]/language code through [EOS]. Deep prompts replace the hidden states at the context slots
@@ -26,7 +27,6 @@ batch of prompts is cut to its longest row (`cut_length`), which changes no feat
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import re
@@ -71,7 +71,10 @@ class HFTextTower(nn.Module):
     """open_clip's `HFTextEncoder` as a prompt-taking text tower; `state_dict()` keys equal its keys.
 
     Args:
-        encoder: open_clip's `HFTextEncoder` (copied; the given module is not modified).
+        encoder: open_clip's `HFTextEncoder`; its transformer, pooler and projection become this
+            tower's modules (shared with `encoder`, not copied), so whatever changes one (dtype,
+            device, requires_grad, hooks, LoRA) changes the other. Copy `encoder` first to keep an
+            independent one.
         name: the model's name, for messages.
         context_length: ids per row of the model's tokenizer (open_clip's default, 77).
     """
@@ -82,9 +85,9 @@ class HFTextTower(nn.Module):
         refusal = hf_tower_refusal(encoder, name)
         if refusal:
             raise ModelError(refusal)
-        self.transformer = copy.deepcopy(encoder.transformer)
-        self.pooler = copy.deepcopy(encoder.pooler)
-        self.proj = copy.deepcopy(encoder.proj)
+        self.transformer = encoder.transformer
+        self.pooler = encoder.pooler
+        self.proj = encoder.proj
         config = encoder.config
         width = self.token_embedding.weight.shape[1]
         self.cfg = HFTextConfig(
