@@ -201,10 +201,13 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
                 overrides = [f"{k}={format_value(v)}" for k, v in point.items() if k not in yielding]
                 cfg = load_config(config, overrides)
             refusal = model_refusal(cfg, refusals)
-            if not refusal:
-                check_model_limits(cfg)  # e.g. prompt.depth above the text tower's layers
         except (ConfigError, ModelError) as e:
             raise ConfigError(f"point {where}: {e}") from None
+        if not refusal:
+            try:  # a point's own limit (prompt.depth above the text tower's layers) refuses that point
+                check_model_limits(cfg)
+            except (ConfigError, ModelError) as e:
+                refusal = str(e)
         if cfg.data.name not in DATASETS:
             raise ConfigError(f"point {where}: unknown data.name '{cfg.data.name}' ({', '.join(DATASETS)})")
         problem = _data_problem(cfg)
