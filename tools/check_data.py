@@ -13,6 +13,9 @@ images, or all with --full, with a progress bar). Prints a table, one row per da
 line per finding saying which file to fetch, from where CoOp's DATASETS.md says to get it, and
 where to put it.
 
+2SFS's released few-shot split files in a dataset's split_fewshot/ (data.fewshot_source=jsonl)
+are checked too: every entry must be an image of the train or val split, with its label.
+
 With --descriptions (one dataset): the description file (`data.descriptions`) against the
 dataset's classes, one line per class without sentences (an error: a run refuses it) and per class
 with sentences longer than the context of --model's tokenizer, in tokens (a warning: a run

@@ -17,7 +17,10 @@ Per dataset it checks, read-only (nothing is ever written into DATA):
 5. that images decode: a sample of `sample` images, or all of them (`sample=None`);
 6. with a description file (`data.descriptions`, `coop.data.descriptions`): every class has
    sentences (an error per class without an entry or with an empty list), and no sentence is
-   longer than the tokenizer's context (a warning per class: a run truncates them).
+   longer than the tokenizer's context (a warning per class: a run truncates them);
+7. 2SFS's released few-shot split files in the dataset's `split_fewshot/` (`coop.data.jsonl_splits`,
+   `data.fewshot_source=jsonl`): every entry of each resolves to an image of the train or val
+   split, with the reader's label (an error per file, naming its first bad line).
 
 CIFAR-10/100 (`coop.data.cifar`) are torchvision's python-version folders: the doctor checks their
 files and counts (torchvision checks the MD5 sums) and decodes the PNGs only once a read has
@@ -39,6 +42,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -57,8 +61,10 @@ from coop.data.datasets import (
     read_split_json_dataset,
 )
 from coop.data.descriptions import check_descriptions
+from coop.data.fewshot import FEWSHOT_DIR
 from coop.data.imagenet_variants import CLASSNAMES_FILE, IMAGENET_VARIANTS, read_imagenet_variant
 from coop.data.images import load_image
+from coop.data.jsonl_splits import JSONL_FILE, image_index, read_jsonl_split
 
 GENERIC_NAMES = frozenset({"images", "jpg", "train", "val", "test", CLASSNAMES_FILE})  # not searched for
 SEARCH_DEPTH = 3  # how deep under DATA a misplaced file or folder is looked for
@@ -303,6 +309,24 @@ def check_images(name: str, src: Source, sample: int | None, seed: int = 0) -> l
     return problems
 
 
+def check_jsonl_splits(src: Source) -> list[tuple[str, str]]:
+    """(problem, fix) for each 2SFS split file in `src`'s `split_fewshot/` with an entry that does not
+    resolve (`coop.data.jsonl_splits.read_jsonl_split`: the first bad line)."""
+    folder = os.path.join(src.dataset_dir or "", FEWSHOT_DIR)
+    if src.dataset_dir is None or not os.path.isdir(folder):
+        return []
+    files = sorted(f for f in os.listdir(folder) if JSONL_FILE.fullmatch(f))
+    index = image_index(src) if files else {}
+    problems = []
+    for f in files:
+        try:
+            read_jsonl_split(Path(folder) / f, src, index)
+        except DataError as e:
+            fix = "fetch it again with 2SFS's scripts/download_splits.sh, or fix the dataset's images"
+            problems.append((str(e), fix))
+    return problems
+
+
 def check_dataset(
     name: str,
     root,
@@ -347,6 +371,7 @@ def check_dataset(
     report.errors += errors
     if name not in CIFAR_FOLDERS or os.path.isdir(os.path.join(src.image_dir, "train")):
         report.errors += check_images(name, src, sample)  # CIFAR: torchvision checked the arrays' MD5s
+    report.errors += check_jsonl_splits(src)
     if descriptions is not None:
         try:
             errors, warnings = check_descriptions(descriptions, src.classnames, *tokens)

@@ -8,6 +8,8 @@
                               # ModelError: vision prompts for a tower without tokens (RN50),
                               # image tokens from CoCa's attention pool (MMRL, FedOTP)
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
+    check_fewshot_files(cfg)  # DataError: a 2SFS split file (data.fewshot_source=jsonl) missing or
+                              # with an entry that does not resolve in the DATA folder
 
 The towers come from OpenCLIP's model config (a name, or a model-config .json) and the towers
 built on the meta device, so no weights are loaded or downloaded (the tokenizer is loaded: it is
@@ -29,6 +31,7 @@ from omegaconf import DictConfig
 from open_clip.tokenizer import SimpleTokenizer
 
 from coop.config.checks import ConfigError
+from coop.data import build_dataset
 from coop.methods import METHODS
 from coop.methods.base import Method, TowerLayers
 from coop.model.text_support import TextConfig, text_config
@@ -115,4 +118,20 @@ def check_base_to_new(cfg: DictConfig) -> None:
     raise ConfigError(
         f"{what} and cannot score the new classes that data.subsample_classes=base evaluates after "
         "training; use shared context (prompt.csc=false)"
+    )
+
+
+def check_fewshot_files(cfg: DictConfig) -> None:
+    """With data.fewshot_source=jsonl, read 2SFS's split files for (data.shots, data.seed) as the run
+    will (`coop.data.jsonl_splits`): a DataError in one line naming the file, the line and the path
+    of an entry that does not resolve in the DATA folder. Nothing to check for our own draw."""
+    if cfg.data.fewshot_source != "jsonl":
+        return
+    build_dataset(
+        cfg.data.name,
+        cfg.data.root,
+        shots=int(cfg.data.shots),
+        seed=int(cfg.data.seed),
+        split_file=cfg.data.split_file,
+        fewshot_source="jsonl",
     )
