@@ -82,3 +82,26 @@ def test_both_layouts_and_matching(tmp_path):
     assert load_descriptions(bags, ["cat"]) == [["round.", "grey.", "black."]]
     with pytest.raises(DataError, match=r"has no sentences for class 'dog'$"):
         load_descriptions(flat, ["cat", "dog"])
+
+
+def test_a_run_refuses_a_class_without_sentences_before_its_folder(image_folder, tmp_path):
+    from conftest import REPO, run_tool_in_process, tiny_args
+
+    from coop.config.load import load_config
+    from coop.train.preflight import check_data_files
+
+    path = tmp_path / "d.json"  # the folder's classes, sorted: blue_thing, green_thing, red_thing
+    path.write_text(json.dumps({"blue thing": ["a blue thing."], "green_thing": ["a green thing."]}))
+    out = tmp_path / "run"
+    res = run_tool_in_process(
+        REPO / "tools" / "train.py", tiny_args(image_folder, out, **{"data.descriptions": path})
+    )
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"error: data.descriptions: {path} has no sentences for class 'red_thing'"
+    ]
+    assert not out.exists()
+    # the classes the run trains on: base-to-new's base half (2 of 3) is described
+    base = tiny_args(image_folder, out, **{"data.descriptions": path, "data.subsample_classes": "base"})
+    check_data_files(load_config(None, base))
+    with pytest.raises(DataError, match="no sentences for class 'red_thing'"):
+        check_data_files(load_config(None, [*base, "data.subsample_classes=new"]))
