@@ -105,3 +105,18 @@ def test_a_run_refuses_a_class_without_sentences_before_its_folder(image_folder,
     check_data_files(load_config(None, base))
     with pytest.raises(DataError, match="no sentences for class 'red_thing'"):
         check_data_files(load_config(None, [*base, "data.subsample_classes=new"]))
+
+
+def test_float32_whatever_the_precision(tiny_clip):
+    import copy
+
+    full = description_features(tiny_clip, SENTENCES)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # inside a training step's autocast
+        torch.testing.assert_close(description_features(tiny_clip, SENTENCES).mean, full.mean, atol=0, rtol=0)
+    half = copy.deepcopy(tiny_clip)
+    half.text.half()  # train.precision=fp16
+    rounded = copy.deepcopy(tiny_clip)
+    rounded.text.half().float()
+    got = description_features(half, SENTENCES)
+    assert got.mean.dtype == torch.float32 and half.text.token_embedding.weight.dtype == torch.float16
+    torch.testing.assert_close(got.mean, description_features(rounded, SENTENCES).mean, atol=0, rtol=0)

@@ -14,11 +14,14 @@ and renormalises: its fixed text embeddings are `mean`. CoPrompt keeps every sen
 sentence i modulo each class's count). The originals tokenize with CLIP's `tokenize`, which raises
 on a sentence over 77 tokens; we tokenize with the model's tokenizer, which truncates it and ends it
 with [EOS] (`tools/check_data.py --descriptions` lists such sentences). All classes' sentences go
-through the text tower in batches of `batch_size`, without gradients.
+through the text tower in batches of `batch_size`, without gradients, in float32 whatever the
+run's precision: autocast off, and a half text tower (train.precision=fp16) encodes through a
+float32 copy, as the originals encode on a `.float()` CLIP.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +64,16 @@ def description_features(
         raise ValueError("description_features needs at least one sentence for every class")
     flat = [s for sentences in sentences_per_class for s in sentences]
     device = clip.logit_scale.device
-    parts = [
-        F.normalize(clip.encode_text(clip.tokenize(flat[i : i + batch_size]).to(device)).float(), dim=-1)
-        for i in range(0, len(flat), batch_size)
-    ]
+    text = clip.text
+    if any(p.dtype != torch.float32 for p in text.parameters()):
+        text = copy.deepcopy(
+            text
+        ).float()  # a half tower (train.precision=fp16): the originals' .float() CLIP
+    with torch.autocast(device.type, enabled=False):  # the same features inside a training step's autocast
+        parts = [
+            F.normalize(text(clip.tokenize(flat[i : i + batch_size]).to(device)).float(), dim=-1)
+            for i in range(0, len(flat), batch_size)
+        ]
     per_class = torch.cat(parts).split(counts)
     sentences = torch.nn.utils.rnn.pad_sequence(list(per_class), batch_first=True)
     mean = F.normalize(torch.stack([f.mean(0) for f in per_class]), dim=-1)
