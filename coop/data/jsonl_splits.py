@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 
 from coop.data.base import DataError, Datum, FewShotDataset, Source, require_train_split
-from coop.data.fewshot import FEWSHOT_DIR, draw_fewshot
+from coop.data.fewshot import FEWSHOT_DIR, draw_fewshot, image_relpath
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def image_index(src: Source) -> dict[str, Datum]:
     """The reader's train and val images by their path relative to its image folder ('/'-separated)."""
     index = {}
     for d in (*src.train, *src.val):
-        index.setdefault(os.path.relpath(d.path, src.image_dir).replace(os.sep, "/"), d)
+        index.setdefault(image_relpath(d.path, src.image_dir).replace(os.sep, "/"), d)
     return index
 
 
