@@ -47,8 +47,8 @@ def test_clean_and_prompts():
     class Chat:
         chat_template = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}<assistant>"
 
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-            assert not tokenize and add_generation_prompt
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, enable_thinking):
+            assert not tokenize and add_generation_prompt and not enable_thinking
             return f"<user>{messages[0]['content']}<assistant>"
 
     q = "Describe what a cat looks like."
@@ -63,6 +63,14 @@ def test_seeded_per_class(tiny_lm):
     assert describe_class(lm, "tabby_cat", n=7, max_words=5, seed=1) == a  # seeded
     assert describe_class(lm, "tabby_cat", n=7, max_words=5, seed=2) != a
     assert describe_class(lm, "dog", n=7, max_words=5, seed=1) != a
+    # an instruction model's chat template, rendered by transformers
+    model, tok = load_language_model(tiny_lm)
+    tok.chat_template = "{% for m in messages %}Q : {{ m['content'] }}{% endfor %} A :"
+    assert (
+        prompt_for(tok, "Describe a cat.", 4)
+        == "Q : Describe a cat. Answer in one sentence of at most 4 words. A :"
+    )
+    assert len(describe_class((model, tok), "tabby_cat", n=3, max_words=5, seed=1)) == 3
 
 
 def test_tool_writes_resumes_and_refuses(tiny_lm, tmp_path):

@@ -80,7 +80,10 @@ def prompt_for(tokenizer, question: str, max_words: int) -> str:
     ask = f"{question} Answer in one sentence of at most {max_words} words."
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": ask}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # enable_thinking: Qwen3's templates answer without a <think> block; other templates ignore it
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
     return f"Q: {ask}\nA:"
 
 
@@ -114,13 +117,16 @@ def describe_class(
     shown = name.replace("_", " ")
     torch.manual_seed(class_seed(seed, name))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    chat = bool(getattr(tokenizer, "chat_template", None))
     out: list[str] = []
     for _ in range(ROUNDS):
         per_question = math.ceil((n - len(out)) / len(questions))
         for question in questions:
             if len(out) >= n:
                 break
-            ids = tokenizer(prompt_for(tokenizer, question.format(shown), max_words), return_tensors="pt")
+            prompt = prompt_for(tokenizer, question.format(shown), max_words)
+            # a chat template writes the start token itself: not a second one
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat)
             ids = ids.to(model.device)
             generated = model.generate(
                 **ids,
