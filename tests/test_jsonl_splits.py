@@ -100,10 +100,13 @@ def test_bad_entries_are_one_line(tmp_path):
     write_jsonl(train, [*TRAIN[:2], (bad, 0)])
     with pytest.raises(DataError) as e:
         build_dataset("dtd", data, shots=2, seed=1, fewshot_source="jsonl")
-    assert str(e.value) == f"{where} line 3: {bad} is no image of dtd's train or val split under {images}"
+    assert str(e.value) == f"{where} line 3: {bad} is no image of dtd's train split under {images}"
     test_image = "/home/authors/data/dtd/images/banded/test_0.jpg"  # not a shot: a test image
     write_jsonl(train, [(test_image, 0)])
-    with pytest.raises(DataError, match=r"line 1: .*test_0.jpg is no image of dtd's train or val split"):
+    with pytest.raises(DataError, match=r"line 1: .*test_0.jpg is no image of dtd's train split"):
+        build_dataset("dtd", data, shots=2, seed=1, fewshot_source="jsonl")
+    write_jsonl(train, [VAL[0]])  # a val image is no shot either
+    with pytest.raises(DataError, match=r"line 1: .*val_1.jpg is no image of dtd's train split"):
         build_dataset("dtd", data, shots=2, seed=1, fewshot_source="jsonl")
     write_jsonl(train, [TRAIN[0], (TRAIN[2][0], 0)])
     with pytest.raises(DataError) as e:
@@ -153,7 +156,7 @@ def test_run_uses_them_and_refuses_before_the_run_folder(tmp_path, monkeypatch):
     )
     assert res.returncode != 0 and res.stderr.strip().splitlines() == [
         f"error: data.fewshot_source=jsonl: {jsonl_path(folder, 2, 1, 'train')} line 7: "
-        f"/home/authors/mine/train/red_thing/7.png is no image of imagefolder's train or val split under {folder}"
+        f"/home/authors/mine/train/red_thing/7.png is no image of imagefolder's train split under {folder}"
     ], res.stderr[-2000:]
     assert not out.exists()
     res = run_tool_in_process(
@@ -181,7 +184,7 @@ def test_the_data_doctor_checks_the_files(tmp_path):
         f"data.fewshot_source=jsonl: {jsonl_path(data / 'dtd', 1, 2, 'train')} line 1: {TRAIN[0][0]} has "
         f"_label 1, but dtd labels {data / 'dtd/images/banded/train_3.jpg'} 0",
         f"data.fewshot_source=jsonl: {jsonl_path(data / 'dtd', 2, 1, 'val')} line 2: {bad} is no image of "
-        f"dtd's train or val split under {data / 'dtd/images'}",
+        f"dtd's val split under {data / 'dtd/images'}",
     ]
     assert "scripts/download_splits.sh" in report.errors[0][1]
 

@@ -14,7 +14,7 @@ line per finding saying which file to fetch, from where CoOp's DATASETS.md says 
 where to put it.
 
 2SFS's released few-shot split files in a dataset's split_fewshot/ (data.fewshot_source=jsonl)
-are checked too: every entry must be an image of the train or val split, with its label.
+are checked too: every entry must be an image of the split it lists (train or val), with its label.
 
 With --descriptions (one dataset): the description file (`data.descriptions`) against the
 dataset's classes, one line per class without sentences (an error: a run refuses it) and per class

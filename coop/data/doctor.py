@@ -19,8 +19,8 @@ Per dataset it checks, read-only (nothing is ever written into DATA):
    sentences (an error per class without an entry or with an empty list), and no sentence is
    longer than the tokenizer's context (a warning per class: a run truncates them);
 7. 2SFS's released few-shot split files in the dataset's `split_fewshot/` (`coop.data.jsonl_splits`,
-   `data.fewshot_source=jsonl`): every entry of each resolves to an image of the train or val
-   split, with the reader's label (an error per file, naming its first bad line).
+   `data.fewshot_source=jsonl`): every entry of each resolves to an image of the split it names
+   (train or val), with the reader's label (an error per file, naming its first bad line).
 
 CIFAR-10/100 (`coop.data.cifar`) are torchvision's python-version folders: the doctor checks their
 files and counts (torchvision checks the MD5 sums) and decodes the PNGs only once a read has
@@ -64,7 +64,7 @@ from coop.data.descriptions import check_descriptions
 from coop.data.fewshot import FEWSHOT_DIR
 from coop.data.imagenet_variants import CLASSNAMES_FILE, IMAGENET_VARIANTS, read_imagenet_variant
 from coop.data.images import load_image
-from coop.data.jsonl_splits import JSONL_FILE, image_index, read_jsonl_split
+from coop.data.jsonl_splits import JSONL_FILE, read_jsonl_split
 
 GENERIC_NAMES = frozenset({"images", "jpg", "train", "val", "test", CLASSNAMES_FILE})  # not searched for
 SEARCH_DEPTH = 3  # how deep under DATA a misplaced file or folder is looked for
@@ -316,11 +316,10 @@ def check_jsonl_splits(src: Source) -> list[tuple[str, str]]:
     if src.dataset_dir is None or not os.path.isdir(folder):
         return []
     files = sorted(f for f in os.listdir(folder) if JSONL_FILE.fullmatch(f))
-    index = image_index(src) if files else {}
     problems = []
     for f in files:
         try:
-            read_jsonl_split(Path(folder) / f, src, index)
+            read_jsonl_split(Path(folder) / f, src)
         except DataError as e:
             fix = "fetch it again with 2SFS's scripts/download_splits.sh, or fix the dataset's images"
             problems.append((str(e), fix))

@@ -12,7 +12,7 @@ one JSON object per line, `{"_impath": ..., "_label": ..., "_domain": ..., "_cla
 (its `load_jsonl` and `dict2datum`). `_impath` was written on the authors' machine, so it is
 matched to this DATA folder by its path inside the dataset's image folder: the longest tail of its
 components that is the path, relative to the reader's image folder, of an image of the reader's
-train or val split ("/home/x/data/dtd/images/banded/banded_0002.jpg" is "banded/banded_0002.jpg"
+train split (for a `_train` file; of its val split for a `_val` file) ("/home/x/data/dtd/images/banded/banded_0002.jpg" is "banded/banded_0002.jpg"
 of dtd's `images/`). The shots are exactly the listed images, in the file's order, with the
 reader's labels; an entry that does not resolve, or whose `_label` is not the reader's label of
 that image, is a one-line DataError naming the file, the line and the path. Without a val file
@@ -41,12 +41,14 @@ def jsonl_path(dataset_dir: str, shots: int, seed: int, split: str) -> Path:
     return Path(dataset_dir) / FEWSHOT_DIR / JSONL_NAME.format(shots=shots, seed=seed, split=split)
 
 
-def image_index(src: Source) -> dict[str, Datum]:
-    """The reader's train and val images by their path relative to its image folder ('/'-separated)."""
-    index = {}
-    for d in (*src.train, *src.val):
-        index.setdefault(image_relpath(d.path, src.image_dir).replace(os.sep, "/"), d)
-    return index
+def image_index(items: list[Datum], image_dir: str) -> dict[str, Datum]:
+    """`items` by their path relative to `image_dir` ('/'-separated)."""
+    return {image_relpath(d.path, image_dir).replace(os.sep, "/"): d for d in items}
+
+
+def split_of(path: str | Path) -> str:
+    """ "train" or "val": the split a 2SFS file's name says it lists."""
+    return "val" if str(path).endswith("_val.jsonl") else "train"
 
 
 def resolve(impath: str, index: dict[str, Datum]) -> Datum | None:
@@ -59,13 +61,16 @@ def resolve(impath: str, index: dict[str, Datum]) -> Datum | None:
     return None
 
 
-def read_jsonl_split(path: Path, src: Source, index: dict[str, Datum]) -> list[Datum]:
-    """The images a 2SFS split file lists, resolved against `index` (`image_index(src)`), in its order.
+def read_jsonl_split(path: Path, src: Source) -> list[Datum]:
+    """The images a 2SFS split file lists, in its order, resolved against the split of `src` that its
+    name says (`split_of`: a train file's shots are train images, a val file's val images).
 
     Raises:
         DataError: in one line naming `path` and the line: a line that is not an object with a string
             `_impath` and an integer `_label`, a path that does not resolve, or another label.
     """
+    split = split_of(path)
+    index = image_index(getattr(src, split), src.image_dir)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -86,7 +91,7 @@ def read_jsonl_split(path: Path, src: Source, index: dict[str, Datum]) -> list[D
         found = resolve(item["_impath"], index)
         if found is None:
             raise DataError(
-                f"{where}: {item['_impath']} is no image of {src.name}'s train or val split under {src.image_dir}"
+                f"{where}: {item['_impath']} is no image of {src.name}'s {split} split under {src.image_dir}"
             )
         if found.label != label:
             raise DataError(
@@ -116,10 +121,9 @@ def jsonl_fewshot_dataset(src: Source, shots: int, seed: int) -> FewShotDataset:
     train_path, val_path = (jsonl_path(src.dataset_dir, shots, seed, s) for s in ("train", "val"))
     if not train_path.is_file():
         raise DataError(f"data.fewshot_source=jsonl: {train_path} does not exist")
-    index = image_index(src)
-    train = read_jsonl_split(train_path, src, index)
+    train = read_jsonl_split(train_path, src)
     if val_path.is_file():
-        val = read_jsonl_split(val_path, src, index)
+        val = read_jsonl_split(val_path, src)
     else:
         logger.warning("%s does not exist: the val images are CoOp's draw of min(K, 4) per class", val_path)
         val = draw_fewshot(src, shots, seed)[1]
