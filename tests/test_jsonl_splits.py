@@ -147,6 +147,14 @@ def test_run_uses_them_and_refuses_before_the_run_folder(tmp_path, monkeypatch):
     res = run_tool_in_process(REPO / "tools" / "train.py", args)
     assert res.returncode == 0, res.stderr[-2000:]
     assert seen["train"] == [(str(folder / p.split("/mine/")[1]), y) for p, y in listed]
+    # evaluating the run reads all of the dataset's images, not the split files
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    res = run_tool_in_process(
+        REPO / "tools" / "eval.py", ["--checkpoint", tmp_path / "run" / "checkpoint.pt"]
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    again = json.loads((tmp_path / "run" / "eval_imagefolder.json").read_text())
+    assert again["accuracy"] == metrics["accuracy"] and again["n_test"] == 6
     # an entry that does not resolve: one line, and no run folder
     write_jsonl(jsonl_path(folder, 2, 1, "train"), [*listed, ("/home/authors/mine/train/red_thing/7.png", 2)])
     out = tmp_path / "run2"

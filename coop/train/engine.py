@@ -138,7 +138,7 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
         shots=shots,
         seed=int(cfg.data.seed),
         split_file=cfg.data.split_file,
-        fewshot_source=cfg.data.fewshot_source,
+        fewshot_source=cfg.data.fewshot_source if shots else "sample",  # evaluation: every image
     )
     if ckpt is None:
         require_train_split(dataset)  # test-only datasets (ImageNet-V2/-Sketch/-A/-R) do not train
