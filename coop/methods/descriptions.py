@@ -14,7 +14,8 @@ and renormalises: its fixed text embeddings are `mean`. CoPrompt keeps every sen
 sentence i modulo each class's count). The originals tokenize with CLIP's `tokenize`, which raises
 on a sentence over 77 tokens; we tokenize with the model's tokenizer, which truncates it and ends it
 with [EOS] (`tools/check_data.py --descriptions` lists such sentences). All classes' sentences go
-through the text tower in batches of `batch_size`, without gradients, in float32 whatever the
+through the text tower in batches of `batch_size` (whose forward cuts each batch after its last
+[EOS] and packs the rows: a sentence costs its own tokens), without gradients, in float32 whatever the
 run's precision: autocast off, and a half text tower (train.precision=fp16) encodes through a
 float32 copy, as the originals encode on a `.float()` CLIP.
 """
