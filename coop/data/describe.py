@@ -162,9 +162,14 @@ def describe_classes(
     """
     out = Path(out)
     done = read_description_file(out) if out.exists() else {}
-    todo = [c for c in dict.fromkeys(classnames) if c not in done]
+    wanted = list(dict.fromkeys(classnames))
+    todo = [c for c in wanted if c not in done]
     bar = tqdm(
-        total=len(done) + len(todo), initial=len(done), desc="describing", unit="class", dynamic_ncols=True
+        total=len(wanted),
+        initial=len(wanted) - len(todo),
+        desc="describing",
+        unit="class",
+        dynamic_ncols=True,
     )
     with bar:
         for name in todo:
