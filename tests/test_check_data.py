@@ -216,3 +216,44 @@ def test_tool_table_exit_status_and_read_only(tmp_path, capsys, published_as_gen
     assert "| dtd | not usable: 2 error(s) |" in format_reports(
         [check_dataset("dtd", tmp_path / "empty_data")]
     )
+
+
+def test_descriptions(tmp_path, capsys, published_as_generated):
+    data = tmp_path / "DATA"
+    split_dataset(data)
+    long = "a texture of " + "many " * 80 + "bands."  # 85 tokens and [SOS], [EOS]: 87, over 77
+    path = tmp_path / "dtd.json"
+    path.write_text(json.dumps({"banded": ["bands of colour.", long, long + " more"], "Dotted": ["dots."]}))
+    assert check_data(data, "--dataset", "dtd", "--descriptions", path) == 0  # usable: truncated
+    out = capsys.readouterr().out
+    assert "| dtd | ok |" in out
+    lines = [line for line in out.splitlines() if line.startswith("- dtd")]
+    assert lines == [
+        f"- dtd (warning): {path}: 2 of 3 sentences of class 'banded' are longer than the tokenizer's "
+        "context of 77 tokens (the longest: 88) -> shorten them: a run truncates them to the context "
+        "(the originals refuse them)"
+    ]
+    # a class without an entry, and one with an empty list: one error line each, naming the class
+    path.write_text(json.dumps({"banded": [], "spotted": ["spots."]}))
+    assert check_data(data, "--dataset", "dtd", "--descriptions", path) == 1
+    out = capsys.readouterr().out
+    assert "| dtd | not usable: 2 error(s) |" in out
+    assert f"- dtd (error): {path} has an empty list for class 'banded' -> add its sentences" in out
+    assert f"- dtd (error): {path} has no sentences for class 'dotted' -> add its sentences" in out
+    path.write_text("[1, 2]")
+    assert check_data(data, "--dataset", "dtd", "--descriptions", path) == 1
+    assert "must hold a JSON object" in capsys.readouterr().out
+    # a smaller context: the tiny tokenizer of another model counts its own tokens
+    report = check_dataset(
+        "dtd", data, descriptions=tmp_path / "none.json", tokens=(lambda s: len(s.split()), 3)
+    )
+    assert report.errors[0][0] == f"data.descriptions: {tmp_path / 'none.json'} does not exist"
+    path.write_text(json.dumps({"banded": ["one two three four"], "dotted": ["one two three"]}))
+    report = check_dataset("dtd", data, descriptions=path, tokens=(lambda s: len(s.split()), 3))
+    assert report.usable and [p for p, _ in report.warnings] == [
+        f"{path}: 1 of 1 sentences of class 'banded' are longer than the tokenizer's context of 3 tokens "
+        "(the longest: 4)"
+    ]
+    with pytest.raises(SystemExit):
+        check_data(data, "--dataset", "dtd", "eurosat", "--descriptions", path)
+    assert "describes one dataset" in capsys.readouterr().err

@@ -58,6 +58,10 @@ def check_rules(cfg: DictConfig) -> None:
             f"data.split_file={split_file!r} is read by data.name=imagefolder only (got {cfg.data.name!r}); "
             "set data.split_file=null for other datasets"
         )
+    if cfg.data.fewshot_source == "jsonl" and cfg.data.shots < 1:
+        raise ConfigError(
+            "data.fewshot_source=jsonl reads 2SFS's K-shot split files: set data.shots to their K (1, 2, 4, 8, 16)"
+        )
     if cfg.method == "maple":
         for key in ("n_ctx", "depth"):
             value, text = cfg.vision[key], cfg.prompt[key]

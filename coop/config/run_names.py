@@ -72,11 +72,12 @@ def run_name(cfg: DictConfig) -> str:
 
     The settings part is `method_settings` (for CoOp nctx<M>_csc<C>_pos<P>_depth<J>); runs without
     augmentation (train.augment=false) add "_noaug", base-to-new runs (data.subsample_classes
-    base/new) "_base"/"_new".
+    base/new) "_base"/"_new", runs on 2SFS's split files (data.fewshot_source=jsonl) "_jsonl".
     """
     classes = "" if cfg.data.subsample_classes == "all" else f"_{cfg.data.subsample_classes}"
     augment = "" if cfg.train.augment else "_noaug"  # never one folder for both
+    source = "_jsonl" if cfg.data.fewshot_source == "jsonl" else ""  # 2SFS's images, not our draw
     return (
         f"{cfg.data.name}/{model_tag(cfg.model.name)}/shots{cfg.data.shots}/"
-        f"{method_settings(cfg)}{augment}{classes}/seed{cfg.data.seed}"
+        f"{method_settings(cfg)}{augment}{classes}{source}/seed{cfg.data.seed}"
     )

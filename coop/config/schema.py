@@ -67,6 +67,8 @@ class DataConfig:
     split_file: str | None = (
         None  # imagefolder: a CoOp split JSON (tools/make_split.py); see coop.data.datasets
     )
+    # sample: CoOp's seeded draw (coop.data.fewshot); jsonl: 2SFS's released split files (coop.data.jsonl_splits)
+    fewshot_source: str = key("sample", choices=("sample", "jsonl"))
     descriptions: str | None = None  # class -> sentences JSON (coop.data.descriptions); hicropl, coprompt
 
 

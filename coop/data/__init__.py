@@ -6,10 +6,11 @@
     train_set = ImageDataset(ds.train, train_tf)
 
 Modules: `base` (records, split files, caches), `fewshot` (CoOp's few-shot sampling rule and
-its cache), `folders` (listing class folders), `datasets` (one reader per dataset, `DATASETS`,
+its cache), `jsonl_splits` (2SFS's released few-shot split files, `data.fewshot_source=jsonl`), `folders` (listing class folders), `datasets` (one reader per dataset, `DATASETS`,
 `build_dataset`), `imagenet_variants` (the test-only ImageNet-V2/-Sketch/-A/-R readers),
 `images` (image loading and transforms), `splits` (CoOp split files for custom class folders),
-`doctor` (the data doctor), `descriptions` (class descriptions, `data.descriptions`) and
+`doctor` (the data doctor), `descriptions` (class descriptions, `data.descriptions`), `describe`
+(writing them with a local language model, `tools/describe.py`) and
 `catalog` (CoOp's published split sizes and download sources).
 
 Datasets in `TEST_ONLY_DATASETS` have a test split only (`FewShotDataset.test_only`);

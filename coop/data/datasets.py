@@ -47,6 +47,7 @@ from coop.data.cifar import CIFAR_FOLDERS, read_cifar
 from coop.data.fewshot import fewshot_dataset
 from coop.data.folders import list_class_dirs, list_class_images, list_images, read_wnid_classnames
 from coop.data.imagenet_variants import IMAGENET_VARIANTS, TEST_ONLY_DATASETS, read_imagenet_variant
+from coop.data.jsonl_splits import jsonl_fewshot_dataset
 from coop.data.multidomain import read_multidomain
 
 logger = logging.getLogger(__name__)
@@ -285,7 +286,12 @@ DATASETS: dict[str, Callable[..., Source]] = {
 }
 
 
-def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1, split_file=None) -> FewShotDataset:
+FEWSHOT_SOURCES = ("sample", "jsonl")  # data.fewshot_source
+
+
+def build_dataset(
+    name: str, root=None, shots: int = 0, seed: int = 1, split_file=None, fewshot_source: str = "sample"
+) -> FewShotDataset:
     """Read dataset `name` from the DATA folder `root`, subsampled to `shots` per class.
 
     Args:
@@ -293,9 +299,12 @@ def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1, split_fil
         root: the DATA folder (CoOp layout); for `imagefolder` the folder holding train/ and
             test/; ignored for `textile`.
         shots: training images per class (val gets min(shots, 4)); 0 = all images.
-        seed: sampling seed; the subset is cached as `split_fewshot/shot_{K}-seed_{S}.json`.
+        seed: sampling seed; the subset is cached as `split_fewshot/shot_{K}-seed_{S}.json`
+            (with "jsonl": the seed of the files read).
         split_file: `imagefolder` only: read `root` through this CoOp split JSON
             (`read_imagefolder`).
+        fewshot_source: "sample" draws the subset as CoOp does (`coop.data.fewshot`); "jsonl" reads
+            2SFS's released split files from the dataset folder (`coop.data.jsonl_splits`).
 
     Returns:
         FewShotDataset with `classnames` and `train`/`val`/`test` lists of `Datum`; for the
@@ -313,8 +322,15 @@ def build_dataset(name: str, root=None, shots: int = 0, seed: int = 1, split_fil
         raise test_only_error(name)  # before listing tens of thousands of images
     if split_file is not None and name != "imagefolder":
         raise DataError(f"a split file ({split_file}) is read by the imagefolder dataset only, not {name!r}")
+    if fewshot_source not in FEWSHOT_SOURCES:
+        raise DataError(
+            f"data.fewshot_source must be one of {', '.join(FEWSHOT_SOURCES)}, got {fewshot_source!r}"
+        )
     src = DATASETS[name](root) if split_file is None else read_imagefolder(root, split_file)
-    ds = fewshot_dataset(src, shots, seed)
+    if fewshot_source == "jsonl":
+        ds = jsonl_fewshot_dataset(src, shots, seed)
+    else:
+        ds = fewshot_dataset(src, shots, seed)
     logger.info(
         "%s: %d classes, %d train / %d val / %d test images (shots=%d, seed=%d)",
         name,

@@ -76,3 +76,39 @@ def load_descriptions(path: str | Path, classnames: list[str]) -> list[list[str]
         if not sentences:
             raise DataError(f"data.descriptions: {path} has an empty list for class '{name}'")
     return [matched[c] for c in classnames]
+
+
+def check_descriptions(
+    path: str | Path, classnames: list[str], count_tokens, context_length: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(errors, warnings) of a description file for a dataset's classes, as (problem, fix) pairs, one
+    per class: errors for a class without an entry or with an empty list (a run refuses them),
+    warnings for a class with sentences longer than the tokenizer's context (a run truncates them).
+
+    Args:
+        path: the description file.
+        classnames: the dataset's classes.
+        count_tokens: a sentence -> its tokens, start and end tokens included.
+        context_length: the tokenizer's context length.
+    Raises:
+        DataError: the file is missing or not a description file (`read_description_file`).
+    """
+    matched = match_descriptions(read_description_file(path), classnames)
+    write = f"add its sentences to {path} (tools/describe.py writes them)"
+    errors, warnings = [], []
+    for name, sentences in matched.items():
+        if sentences is None:
+            errors.append((f"{path} has no sentences for class '{name}'", write))
+        elif not sentences:
+            errors.append((f"{path} has an empty list for class '{name}'", write))
+        else:
+            long = [n for n in map(count_tokens, sentences) if n > context_length]
+            if long:
+                warnings.append(
+                    (
+                        f"{path}: {len(long)} of {len(sentences)} sentences of class '{name}' are longer "
+                        f"than the tokenizer's context of {context_length} tokens (the longest: {max(long)})",
+                        "shorten them: a run truncates them to the context (the originals refuse them)",
+                    )
+                )
+    return errors, warnings

@@ -14,16 +14,23 @@ Per dataset it checks, read-only (nothing is ever written into DATA):
 3. the number of classes and of images per split, against CoOp's published split sizes
    (`coop.data.catalog.COOP_SPLIT_SIZES`): an empty split is an error, other sizes a difference;
 4. that every image the split lists exists;
-5. that images decode: a sample of `sample` images, or all of them (`sample=None`).
+5. that images decode: a sample of `sample` images, or all of them (`sample=None`);
+6. with a description file (`data.descriptions`, `coop.data.descriptions`): every class has
+   sentences (an error per class without an entry or with an empty list), and no sentence is
+   longer than the tokenizer's context (a warning per class: a run truncates them);
+7. 2SFS's released few-shot split files in the dataset's `split_fewshot/` (`coop.data.jsonl_splits`,
+   `data.fewshot_source=jsonl`): every entry of each resolves to an image of the split it names
+   (train or val), with the reader's label (an error per file, naming its first bad line).
 
 CIFAR-10/100 (`coop.data.cifar`) are torchvision's python-version folders: the doctor checks their
 files and counts (torchvision checks the MD5 sums) and decodes the PNGs only once a read has
 written them.
 
-Findings are of two kinds. **Errors** make the dataset unusable: a run would fail or silently
+Findings are of three kinds. **Errors** make the dataset unusable: a run would fail or silently
 lose images (a missing or misplaced file, a split the reader cannot parse, an empty split,
-missing or corrupt images). **Differences** leave it usable but not comparable with the papers:
-the data reads, and its sizes differ from CoOp's published split. Every finding comes with one
+missing or corrupt images, a class without descriptions). **Differences** leave it usable but not
+comparable with the papers: the data reads, and its sizes differ from CoOp's published split.
+**Warnings** leave it usable and comparable (sentences a run truncates). Every finding comes with one
 line saying what to do: which file to fetch, from where CoOp's
 DATASETS.md says to get it (`coop.data.catalog.DOWNLOADS`), and where to put it. Entry point:
 `tools/check_data.py`.
@@ -33,7 +40,9 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -51,8 +60,11 @@ from coop.data.datasets import (
     read_imagenet,
     read_split_json_dataset,
 )
+from coop.data.descriptions import check_descriptions
+from coop.data.fewshot import FEWSHOT_DIR
 from coop.data.imagenet_variants import CLASSNAMES_FILE, IMAGENET_VARIANTS, read_imagenet_variant
 from coop.data.images import load_image
+from coop.data.jsonl_splits import JSONL_FILE, read_jsonl_split
 
 GENERIC_NAMES = frozenset({"images", "jpg", "train", "val", "test", CLASSNAMES_FILE})  # not searched for
 SEARCH_DEPTH = 3  # how deep under DATA a misplaced file or folder is looked for
@@ -125,12 +137,14 @@ def read_source(name: str, root: str, split_file: str | None = None) -> Source:
 @dataclass
 class Report:
     """The doctor's findings for one dataset: counts (None where unreadable) and (problem, fix)
-    pairs, split into errors (unusable) and differences (usable, differs from CoOp's split)."""
+    pairs, split into errors (unusable), differences (usable, differs from CoOp's split) and
+    warnings (usable, worth a look: descriptions a run truncates)."""
 
     name: str
     counts: dict[str, int] | None = None
     errors: list[tuple[str, str]] = field(default_factory=list)
     differences: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[tuple[str, str]] = field(default_factory=list)  # usable as is (long descriptions)
 
     @property
     def usable(self) -> bool:
@@ -144,8 +158,8 @@ class Report:
 
     @property
     def problems(self) -> list[tuple[str, str]]:
-        """Errors, then differences."""
-        return self.errors + self.differences
+        """Errors, then differences, then warnings."""
+        return self.errors + self.differences + self.warnings
 
     @property
     def status(self) -> str:
@@ -295,7 +309,31 @@ def check_images(name: str, src: Source, sample: int | None, seed: int = 0) -> l
     return problems
 
 
-def check_dataset(name: str, root, sample: int | None = 50, split_file: str | None = None) -> Report:
+def check_jsonl_splits(src: Source) -> list[tuple[str, str]]:
+    """(problem, fix) for each 2SFS split file in `src`'s `split_fewshot/` with an entry that does not
+    resolve (`coop.data.jsonl_splits.read_jsonl_split`: the first bad line)."""
+    folder = os.path.join(src.dataset_dir or "", FEWSHOT_DIR)
+    if src.dataset_dir is None or not os.path.isdir(folder):
+        return []
+    files = sorted(f for f in os.listdir(folder) if JSONL_FILE.fullmatch(f))
+    problems = []
+    for f in files:
+        try:
+            read_jsonl_split(Path(folder) / f, src)
+        except DataError as e:
+            fix = "fetch it again with 2SFS's scripts/download_splits.sh, or fix the dataset's images"
+            problems.append((str(e), fix))
+    return problems
+
+
+def check_dataset(
+    name: str,
+    root,
+    sample: int | None = 50,
+    split_file: str | None = None,
+    descriptions: str | None = None,
+    tokens: tuple[Callable[[str], int], int] | None = None,
+) -> Report:
     """Every check of the module docstring for one dataset; never writes anything.
 
     Args:
@@ -303,6 +341,9 @@ def check_dataset(name: str, root, sample: int | None = 50, split_file: str | No
         root: the DATA folder (for `imagefolder`: the dataset folder).
         sample: images to decode per dataset; None decodes every image.
         split_file: `imagefolder` only: the split JSON to read it through.
+        descriptions: a description file (`data.descriptions`) to check against the classes.
+        tokens: (a sentence -> its token count, the context length) of the tokenizer the
+            descriptions are checked against; needed with `descriptions`.
     """
     root = os.path.abspath(os.path.expanduser(os.fspath(root)))
     lay = layout(name, root, split_file)
@@ -329,12 +370,20 @@ def check_dataset(name: str, root, sample: int | None = 50, split_file: str | No
     report.errors += errors
     if name not in CIFAR_FOLDERS or os.path.isdir(os.path.join(src.image_dir, "train")):
         report.errors += check_images(name, src, sample)  # CIFAR: torchvision checked the arrays' MD5s
+    report.errors += check_jsonl_splits(src)
+    if descriptions is not None:
+        try:
+            errors, warnings = check_descriptions(descriptions, src.classnames, *tokens)
+        except DataError as e:
+            errors, warnings = [(str(e), "write it with tools/describe.py, or give the right file")], []
+        report.errors += errors
+        report.warnings += warnings
     return report
 
 
 def format_reports(reports: list[Report]) -> str:
     """A Markdown table (one row per dataset: its status and counts), then one line per finding:
-    errors first ("error"), then differences ("differs")."""
+    errors first ("error"), then differences ("differs"), then warnings ("warning")."""
     lines = ["| dataset | status | classes | train | val | test |", "|---|---|---|---|---|---|"]
     for r in reports:
         c = r.counts or {}
@@ -342,6 +391,7 @@ def format_reports(reports: list[Report]) -> str:
         lines.append(f"| {r.name} | {r.status} | " + " | ".join(cells) + " |")
     todo = [f"- {r.name} (error): {problem} -> {fix}" for r in reports for problem, fix in r.errors]
     todo += [f"- {r.name} (differs): {problem} -> {fix}" for r in reports for problem, fix in r.differences]
+    todo += [f"- {r.name} (warning): {problem} -> {fix}" for r in reports for problem, fix in r.warnings]
     if todo:
         lines += ["", "What to do:", *todo]
     return "\n".join(lines)

@@ -92,12 +92,18 @@ def draw_fewshot(src: Source, shots: int, seed: int) -> tuple[list[Datum], list[
     return train, val
 
 
+def image_relpath(path: str, image_dir: str) -> str:
+    """`path` relative to `image_dir`: a prefix cut for a path under it, since os.path.relpath costs
+    seconds on ImageNet's 1.28M paths."""
+    prefix = os.path.join(image_dir, "")
+    return path[len(prefix) :] if path.startswith(prefix) else os.path.relpath(path, image_dir)
+
+
 def split_digest(src: Source) -> str:
     """SHA-256 of the full train and val splits (relative path, label, class name; in order)."""
-    prefix = os.path.join(src.image_dir, "")
 
-    def rel(path: str) -> str:  # os.path.relpath costs seconds on ImageNet's 1.28M paths
-        return path[len(prefix) :] if path.startswith(prefix) else os.path.relpath(path, src.image_dir)
+    def rel(path: str) -> str:
+        return image_relpath(path, src.image_dir)
 
     h = hashlib.sha256()
     for split in (src.train, src.val):

@@ -204,7 +204,12 @@ def load_data(cfg: DictConfig):
         ds = build_multidomain(cfg.data.root, cfg.data.target_domain, int(cfg.data.shots), int(cfg.data.seed))
     else:
         ds = build_dataset(
-            cfg.data.name, cfg.data.root, int(cfg.data.shots), int(cfg.data.seed), cfg.data.split_file
+            cfg.data.name,
+            cfg.data.root,
+            int(cfg.data.shots),
+            int(cfg.data.seed),
+            cfg.data.split_file,
+            cfg.data.fewshot_source,
         )
     return subsample_classes(ds, cfg.data.subsample_classes)
 

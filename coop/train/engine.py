@@ -133,7 +133,12 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
     device = distributed.init(resolve_device(cfg.device), cfg.train.dist_backend)  # cuda:LOCAL_RANK
     shots = 0 if ckpt is not None else int(cfg.data.shots)
     dataset = build_dataset(
-        cfg.data.name, cfg.data.root, shots=shots, seed=int(cfg.data.seed), split_file=cfg.data.split_file
+        cfg.data.name,
+        cfg.data.root,
+        shots=shots,
+        seed=int(cfg.data.seed),
+        split_file=cfg.data.split_file,
+        fewshot_source=cfg.data.fewshot_source if shots else "sample",  # evaluation: every image
     )
     if ckpt is None:
         require_train_split(dataset)  # test-only datasets (ImageNet-V2/-Sketch/-A/-R) do not train

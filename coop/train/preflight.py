@@ -8,6 +8,9 @@
                               # ModelError: vision prompts for a tower without tokens (RN50),
                               # image tokens from CoCa's attention pool (MMRL, FedOTP)
     check_base_to_new(cfg)    # ConfigError: class-specific context cannot score new classes
+    check_data_files(cfg)     # DataError: a 2SFS split file (data.fewshot_source=jsonl) missing or
+                              # with an entry that does not resolve in the DATA folder; a class
+                              # without sentences in data.descriptions
 
 The towers come from OpenCLIP's model config (a name, or a model-config .json) and the towers
 built on the meta device, so no weights are loaded or downloaded (the tokenizer is loaded: it is
@@ -29,6 +32,8 @@ from omegaconf import DictConfig
 from open_clip.tokenizer import SimpleTokenizer
 
 from coop.config.checks import ConfigError
+from coop.data import build_dataset, subsample_classes
+from coop.data.descriptions import load_descriptions
 from coop.methods import METHODS
 from coop.methods.base import Method, TowerLayers
 from coop.model.text_support import TextConfig, text_config
@@ -116,3 +121,25 @@ def check_base_to_new(cfg: DictConfig) -> None:
         f"{what} and cannot score the new classes that data.subsample_classes=base evaluates after "
         "training; use shared context (prompt.csc=false)"
     )
+
+
+def check_data_files(cfg: DictConfig) -> None:
+    """The data files a run reads besides the dataset, read as the run will read them, each refusal
+    a DataError in one line: with data.fewshot_source=jsonl, 2SFS's split files for (data.shots,
+    data.seed) (`coop.data.jsonl_splits`: the file, the line and the path of an entry that does not
+    resolve in the DATA folder); with data.descriptions, the description file against the classes
+    the run trains on (`coop.data.descriptions.load_descriptions`: the file and the first class
+    without sentences). Nothing is read for a run that has neither."""
+    jsonl = cfg.data.fewshot_source == "jsonl"
+    if not jsonl and cfg.data.descriptions is None:
+        return
+    ds = build_dataset(
+        cfg.data.name,
+        cfg.data.root,
+        shots=int(cfg.data.shots) if jsonl else 0,  # 0: the classes only, no draw and no cache
+        seed=int(cfg.data.seed),
+        split_file=cfg.data.split_file,
+        fewshot_source=cfg.data.fewshot_source if jsonl else "sample",
+    )
+    if cfg.data.descriptions is not None:
+        load_descriptions(cfg.data.descriptions, subsample_classes(ds, cfg.data.subsample_classes).classnames)

@@ -57,7 +57,7 @@ from coop.train.engine import (
 )
 from coop.train.evaluation import evaluate_targets, pending_evaluations, run_fields
 from coop.train.lock import require_run_folder, run_lock
-from coop.train.preflight import check_base_to_new, check_model_files, check_model_limits
+from coop.train.preflight import check_base_to_new, check_data_files, check_model_files, check_model_limits
 from coop.train.run_features import evaluate_run, requested_features, training_features, val_features
 from coop.train.schedule import Schedule, build_optimizer, plan_schedule
 from coop.train.tensorboard import Board, open_board
@@ -111,6 +111,7 @@ def train_run(cfg: DictConfig) -> dict:
     check_model_files(cfg)  # before the folder is touched: the model, its weights and tokenizer are here
     check_base_to_new(cfg)  # ... a refused protocol in one line, not after training
     check_model_limits(cfg)  # ... as is a key beyond the model's towers (prompt.depth=20)
+    check_data_files(cfg)  # ... and a 2SFS split file or description file that the run cannot use
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
     cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
