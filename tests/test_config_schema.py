@@ -191,8 +191,14 @@ def test_sweep_dry_run_checks_every_point_against_the_model(tmp_path):
     res = run_tool_in_process(
         REPO / "tools" / "sweep.py", ["--grid", grid, "--out", tmp_path / "runs", "--dry-run"]
     )
+    limit = "prompt.depth must be in 1..3 (the text tower's layers), got 4"
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "error: point prompt.depth=4: prompt.depth must be in 1..3 (the text tower's layers), got 4"
+        "error: 1 of 3 points are refused (listed above)"
+    ]
+    assert res.stdout.strip().splitlines()[2].endswith(f"prompt.depth=4  ({limit})")
+    res = run_tool_in_process(REPO / "tools" / "sweep.py", ["--grid", grid, "--out", tmp_path / "runs"])
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"error: point prompt.depth=4: {limit}"
     ]
     grid.write_text(f"model.name: {TINY_CONFIG}\nmodel.pretrained: none\nprompt.depth: [1, 3]\n")
     res = run_tool_in_process(

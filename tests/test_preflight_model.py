@@ -137,24 +137,6 @@ def test_sweep_lists_refused_points_and_runs_none_of_them(tokenizers, image_fold
     assert res.stdout.strip().splitlines()[1].startswith("new ")  # siglip-tiny takes it
 
 
-def test_sweep_dry_run_lists_a_point_beyond_the_models_limits_as_refused(image_folder, tmp_path):
-    """A point whose keys exceed its model (prompt.depth above the text tower's layers) is listed as
-    refused with the reason; the other points are still listed (--dry-run exits 2)."""
-    grid = tmp_path / "grid.yaml"
-    grid.write_text(
-        f"model.name: {TINY_CONFIG}\nmodel.pretrained: none\ndata.name: imagefolder\n"
-        f"data.root: {image_folder}\nprompt.depth: [1, 99]\n"
-    )
-    res = run_tool_in_process(
-        REPO / "tools" / "sweep.py", ["--grid", grid, "--out", tmp_path / "runs", "--dry-run"]
-    )
-    assert res.returncode == 2, res.stderr[-2000:]
-    lines = res.stdout.strip().splitlines()
-    assert lines[0].startswith("new ") and lines[0].endswith("prompt.depth=1")
-    assert lines[1].startswith("refused ") and "prompt.depth=99" in lines[1] and "layers" in lines[1]
-    assert lines[2] == "2 runs: 0 done, 0 to resume, 1 new, 1 refused"
-
-
 def fits(tok_dir, model: str = "ViT-B-16-SigLIP", tok_vocab: int | None = None, **text) -> None:
     """`check_fits` of a saved tokenizer, read as `model` reads it, against a text tower of these
     settings (CLIP's otherwise); `tok_vocab` replaces the tokenizer's vocabulary size."""
