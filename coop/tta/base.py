@@ -49,6 +49,9 @@ class TestTimeMethod(nn.Module):
     __test__ = False  # not a pytest class, despite its name
     name = "tta"
     kind = "episodic"  # or "online"
+    # the augmented views where `tta.augment` is null (`coop.tta.views`): TPT's rule by dataset
+    # ("tpt"), or "augmix" / "crop_flip" on every dataset, as the method's original does
+    augment = "tpt"
 
     def __init__(self, host: Method, cfg: DictConfig):
         super().__init__()
