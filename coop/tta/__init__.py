@@ -24,15 +24,19 @@ from coop.tta.zero import Zero
 TTA_METHODS: dict[str, type[TestTimeMethod]] = {"zero": Zero}
 
 
-def build_tta(host: Method, cfg: DictConfig) -> TestTimeMethod:
-    """The test-time method `cfg.tta.method` around `host`; a one-line TestTimeError if it is not
-    available or cannot start from the host (`TestTimeMethod.check_host`)."""
-    name = cfg.tta.method
+def tta_class(name: str) -> type[TestTimeMethod]:
+    """The class of `tta.method=name`; a one-line TestTimeError if it is not available."""
     if name not in TTA_METHODS:
         raise TestTimeError(
             f"tta.method={name} is not available (available: {', '.join(sorted(TTA_METHODS))})"
         )
-    return TTA_METHODS[name](host, cfg)
+    return TTA_METHODS[name]
+
+
+def build_tta(host: Method, cfg: DictConfig) -> TestTimeMethod:
+    """The test-time method `cfg.tta.method` around `host`; a one-line TestTimeError if it is not
+    available or cannot start from the host (`TestTimeMethod.check_host`)."""
+    return tta_class(cfg.tta.method)(host, cfg)
 
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "TestTimeError",
     "TestTimeMethod",
     "build_tta",
+    "tta_class",
     "confident_views",
     "entropy",
     "host_features",

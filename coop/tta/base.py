@@ -37,6 +37,8 @@ class TestTimeError(ValueError):
     """A test-time setting that cannot work: a host the method cannot start from, views or a
     selection fraction out of range. One line, raised before any work."""
 
+    __test__ = False  # not a pytest class, despite its name
+
 
 class TestTimeMethod(nn.Module):
     """Base class of the test-time methods.

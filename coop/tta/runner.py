@@ -44,7 +44,7 @@ from coop.train.lock import require_run_folder, run_lock
 from coop.train.metrics import logit_metrics
 from coop.train.precision import autocast
 from coop.train.runner import attach_log_file, check_same_config
-from coop.tta import build_tta, outputs
+from coop.tta import build_tta, outputs, tta_class
 from coop.tta.base import TestTimeError, TestTimeMethod
 from coop.tta.host import Host, build_host
 from coop.tta.views import ViewDataset, ViewMaker, augment_for
@@ -67,6 +67,11 @@ def tta_run(cfg: DictConfig) -> dict:
         cfg.output_dir = default_output_dir(cfg)
     folder = require_run_folder(cfg.output_dir)
     world = distributed.world()
+    if tta_class(cfg.tta.method).kind == "online" and world.size > 1:  # before the process group
+        raise TestTimeError(
+            f"tta.method={cfg.tta.method} is online: its state follows one stream of images, which "
+            f"{world.size} ranks cannot share; run it in one process"
+        )
     device = distributed.init(resolve_device(cfg.device), cfg.train.dist_backend)
     dataset = subsample_classes(
         build_dataset(
@@ -78,11 +83,6 @@ def tta_run(cfg: DictConfig) -> dict:
         raise DataError(f"the test split of {cfg.data.name} has no images")
     host = build_host(cfg, list(dataset.classnames), device)
     method = build_tta(host.method, cfg)
-    if method.kind == "online" and world.size > 1:
-        raise TestTimeError(
-            f"tta.method={method.name} is online: its state follows one stream of images, which "
-            f"{world.size} ranks cannot share; run it in one process"
-        )
     folder.mkdir(parents=True, exist_ok=True)
     with run_lock(folder) if world.is_main else contextlib.nullcontext():
         handler = attach_log_file(
