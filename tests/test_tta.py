@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, run_tool_in_process, tiny_args
+from conftest import REPO, TINY_CONFIG, make_image_folder, run_tool_in_process, tiny_args
 from omegaconf import OmegaConf
 from torchvision import transforms as T
 
@@ -128,12 +128,14 @@ def written_out_zero(folder, views: int, gamma: float, seed: int, logits_of, tes
 class ZeroShotLogits:
     """CLIP's logits of views for "a photo of a {class}.", from its two towers."""
 
-    def __init__(self, folder):
-        self.clip = load_clip(str(TINY_CONFIG), "none", torch.device("cpu")).float()
+    def __init__(self, folder, model=TINY_CONFIG, tokenizer=None):
+        self.clip = load_clip(str(model), "none", torch.device("cpu"), tokenizer).float().eval()
         self.transform = clip_transforms(self.clip)[1]
         names = build_dataset("imagefolder", str(folder), shots=0).classnames
         with torch.no_grad():
-            text = self.clip.encode_text(self.clip.tokenize([f"a photo of a {c}." for c in names]))
+            text = self.clip.encode_text(
+                self.clip.tokenize([f"a photo of a {c.replace('_', ' ')}." for c in names])
+            )
         self.text = text / text.norm(dim=-1, keepdim=True)
 
     @torch.no_grad()
@@ -165,6 +167,48 @@ def test_zero_on_zero_shot_clip_is_the_written_out_vote(image_folder, tmp_path):
         metrics["kind"] == "episodic" and metrics["augment"] == "crop_flip" and metrics["zero_gamma"] == 0.3
     )
     assert {"top5", "ece", "macro_f1", "per_class_accuracy"} <= set(metrics)
+
+
+@pytest.mark.parametrize(
+    "tower", ["siglip-tiny", "eva02-tiny", pytest.param("pe-core-tiny", marks=pytest.mark.slow)]
+)
+def test_zero_on_other_towers_is_the_written_out_vote(tmp_path, tower, monkeypatch):
+    """SigLIP (its own tokenizer, made offline), EVA02 and PE-Core (timm image towers at 224 and 384
+    pixels: 3 images, 4 views): the same vote over their logits."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    image_folder = make_image_folder(tmp_path / "images", n_train=1, n_test=1)
+    model, extra = REPO / "configs" / "models" / f"{tower}.json", {}
+    if tower == "siglip-tiny":
+        pytest.importorskip("transformers")
+        from coop.model.tiny_tokenizers import make_tiny_tokenizer
+
+        make_tiny_tokenizer(model, tmp_path / "tok")
+        extra["model.tokenizer"] = tmp_path / "tok"
+    run(image_folder, tmp_path / "run", **{"model.name": model, "tta.views": 4, **extra})
+    clip = ZeroShotLogits(image_folder, model, extra.get("model.tokenizer"))
+    expected = written_out_zero(image_folder, 4, 0.3, 1, clip, clip.transform)
+    assert torch.equal(outputs.read_outputs(tmp_path / "run")["logits"].argmax(-1), expected)
+
+
+def test_zero_on_a_maple_run_scores_the_views_through_its_prompted_tower(image_folder, tmp_path):
+    from coop.config.load import load_config
+    from coop.interop import load_classifier
+    from coop.train.runner import train_run
+
+    maple = {
+        "method": "maple",
+        "prompt.depth": 2,
+        "vision.depth": 2,
+        "train.epochs": 1,
+        "train.warmup_epochs": 0,
+    }
+    train_run(load_config(None, tiny_args(image_folder, tmp_path / "maple", **maple)))
+    metrics = run(image_folder, tmp_path / "tta", **{"tta.init": tmp_path / "maple"})
+    clf = load_classifier(tmp_path / "maple")
+    assert clf.method.input == "pixels"
+    expected = written_out_zero(image_folder, VIEWS, 0.3, 1, clf.logits, clf.transform)
+    assert torch.equal(outputs.read_outputs(tmp_path / "tta")["logits"].argmax(-1), expected)
+    assert metrics["method"] == "maple"
 
 
 @pytest.fixture(scope="module")
