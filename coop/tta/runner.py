@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from coop import distributed
 from coop.config.load import to_yaml
-from coop.config.run_names import model_tag
+from coop.config.run_names import model_tag, tta_run_name
 from coop.data import DataError, build_dataset, subsample_classes
 from coop.io import atomic_write, write_json
 from coop.train.engine import resolve_device
@@ -53,12 +53,8 @@ log = logging.getLogger(__name__)
 
 
 def default_output_dir(cfg: DictConfig) -> str:
-    """output/tta/<dataset>/<model>/<tta method>_<host>_views<V>/seed<s>."""
-    host = cfg.method if cfg.tta.init is None else f"{cfg.method}-{Path(cfg.tta.init).stem}"
-    name = f"{cfg.tta.method}_{host}_views{cfg.tta.views}"
-    return str(
-        Path("output") / "tta" / cfg.data.name / model_tag(cfg.model.name) / name / f"seed{cfg.data.seed}"
-    )
+    """output/<coop.config.run_names.tta_run_name>."""
+    return str(Path("output") / tta_run_name(cfg))
 
 
 def tta_run(cfg: DictConfig) -> dict:
