@@ -452,3 +452,19 @@ def test_the_tool_runs_a_pass_in_its_own_process(tmp_path):
             for k in ("accuracy", "top5", "ece")
         },
     }
+
+
+def test_an_unreadable_image_is_skipped_or_named_and_a_changed_config_is_refused(tmp_path):
+    from coop.data import DataError
+    from coop.train.runner import RunError
+
+    folder = make_image_folder(tmp_path / "images", n_train=1, n_test=2)
+    (folder / "test" / "green_thing" / "1.png").write_bytes(b"not a png")
+    with pytest.raises(DataError, match="cannot read image .*1.png"):
+        run(folder, tmp_path / "named")
+    metrics = run(folder, tmp_path / "skipped", **{"data.skip_corrupt": "true"})
+    assert (metrics["n_test"], metrics["n_skipped"]) == (5, 1)
+    assert outputs.read_outputs(tmp_path / "skipped")["index"].tolist() == [0, 1, 2, 4, 5]
+    assert run(folder, tmp_path / "skipped", **{"data.skip_corrupt": "true"}) == metrics  # finished: as is
+    with pytest.raises(RunError, match="tta.views: 8 there, 4 now"):
+        run(folder, tmp_path / "skipped", **{"data.skip_corrupt": "true", "tta.views": 4})
