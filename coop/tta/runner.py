@@ -39,6 +39,7 @@ from coop.config.load import to_yaml
 from coop.config.run_names import model_tag, tta_run_name
 from coop.data import DataError, build_dataset, subsample_classes
 from coop.io import atomic_write, write_json
+from coop.model.weights import absolute_model_files, absolute_tokenizer_dir
 from coop.train.engine import resolve_device
 from coop.train.lock import require_run_folder, run_lock
 from coop.train.metrics import logit_metrics
@@ -61,6 +62,9 @@ def tta_run(cfg: DictConfig) -> dict:
     """Run (or resume, or return the finished) test-time pass of `cfg`; returns its metrics."""
     if cfg.output_dir is None:
         cfg.output_dir = default_output_dir(cfg)
+    # as a training run records them: a resumed pass compares the same paths from any directory
+    cfg.model.name, cfg.model.pretrained = absolute_model_files(cfg.model.name, cfg.model.pretrained)
+    cfg.model.tokenizer = absolute_tokenizer_dir(cfg.model.tokenizer)
     folder = require_run_folder(cfg.output_dir)
     world = distributed.world()
     if tta_class(cfg.tta.method).kind == "online" and world.size > 1:  # before the process group
