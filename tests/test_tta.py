@@ -98,12 +98,14 @@ def test_one_view_keeps_the_view_and_every_view_may_vote():
 
 
 def written_out_zero(folder, views: int, gamma: float, seed: int, logits_of, test) -> torch.Tensor:
-    """ZERO per image from scratch: the views (test transform; crops and flips seeded by (seed, i,
-    j)), their logits, the int(views * gamma) of lowest entropy, their argmax counts."""
+    """ZERO's votes per image (N, n_cls) from scratch: the views (test transform; crops and flips
+    seeded by (seed, i, j)), their logits, the int(views * gamma) of lowest entropy, their argmax
+    counts, and one more vote for the winner of a tie (the first view left out that picks a tied
+    class). Their argmax is ZERO's prediction."""
     ds = build_dataset("imagefolder", str(folder), shots=0)
     size = test.transforms[1].size
     crop = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), *test.transforms[-2:]])
-    predictions = []
+    votes = []
     for i, item in enumerate(ds.test):
         img = load_image(item.path)
         stack = [test(img)]
@@ -113,16 +115,15 @@ def written_out_zero(folder, views: int, gamma: float, seed: int, logits_of, tes
         logits = logits_of(torch.stack(stack))
         p = logits.softmax(-1)
         ent = -(p * p.log()).sum(-1)
-        keep = sorted(range(views), key=lambda v: (float(ent[v]), v))[: max(1, int(views * gamma))]
-        counts = torch.bincount(logits[keep].argmax(-1), minlength=logits.shape[1])
+        ranked = sorted(range(views), key=lambda v: (float(ent[v]), v))
+        keep, rest = ranked[: max(1, int(views * gamma))], ranked[max(1, int(views * gamma)) :]
+        counts = torch.bincount(logits[keep].argmax(-1), minlength=logits.shape[1]).float()
         tied = [c for c in range(len(counts)) if counts[c] == counts.max()]
-        winner = tied[0]
-        if len(tied) > 1:  # the first view left out, by entropy, that picks a tied class
-            rest = sorted(range(views), key=lambda v: (float(ent[v]), v))[len(keep) :]
+        if len(tied) > 1:
             picks = [int(logits[v].argmax()) for v in rest if int(logits[v].argmax()) in tied]
-            winner = picks[0] if picks else max(tied, key=lambda c: (float(logits[rest[0], c]), -c))
-        predictions.append(winner)
-    return torch.tensor(predictions)
+            counts[picks[0] if picks else max(tied, key=lambda c: (float(logits[rest[0], c]), -c))] += 1
+        votes.append(counts)
+    return torch.stack(votes)
 
 
 class ZeroShotLogits:
@@ -151,7 +152,7 @@ def test_zero_on_zero_shot_clip_is_the_written_out_vote(image_folder, tmp_path):
         ".lock", "config.yaml", "log.txt", "metrics.json", "outputs.safetensors"
     ]  # fmt: skip
     clip = ZeroShotLogits(image_folder)
-    expected = written_out_zero(image_folder, VIEWS, 0.3, 1, clip, clip.transform)
+    expected = written_out_zero(image_folder, VIEWS, 0.3, 1, clip, clip.transform).argmax(-1)
     assert torch.equal(out["index"], torch.arange(12)) and torch.equal(
         out["labels"], torch.arange(3).repeat_interleave(4)
     )
@@ -167,6 +168,52 @@ def test_zero_on_zero_shot_clip_is_the_written_out_vote(image_folder, tmp_path):
         metrics["kind"] == "episodic" and metrics["augment"] == "crop_flip" and metrics["zero_gamma"] == 0.3
     )
     assert {"top5", "ece", "macro_f1", "per_class_accuracy"} <= set(metrics)
+
+
+class ColourHost(torch.nn.Module):
+    """A pixel host whose logits are 10 x a view's mean per channel: its views disagree where an image
+    has two colours, and their entropies differ, so the selection decides the vote."""
+
+    input, name, n_cls, classnames = "pixels", "colour", 3, ["red", "green", "blue"]
+    clip = type("Clip", (), {"logit_scale": torch.zeros(())})()
+
+    def prepare(self):
+        return None
+
+    def logits(self, views, prepared=None):
+        return 10 * views.float().mean((2, 3))
+
+
+def two_colour_folder(root: Path) -> Path:
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(1)
+    for i in range(6):
+        pixels = torch.randint(0, 256, (32, 32, 3), generator=gen, dtype=torch.uint8)
+        pixels[:, : 8 + 3 * i, 0] = 255  # a red band of growing width on the left, random elsewhere
+        for split in ("train", "test"):  # the reader wants a train split too
+            (root / split / "red").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(pixels.numpy()).save(root / split / "red" / f"{i}.png")
+    return root
+
+
+def test_zero_votes_with_the_confident_views_of_the_pass(tmp_path, monkeypatch):
+    """On a host whose views disagree, the pass's outputs are the written-out log vote shares."""
+    import coop.tta.runner
+    from coop.tta.host import Host
+
+    folder = two_colour_folder(tmp_path / "images")
+    host = Host(
+        ColourHost(), clip_transforms(load_clip(str(TINY_CONFIG), "none", torch.device("cpu")))[1], "fp32"
+    )
+    monkeypatch.setattr(coop.tta.runner, "build_host", lambda cfg, names, device: host)
+    run(folder, tmp_path / "run", **{"tta.views": 16})
+    got = outputs.read_outputs(tmp_path / "run")["logits"]
+    votes = written_out_zero(folder, 16, 0.3, 1, host.method.logits, host.transform)
+    first = votes.max(-1).values
+    assert 0 < (first < 4).sum() < 6  # split votes: the selection decides
+    expected = (votes / votes.sum(-1, keepdim=True)).clamp_min(torch.finfo(torch.float32).tiny).log()
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +233,7 @@ def test_zero_on_other_towers_is_the_written_out_vote(tmp_path, tower, monkeypat
         extra["model.tokenizer"] = tmp_path / "tok"
     run(image_folder, tmp_path / "run", **{"model.name": model, "tta.views": 4, **extra})
     clip = ZeroShotLogits(image_folder, model, extra.get("model.tokenizer"))
-    expected = written_out_zero(image_folder, 4, 0.3, 1, clip, clip.transform)
+    expected = written_out_zero(image_folder, 4, 0.3, 1, clip, clip.transform).argmax(-1)
     assert torch.equal(outputs.read_outputs(tmp_path / "run")["logits"].argmax(-1), expected)
 
 
@@ -206,7 +253,7 @@ def test_zero_on_a_maple_run_scores_the_views_through_its_prompted_tower(image_f
     metrics = run(image_folder, tmp_path / "tta", **{"tta.init": tmp_path / "maple"})
     clf = load_classifier(tmp_path / "maple")
     assert clf.method.input == "pixels"
-    expected = written_out_zero(image_folder, VIEWS, 0.3, 1, clf.logits, clf.transform)
+    expected = written_out_zero(image_folder, VIEWS, 0.3, 1, clf.logits, clf.transform).argmax(-1)
     assert torch.equal(outputs.read_outputs(tmp_path / "tta")["logits"].argmax(-1), expected)
     assert metrics["method"] == "maple"
 
@@ -232,7 +279,7 @@ def test_zero_on_a_trained_coop_run_and_its_export(image_folder, coop_run, tmp_p
     from coop.interop import load_classifier
 
     clf = load_classifier(coop_run)
-    expected = written_out_zero(image_folder, VIEWS, 0.3, 2, clf.logits, clf.transform)
+    expected = written_out_zero(image_folder, VIEWS, 0.3, 2, clf.logits, clf.transform).argmax(-1)
     for init in (coop_run, coop_run.with_suffix(".safetensors")):
         metrics = run(image_folder, tmp_path / f"tta-{init.name}", **{"tta.init": init, "data.seed": 2})
         out = outputs.read_outputs(tmp_path / f"tta-{init.name}")
