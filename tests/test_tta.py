@@ -480,27 +480,6 @@ def test_two_ranks_share_the_images_and_equal_one_process(image_folder, tmp_path
     same_folder(tmp_path / "one", tmp_path / "two")
 
 
-def test_the_tool_runs_a_pass_in_its_own_process(tmp_path):
-    import subprocess
-    import sys
-
-    folder = make_image_folder(tmp_path / "images", n_train=1, n_test=1)
-    args = [*zero_args(folder, tmp_path / "run"), "tta.views=2"]
-    result = subprocess.run(
-        [sys.executable, REPO / "tools" / "tta.py", "--config", ZERO, *args], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
-    assert summary["output_dir"] == str(tmp_path / "run") and summary["n_test"] == 3
-    assert summary == {
-        **summary,
-        **{
-            k: json.loads((tmp_path / "run" / "metrics.json").read_text())[k]
-            for k in ("accuracy", "top5", "ece")
-        },
-    }
-
-
 def test_an_unreadable_image_is_skipped_or_named_and_a_changed_config_is_refused(tmp_path):
     from coop.data import DataError
     from coop.train.runner import RunError

@@ -1,5 +1,6 @@
-"""Test-time passes in sweeps and tables: tools/sweep.py over a test-time protocol, tools/collect.py
---table test_time (per-dataset cells, the OOD and 10-dataset averages, the papers' rows)."""
+"""Test-time passes in sweeps and tables: tools/sweep.py over a test-time protocol (tools/tta.py in
+its own process), tools/collect.py --table test_time (per-dataset cells, the OOD and 10-dataset
+averages, the papers' rows)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,24 @@ def test_a_sweep_plans_and_runs_test_time_passes(tmp_path):
     assert [p.parent.relative_to(tmp_path / "runs").as_posix() for p in runs] == [
         f"imagefolder/coop-tiny/tta_zero/zeroshot_template-bfda1b93_views2/seed{s}" for s in (1,)
     ]
-    assert json.loads(runs[0].read_text())["tta_method"] == "zero"
+    metrics = json.loads(runs[0].read_text())
+    assert metrics["tta_method"] == "zero" and metrics["n_test"] == 3
+    # tools/tta.py ran in its own process: its summary line, in the run's sweep.log
+    summary = json.loads((runs[0].parent / "sweep.log").read_text().strip().splitlines()[-1])
+    assert summary == {
+        "output_dir": str(runs[0].parent),
+        **{k: metrics[k] for k in summary if k != "output_dir"},
+    }
+    assert set(summary) == {
+        "output_dir",
+        "accuracy",
+        "top5",
+        "ece",
+        "macro_f1",
+        "n_test",
+        "tta_method",
+        "seed",
+    }
 
 
 def fake_pass(root, method: str, dataset: str, seed: int, accuracy: float) -> None:
