@@ -145,7 +145,16 @@ def resume(folder: Path, method: TestTimeMethod) -> int:
     return written
 
 
-def run_stream(cfg, folder: Path, images: ViewDataset, order: torch.Tensor, start: int, host, method, device):
+def run_stream(
+    cfg: DictConfig,
+    folder: Path,
+    images: ViewDataset,
+    order: torch.Tensor,
+    start: int,
+    host: Host,
+    method: TestTimeMethod,
+    device: torch.device,
+) -> None:
     """Stream positions start..N-1, `tta.chunk` at a time: each chunk's images shared among the ranks,
     its outputs gathered and written by rank 0 (then an online method's state)."""
     n, size, n_cls = len(order), int(cfg.tta.chunk), host.method.n_cls
@@ -183,31 +192,18 @@ def run_stream(cfg, folder: Path, images: ViewDataset, order: torch.Tensor, star
 
 
 def finalize(cfg: DictConfig, folder: Path, method: TestTimeMethod, augment: str, n_cls: int, n: int) -> dict:
-    """`outputs.safetensors` and `metrics.json` from the chunks (on rank 0; the metrics on every rank)."""
-    result = outputs.join_chunks(folder) if distributed.is_main() else None
-    result = distributed.broadcast(result)
-    if not len(result["labels"]):
-        raise DataError(f"no readable images in the test split of {cfg.data.name}")
-    metrics = logit_metrics(result["logits"], result["labels"])
-    metrics.update(
-        tta_method=method.name,
-        kind=method.kind,
-        method=cfg.method,  # the host's
-        init=cfg.tta.init,
-        views=int(cfg.tta.views),
-        augment=augment if cfg.tta.views > 1 else None,
-        seed=int(cfg.data.seed),
-        order_seed=int(cfg.data.seed) if method.kind == "online" else None,
-        dataset=cfg.data.name,
-        model=model_tag(cfg.model.name),
-        pretrained=cfg.model.pretrained,
-        n_classes=n_cls,
-        n_skipped=n - len(result["labels"]),
-        **method.describe(),
-    )
+    """`outputs.safetensors` and `metrics.json` from the chunks, by rank 0; its metrics (or its one
+    problem) reach every rank."""
+    metrics = None
     if distributed.is_main():
-        outputs.write_outputs(folder, result)
-        write_json(folder / "metrics.json", metrics)
+        result = outputs.join_chunks(folder)
+        metrics = describe(cfg, method, augment, n_cls, n, result) if len(result["labels"]) else None
+        if metrics is not None:
+            outputs.write_outputs(folder, result)
+            write_json(folder / "metrics.json", metrics)
+    metrics = distributed.broadcast(metrics)  # not the outputs: N x classes logits stay on rank 0
+    if metrics is None:
+        raise DataError(f"no readable images in the test split of {cfg.data.name}")
     log.info(
         "test accuracy %.2f%% (top-5 %.2f%%, ECE %.2f, macro F1 %.2f) on %d images -> %s",
         metrics["accuracy"],
@@ -218,3 +214,24 @@ def finalize(cfg: DictConfig, folder: Path, method: TestTimeMethod, augment: str
         folder / "metrics.json",
     )
     return metrics
+
+
+def describe(cfg: DictConfig, method: TestTimeMethod, augment: str, n_cls: int, n: int, result: dict) -> dict:
+    """metrics.json: `logit_metrics` of the outputs (N x classes), and the pass's settings."""
+    return {
+        **logit_metrics(result["logits"], result["labels"]),
+        "tta_method": method.name,
+        "kind": method.kind,
+        "method": cfg.method,  # the host's
+        "init": cfg.tta.init,
+        "views": int(cfg.tta.views),
+        "augment": augment if cfg.tta.views > 1 else None,
+        "seed": int(cfg.data.seed),
+        "order_seed": int(cfg.data.seed) if method.kind == "online" else None,
+        "dataset": cfg.data.name,
+        "model": model_tag(cfg.model.name),
+        "pretrained": cfg.model.pretrained,
+        "n_classes": n_cls,
+        "n_skipped": n - len(result["labels"]),
+        **method.describe(),
+    }
