@@ -58,7 +58,12 @@ def test_bad_input_errors_are_one_line_exit_2(error, capsys):
 
 
 @pytest.mark.parametrize(
-    "module, name", [("coop.train.checkpoint", "CheckpointError"), ("coop.methods", "TransferError")]
+    "module, name",
+    [
+        ("coop.train.checkpoint", "CheckpointError"),
+        ("coop.methods", "TransferError"),
+        ("coop.tta.base", "TestTimeError"),
+    ],
 )
 def test_errors_of_other_modules_are_bad_input_when_they_exist(module, name, capsys, monkeypatch):
     """run_cli looks these classes up by name, so it works before and after they are added."""

@@ -18,8 +18,9 @@ RANKS = [
     {"model", "data"},
     {"methods", "reference"},
     {"train", "results"},
-    {"federated", "tta"},
+    {"federated"},
     {"interop"},
+    {"tta"},  # its host may be any run or export, loaded as coop.interop loads a classifier
     {"face"},  # coop/__init__.py
 ]
 RANK = {part: i for i, parts in enumerate(RANKS) for part in parts}

@@ -112,6 +112,7 @@ BAD_INPUT = (
     ("coop.model.tokenizer", "TokenizerError"),
     ("coop.model.prompt", "PromptError"),
     ("coop.interop", "InteropError"),
+    ("coop.tta.base", "TestTimeError"),
 )
 # A run that failed for a reason the message explains: one line and exit 1.
 RUN_FAILED = (("coop.train.engine", "NonFiniteLossError"),)

@@ -38,6 +38,11 @@ multi-domain data): one row per method and setting, one column per target domain
 on the held-out domain, mean ± std over seeds, n), then the Average over the target domains of
 complete rows; writes `results_domains.csv` and `results_domains.md`.
 
+--table test_time: test-time passes (tools/tta.py, docs/test_time.md): one row per test-time
+method and host, one column per dataset (mean ± std over seeds, n), then the OOD average (ImageNet-V2,
+-Sketch, -A, -R) and the 10-dataset average; --published adds the papers' averages (ViT-B/16) as
+rows; writes `results_test_time.csv` and `results_test_time.md`.
+
 --table personal: personalised federated runs (fl.method=fedotp or fedpgp): one row per setting,
 the final-round value and the mean of the last 5 rounds of Local, Base, Novel, HM (of the three),
 HM(Base, Novel) and the global accuracy (docs/federated.md), each mean ± std over seeds; writes
@@ -58,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
 
 from coop.io import require_writable  # noqa: E402
-from coop.results import base_to_new  # noqa: E402
+from coop.results import base_to_new, tta_table  # noqa: E402
 from coop.results.markdown import format_dataset_markdown, format_markdown  # noqa: E402
 from coop.results.reproduce import with_published  # noqa: E402
 from coop.results.tables import (  # noqa: E402
@@ -80,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--by", nargs="+", metavar="KEY", help="grouping config keys (default: those that vary)")
     ap.add_argument(
         "--table",
-        choices=("settings", "datasets", "base_to_new", "domains", "personal"),
+        choices=("settings", "datasets", "base_to_new", "domains", "personal", "test_time"),
         default="settings",
         help="table layout",
     )
@@ -94,12 +99,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--published",
         action="store_true",
-        help="--table datasets or base_to_new: add the papers' rows and Δ rows",
+        help="--table datasets or base_to_new: add the papers' rows and Δ rows; test_time: the papers' rows",
     )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    if args.published and args.table not in ("datasets", "base_to_new"):
-        ap.error("--published needs --table datasets or --table base_to_new")
+    if args.published and args.table not in ("datasets", "base_to_new", "test_time"):
+        ap.error("--published needs --table datasets, base_to_new or test_time")
     setup_logging(args.verbose)
 
     root = Path(args.root)
@@ -142,6 +147,15 @@ def main(argv=None) -> int:
         markdown = format_dataset_markdown(table)
         intro = f"{n_done} finished run(s); {args.metric} on each held-out target domain, mean ± std over seeds (n = seeds)"
         stem = "results_domains"
+    elif args.table == "test_time":
+        table = tta_table.tta_table(runs, args.metric, args.by, ddof=args.ddof)
+        if args.published:
+            table = tta_table.with_published(table)
+        markdown = tta_table.format_tta_markdown(table)
+        if args.published:
+            markdown += "\n\nPaper rows: ViT-B/16 averages as quoted in issue 38 (not re-checked here)."
+        intro = f"{n_done} finished run(s); {args.metric} of the test-time passes, mean ± std over seeds (n = seeds)"
+        stem = "results_test_time"
     elif args.table == "personal":
         done = runs[runs["complete"]]
         if not any(m in done.columns and done[m].notna().any() for m in PERSONAL_METRICS):

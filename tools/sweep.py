@@ -8,6 +8,12 @@
     python tools/sweep.py --grid configs/ablations/n_ctx.yaml --out runs/nctx --slurm \\
         --gpus-per-run 4                                     # each job: torchrun, 4 ranks on 4 GPUs
 
+A grid with `tta.method` (in the grid, an override or --config) is a grid of test-time passes
+(`tools/tta.py`, docs/test_time.md), each in `OUT/<coop.config.run_names.tta_run_name(cfg)>`:
+
+    python tools/sweep.py --grid configs/protocols/test_time_cross_dataset.yaml --out runs/tta \
+        data.root=/data tta.method=[zero] data.seed=[1,2,3]
+
 A grid file is a YAML mapping of dotted config keys (those of tools/train.py): a list is swept,
 a scalar is fixed. `key=value` arguments override the file; a list value (`data.seed=[1,2]`)
 sweeps. Every point is validated with `coop.config.load.load_config` and its model, weights and
@@ -33,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import run_cli, setup_logging  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from coop.config.checks import ConfigError  # noqa: E402
 from coop.train.sweep import (  # noqa: E402
@@ -48,6 +55,7 @@ from coop.train.sweep_submitit import run_submitit  # noqa: E402
 log = logging.getLogger("coop.train.sweep")
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
+TTA = Path(__file__).resolve().parent / "tta.py"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,7 +94,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def sweep(args: argparse.Namespace) -> int:
     root = Path(args.out).resolve()
-    runs = plan(load_grid(args.grid, args.overrides), root, args.config, check_data=not args.dry_run)
+    grid = load_grid(args.grid, args.overrides)
+    if is_test_time(grid, args.config):
+        from coop.config.run_names import tta_run_name
+        from coop.tta.host import tta_config
+
+        runs = plan(grid, root, args.config, not args.dry_run, load=tta_config, name=tta_run_name)
+        if args.train_script == str(TRAIN):
+            args.train_script = str(TTA)
+    else:
+        runs = plan(grid, root, args.config, check_data=not args.dry_run)
     counts = {s: sum(r.status == s for r in runs) for s in ("done", "resume", "new", "refused")}
     summary = f"{len(runs)} runs: {counts['done']} done, {counts['resume']} to resume, {counts['new']} new"
     summary += f", {counts['refused']} refused" if counts["refused"] else ""
@@ -137,6 +154,13 @@ def sweep(args: argparse.Namespace) -> int:
             print(f"  {r.folder}  ({r.error}; log: {r.folder / 'sweep.log'})", file=sys.stderr)
         return 1
     return 0
+
+
+def is_test_time(grid: dict, config: str | None) -> bool:
+    """Whether the grid's points are test-time passes: `tta.method` in the grid or the config file."""
+    if "tta.method" in grid:
+        return True
+    return config is not None and OmegaConf.select(OmegaConf.load(config), "tta.method") is not None
 
 
 def main(argv=None) -> int:

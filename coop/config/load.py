@@ -48,6 +48,7 @@ RESULT_FREE_KEYS = frozenset(
         "cocoop.chunk_prompts",  # how many prompts run at once: the same results, other memory
         "train.tensorboard",  # extra event files beside history.csv
         "train.dist_backend",  # how the ranks of a torchrun run talk (coop.distributed)
+        "tta.chunk",  # how often a test-time pass writes its outputs: the same outputs
     }
 )
 

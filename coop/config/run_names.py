@@ -2,6 +2,7 @@
 the settings part naming what each method's results depend on.
 
     run_name(cfg)  # "dtd/ViT-B-16/shots16/nctx16_cscfalse_posend_depth1/seed1"
+    tta_run_name(cfg)  # "dtd/ViT-B-16/tta_zero/zeroshot_template-1a2b3c4d_views64/seed1"
 """
 
 from __future__ import annotations
@@ -80,4 +81,25 @@ def run_name(cfg: DictConfig) -> str:
     return (
         f"{cfg.data.name}/{model_tag(cfg.model.name)}/shots{cfg.data.shots}/"
         f"{method_settings(cfg)}{augment}{classes}{source}/seed{cfg.data.seed}"
+    )
+
+
+def tta_run_name(cfg: DictConfig) -> str:
+    """A test-time pass's folder (`coop.tta`): <dataset>/<model>/tta_<method>/<host>_views<V>/seed<S>.
+
+    The host is the settings part of its run name (`method_settings`), followed for a run or export
+    (`tta.init`) by _init-<8 hex digits of its path>; a `tta.augment` other
+    than the method's own adds "_<augment>"; a base-to-new split "_base"/"_new".
+    """
+    t = cfg.tta
+    host = (
+        method_settings(cfg)
+        if t.init is None
+        else "init-" + hashlib.sha1(str(t.init).encode()).hexdigest()[:8]
+    )
+    augment = "" if t.augment is None else f"_{t.augment}"
+    classes = "" if cfg.data.subsample_classes == "all" else f"_{cfg.data.subsample_classes}"
+    return (
+        f"{cfg.data.name}/{model_tag(cfg.model.name)}/tta_{t.method}/"
+        f"{host}_views{t.views}{augment}{classes}/seed{cfg.data.seed}"
     )

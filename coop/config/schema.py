@@ -235,6 +235,26 @@ class FedpgpConfig:  # fl.method=fedpgp (coop.federated.fedpgp): rank of U V, we
     temp: float = key(0.5, "> 0")
 
 
+TTA_METHODS = ("tpt", "ctpt", "zero", "tda", "dpe", "boostadapter")  # see coop.tta
+VIEW_AUGMENTS = ("tpt", "augmix", "crop_flip")  # see coop.tta.views
+
+
+@dataclass
+class TtaConfig:  # coop.tta: the test-time pass (tools/tta.py)
+    method: str = key("zero", choices=TTA_METHODS)
+    views: int = key(64, ">= 1")  # per test image: the image itself and views - 1 augmented ones
+    init: str | None = None  # a run folder or an export to start from; null: the hand-written prompt
+    # the augmented views: TPT's rule (crop + flip for the ImageNet sets, AugMix for the others),
+    # AugMix or crop + flip everywhere; null: the method's own (`TestTimeMethod.augment`)
+    augment: str | None = key(None, choices=VIEW_AUGMENTS)
+    chunk: int = key(64, ">= 1")  # images per atomically written chunk of outputs (and checkpoint)
+
+
+@dataclass
+class ZeroConfig:  # coop.tta.zero: the fraction of views, most confident first, that vote
+    gamma: float = key(0.3, "in (0, 1]")
+
+
 def section(cls):
     return field(default_factory=cls)
 
@@ -260,6 +280,8 @@ class RunConfig:
     fl: FlConfig = section(FlConfig)
     fedotp: FedotpConfig = section(FedotpConfig)
     fedpgp: FedpgpConfig = section(FedpgpConfig)
+    tta: TtaConfig = section(TtaConfig)
+    zero: ZeroConfig = section(ZeroConfig)
     output_dir: str | None = None
     device: str = "auto"
 

@@ -11,9 +11,10 @@ to ours, `importer` writes a run folder from them; `export` writes and reads the
 files, `classifier` turns a run or an exported file into a classifier, and `federated` picks a
 federated run's global model or one client's.
 
-The interop layer, the top of the package: may import coop.federated (a federated run's global or
+The interop layer, below coop.tta only: may import coop.federated (a federated run's global or
 client model), coop.train, coop.methods, coop.model, coop.data, coop.config and the root
-modules. Imported by: coop/__init__.py (load_classifier) and the tools.
+modules. Imported by: coop.tta (the host of a test-time pass), coop/__init__.py (load_classifier)
+and the tools.
 """
 
 from coop.interop.classifier import Classifier, load_classifier

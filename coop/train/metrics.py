@@ -2,6 +2,7 @@
 
 classification_metrics(preds, labels, n_cls)            accuracy, macro_f1, per_class_accuracy, n_test
 classification_metrics(preds, labels, n_cls, domains)   ... and per_domain_accuracy
+logit_metrics(logits, labels)                           ... from logits, with top5 and ece (15 bins)
 """
 
 from __future__ import annotations
@@ -41,3 +42,36 @@ def classification_metrics(
             for d in sorted(set(domains))
         }
     return out
+
+
+def top_k_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int = 5) -> float:
+    """Top-k accuracy (%) from logits (N, n_cls): the label among the k highest; of equal logits the
+    lower class index ranks first (a stable sort), so the result never depends on the backend."""
+    k = min(int(k), logits.shape[-1])
+    top = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    return float(100.0 * (top == labels[:, None]).any(-1).double().mean())
+
+
+def expected_calibration_error(logits: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> float:
+    """ECE (%) of softmax(logits) (N, n_cls): the confidence (the top probability) in `bins` equal
+    bins (lower, upper] of [0, 1], and the mean over bins of |accuracy - mean confidence| weighted by
+    each bin's share of the images."""
+    probs = logits.double().softmax(-1)
+    conf, preds = probs.max(-1)
+    correct = (preds == labels).double()
+    edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
+    ece = torch.zeros((), dtype=torch.float64)
+    for lower, upper in zip(edges[:-1], edges[1:], strict=True):
+        inside = (conf > lower) & (conf <= upper)
+        if inside.any():
+            ece += inside.double().mean() * (correct[inside].mean() - conf[inside].mean()).abs()
+    return float(100.0 * ece)
+
+
+def logit_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """`classification_metrics` of the logits' argmax (N, n_cls), with `top5` and `ece` (15 bins)."""
+    return {
+        **classification_metrics(logits.argmax(-1), labels, logits.shape[-1]),
+        "top5": top_k_accuracy(logits, labels, 5),
+        "ece": expected_calibration_error(logits, labels, 15),
+    }

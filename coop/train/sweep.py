@@ -50,7 +50,8 @@ log = logging.getLogger("coop.train.sweep")
 
 # keys that coop.config.run_names.run_name spells out
 NAMED_KEYS = {"data.name", "model.name", "data.shots", "prompt.n_ctx", "prompt.csc", "prompt.position",
-              "prompt.depth", "data.seed", "data.subsample_classes", "method", "zeroshot.templates"}  # fmt: skip
+              "prompt.depth", "data.seed", "data.subsample_classes", "method", "zeroshot.templates",
+              "tta.method", "tta.views", "tta.init", "tta.augment"}  # fmt: skip
 ROOTLESS = {"textile"}  # datasets bundled with a package: no data.root
 
 
@@ -172,7 +173,14 @@ def _data_problem(cfg) -> str:
     return ""
 
 
-def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data: bool = True) -> list[Run]:
+def plan(
+    grid: dict[str, list],
+    out: Path,
+    config: str | None = None,
+    check_data: bool = True,
+    load=load_config,
+    name=run_name,
+) -> list[Run]:
     """Expand the grid into runs, validate every point's config and find their folders.
 
     Args:
@@ -181,6 +189,9 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
         out: sweep root folder.
         config: optional base config file passed to train.py as `--config`.
         check_data: also require an existing data.root (all datasets but the bundled textile).
+        load, name: a point's config from (config, overrides) and its folder name: a training
+            run's (`load_config`, `run_name`), or a test-time pass's (`coop.tta.host.tta_config`,
+            `coop.config.run_names.tta_run_name`).
     Returns:
         Runs in grid order (the first key varies slowest), with their status.
     """
@@ -194,14 +205,14 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
         swept = {k: point[k] for k in swept_keys}
         where = " ".join(f"{k}={format_value(v)}" for k, v in swept.items()) or "(single point)"
         try:
-            cfg = load_config(config, overrides)
+            cfg = load(config, overrides)
             recipe = f"{cfg.method}+dept" if cfg.dept.enabled else cfg.method  # DePT's hosts have their own
             yielding = getattr(grid, "fixed", frozenset()) & recipe_keys(recipe)
             if yielding & set(point):  # the method's recipe keeps these keys
                 overrides = [f"{k}={format_value(v)}" for k, v in point.items() if k not in yielding]
-                cfg = load_config(config, overrides)
+                cfg = load(config, overrides)
             refusal = model_refusal(cfg, refusals)
-        except (ConfigError, ModelError) as e:
+        except (ValueError, ModelError) as e:  # ConfigError, and a test-time pass's TestTimeError
             raise ConfigError(f"point {where}: {e}") from None
         if not refusal:
             try:  # a point's own limit (prompt.depth above the text tower's layers) refuses that point
@@ -213,7 +224,7 @@ def plan(grid: dict[str, list], out: Path, config: str | None = None, check_data
         problem = _data_problem(cfg)
         if problem and check_data:
             raise ConfigError(f"point {where}: {problem}")
-        head, _, seed = run_name(cfg).rpartition("/")
+        head, _, seed = name(cfg).rpartition("/")
         folder = out / f"{head}{_suffix(swept, extra)}" / seed
         if folder in seen:
             raise ConfigError(

@@ -37,6 +37,8 @@ class TestTimeError(ValueError):
     """A test-time setting that cannot work: a host the method cannot start from, views or a
     selection fraction out of range. One line, raised before any work."""
 
+    __test__ = False  # not a pytest class, despite its name
+
 
 class TestTimeMethod(nn.Module):
     """Base class of the test-time methods.
@@ -49,6 +51,9 @@ class TestTimeMethod(nn.Module):
     __test__ = False  # not a pytest class, despite its name
     name = "tta"
     kind = "episodic"  # or "online"
+    # the augmented views where `tta.augment` is null (`coop.tta.views`): TPT's rule by dataset
+    # ("tpt"), or "augmix" / "crop_flip" on every dataset, as the method's original does
+    augment = "tpt"
 
     def __init__(self, host: Method, cfg: DictConfig):
         super().__init__()
