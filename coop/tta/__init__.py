@@ -8,5 +8,18 @@ coop.data, coop.config and the root modules. Imported by: the tools.
 from __future__ import annotations
 
 from coop.tta.base import TestTimeError, TestTimeMethod, confident_views, entropy, host_features, host_logits
+from coop.tta.tpt import CTPT, TPT
 
-__all__ = ["TestTimeError", "TestTimeMethod", "confident_views", "entropy", "host_features", "host_logits"]
+TTA_METHODS: dict[str, type[TestTimeMethod]] = {"tpt": TPT, "ctpt": CTPT}
+
+__all__ = [
+    "CTPT",
+    "TPT",
+    "TTA_METHODS",
+    "TestTimeError",
+    "TestTimeMethod",
+    "confident_views",
+    "entropy",
+    "host_features",
+    "host_logits",
+]
