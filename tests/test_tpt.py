@@ -19,7 +19,8 @@ from coop.config.load import load_config
 from coop.methods import build_method
 from coop.reference.coop import reference_inputs
 from coop.reference.tpt import cocoop_start, maple_forward, prompt_forward, tpt_image
-from coop.tta import TTA_METHODS, TestTimeError
+from coop.tta import TTA_METHODS
+from coop.tta import base as tta_base
 from coop.tta.base import n_confident
 from coop.tta.tpt import CTPT, TPT, average_entropy, ctpt_lambda, text_dispersion
 
@@ -267,7 +268,7 @@ def test_hosts_without_a_tunable_prompt_are_refused(tiny_clip, method, overrides
     torch.manual_seed(0)
     host = build_method(tiny_clip, CLASSES, cfg_of(method, *overrides))
     for cls in (TPT, CTPT):
-        with pytest.raises(TestTimeError) as err:
+        with pytest.raises(tta_base.TestTimeError) as err:
             cls(host, cfg_of(method, *overrides))
         line = str(err.value)
         assert "\n" not in line and f"method={method}" in line and f"tta.method={cls.name}" in line
@@ -279,7 +280,7 @@ def test_bad_settings_are_refused(tiny_clip):
     for key, value in (("selection", 0.0), ("selection", 1.5), ("steps", 0), ("lr", 0.0)):
         bad = cfg.copy()
         bad.tpt[key] = value
-        with pytest.raises(TestTimeError, match=f"tpt.{key}"):
+        with pytest.raises(tta_base.TestTimeError, match=f"tpt.{key}"):
             TPT(host, bad)
     with pytest.raises(Exception, match="tpt.selection"):
         load_config(None, ["tpt.selection=0"])

@@ -144,7 +144,8 @@ class TPT(TestTimeMethod):
         if host.name in ("zeroshot", "cocoop"):
             own = {id(inner.prompt_learner.ctx)}
         # the tuned tensors by their names in `calls`, and their starting values
-        self.tuned = [n for n, p in self.calls.named_parameters() if id(p) in own]
+        self._tensors = {n: p for n, p in self.calls.named_parameters() if id(p) in own}
+        self.tuned = list(self._tensors)
         self.pixels = host.input == "pixels"  # the image tower takes the prompt (MaPLe): re-run
         self.shared = host.name != "cocoop"  # every image starts from the same prompt
         self._start = None  # (leaves, text features with their graph) at theta_0, built once
@@ -181,8 +182,7 @@ class TPT(TestTimeMethod):
 
     def starting(self, features: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """theta_0 by name: the host's prompt, or for CoCoOp ctx + meta_net(norm(f(x_0)))."""
-        params = dict(self.calls.named_parameters())
-        theta = {k: params[k] for k in self.tuned}
+        theta = self._tensors
         if not self.shared:
             meta = self.host.meta_net
             with torch.no_grad():
