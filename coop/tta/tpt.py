@@ -156,7 +156,10 @@ class TPT(TestTimeMethod):
     # -- one image ------------------------------------------------------------------------------
 
     def predict(self, views: torch.Tensor, index: int) -> torch.Tensor:
-        logits, _ = self.adapt(views)
+        # the step needs autograd: also under a caller's no_grad or inference_mode
+        with torch.inference_mode(False):
+            views = views.clone() if views.is_inference() else views
+            logits, _ = self.adapt(views)
         return logits
 
     def adapt(self, views: torch.Tensor, features: torch.Tensor | None = None):

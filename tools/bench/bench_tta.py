@@ -5,8 +5,9 @@ forward per image).
     python tools/bench/bench_tta.py [--model configs/models/coop-tiny.json] [--classes 200 1000]
                                     [--images 3] [--views 64] [--memory]
 
-For each class count: the median time per image of both sides (the sides alternating image by
-image, after one warm-up image each), our one-off cost (the starting prompt's forward and graph),
+For each class count: the best time per image of both sides over `--images` images (after one
+warm-up image; the reference's images first, then ours image by image with our two phases), in
+wall and process CPU time, our one-off cost (the starting prompt's forward and graph),
 the phases (the reference's forward with graph, backward, forward; our backward through the kept
 graph and our forward, each timed alone), the bound R / (B + F) and the share of it reached, and
 the largest logit difference. The host is zero-shot CLIP with TPT's prompt, on the first N ImageNet
@@ -39,7 +40,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=TINY_MODEL, help="open_clip model name or model-config JSON")
     ap.add_argument("--classes", type=int, nargs="+", default=[200, 1000], help="first N ImageNet names")
-    ap.add_argument("--images", type=int, default=3, help="timed images per side (after one warm-up image)")
+    ap.add_argument(
+        "--images", type=int, default=3, help="timed images per side, the best counts (after a warm-up image)"
+    )
     ap.add_argument("--views", type=int, default=64, help="views per image (TPT: 64)")
     ap.add_argument("--memory", action="store_true", help="also the memory of one image at the largest count")
     ap.add_argument("--device", default="cpu")
@@ -54,7 +57,7 @@ def main(argv=None) -> int:
     oc, clip = build_models(args.model, device)
     name = Path(args.model).stem if args.model.endswith(".json") else args.model
     print(f"TPT per image, model {name} (random weights), zero-shot host, fp32, {args.views} views, "
-          f"median of {args.images} image(s) after one warm-up image")  # fmt: skip
+          f"best of {args.images} image(s) after one warm-up image")  # fmt: skip
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
     rows = []
     for n in args.classes:

@@ -46,7 +46,7 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              random image features, 200 and 1,000 classes: the original-style reference (77 tokens x
              all classes, forward, backward, forward per image) against ours (the starting prompt's
              forward and graph shared by all images, then per image a backward and a forward of the
-             fast text pass); time per image (median of 3 after a warm-up image), the bound
+             fast text pass); time per image (best of 3 after a warm-up image), the bound
              R / (B + F) and its share reached; peak memory of one image at 1,000 classes: ours,
              ours with tpt.grad_checkpointing, the reference;
   ddp        where several GPUs are visible: one run on 1 GPU vs on all of them (tools/bench/bench_ddp.py:
