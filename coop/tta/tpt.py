@@ -140,9 +140,10 @@ class TPT(TestTimeMethod):
         else:
             inner = host.classifier
         self.calls = _Calls(inner)
-        own = {id(p) for p in (host.learnable() if host.name in ("coop", "kgcoop", "maple") else {}).values()}
         if host.name in ("zeroshot", "cocoop"):
             own = {id(inner.prompt_learner.ctx)}
+        else:  # every tensor the host learned
+            own = {id(p) for p in host.learnable().values()}
         # the tuned tensors by their names in `calls`, and their starting values
         self._tensors = {n: p for n, p in self.calls.named_parameters() if id(p) in own}
         self.tuned = list(self._tensors)
@@ -179,9 +180,16 @@ class TPT(TestTimeMethod):
             optimizer.step()
         theta = {k: v.detach() for k, v in theta.items()}
         with torch.no_grad():
-            text = functional_call(self.calls, theta, ("text",))
-            image = functional_call(self.calls, theta, ("image", views[:1])) if self.pixels else features[:1]
+            text = self.run(theta, "text")
+            image = self.run(theta, "image", views[:1]) if self.pixels else features[:1]
             return cosine_logits(image, text, self.host.clip.logit_scale)[0], theta
+
+    def run(
+        self, theta: dict[str, torch.Tensor], what: str, views: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The host's unnormalised text features ("text") or image features of `views` ("image")
+        with the tensors `theta` in place of the host's own (none of them tied to another)."""
+        return functional_call(self.calls, theta, (what, views), tie_weights=False)
 
     def starting(self, features: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """theta_0 by name: the host's prompt, or for CoCoOp ctx + meta_net(norm(f(x_0)))."""
@@ -201,10 +209,10 @@ class TPT(TestTimeMethod):
         else:
             leaves = list(theta.values())
             with torch.enable_grad(), self._checkpointing():
-                text = functional_call(self.calls, theta, ("text",))
+                text = self.run(theta, "text")
         with torch.enable_grad():
             t = text.detach().requires_grad_(True)  # dloss/dt first, then one backward through the text
-            image = functional_call(self.calls, theta, ("image", views)) if self.pixels else features
+            image = self.run(theta, "image", views) if self.pixels else features
             logits = cosine_logits(image, t, self.host.clip.logit_scale)  # (V, n_cls) fp32
             if keep is None:
                 keep = confident_views(logits.detach(), self.selection)
@@ -229,7 +237,7 @@ class TPT(TestTimeMethod):
         if self._start is None:
             leaves = [v.detach().clone().requires_grad_(True) for v in self.starting(None).values()]
             with torch.enable_grad(), self._checkpointing():
-                text = functional_call(self.calls, dict(zip(self.tuned, leaves, strict=True)), ("text",))
+                text = self.run(dict(zip(self.tuned, leaves, strict=True)), "text")
             self._start = (leaves, text)
         return self._start
 

@@ -26,7 +26,6 @@ import torch
 from _bench import peak_fields, reset_peak, sync
 from omegaconf import OmegaConf
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
-from torch.func import functional_call
 
 from coop.methods import build_method
 from coop.reference.coop import reference_inputs
@@ -93,7 +92,7 @@ def per_image(oc, clip, n_classes: int, views: int, images: int, device) -> dict
         "reference": lambda x: ref_image(x),
         "ours": lambda x: tpt.adapt(None, x),
         "backward": lambda x: torch.autograd.grad(text, leaves, grad_out, retain_graph=True),
-        "forward": lambda x: _no_grad(lambda: functional_call(tpt.calls, theta, ("text",))),
+        "forward": lambda x: _no_grad(lambda: tpt.run(theta, "text")),
     }
     times, logits = {k: ([], []) for k in calls}, {}
     # the reference's images first, then ours with our phases image by image: a phase timed right
