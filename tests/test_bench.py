@@ -85,10 +85,17 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, monkeypatch, capsys):
     for rows in lora.values():
         assert [r.get("side") for r in rows] in (["coop", "coop, grad checkpointing", "reference"], [None])
         assert all(r["ms"] > 0 for r in rows) if len(rows) == 3 else "\n" not in rows[0]["unsupported"]
+    tpt = report["tpt"]
+    assert [r["classes"] for r in tpt["per_image"]] == [10] and tpt["per_image"][0]["max_logit_diff"] < 1e-4
+    assert all(tpt["per_image"][0][clock]["bound"] > 1 for clock in ("wall", "cpu"))
+    assert [r["side"] for r in tpt["memory"]] == ["ours", "ours, grad checkpointing", "reference"]
+    saved = {r["side"]: r["saved_mib"] for r in tpt["memory"]}
+    assert saved["ours, grad checkpointing"] < saved["ours"] < saved["reference"]
     out = capsys.readouterr().out
     assert (
         "all checks passed" in out and "no decoding/augmentation" in out and "one MaPLe training step" in out
     )
+    assert "TPT per image, ours vs the reference" in out
 
 
 def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, capsys):
@@ -105,6 +112,7 @@ def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gpu_check, "check_clip_lora", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_mmrl", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_timm", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_tpt", lambda *args: {"per_image": [], "memory": []})
     monkeypatch.setattr(gpu_check, "check_epoch", out_of_memory)
     assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 1
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -114,6 +122,18 @@ def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, ca
     }
     assert report["text_speed"] == [] and report["memory"] == [] and not report["ok"]
     assert "all checks FAILED" in capsys.readouterr().out
+
+
+def test_bench_tta_states_tpts_ratio_bound_and_memory(capsys):
+    """Both sides per image on the tiny model, the same logits, the bound, the memory rows."""
+    args = ["--model", str(TINY_CONFIG), "--classes", "6", "--images", "1", "--views", "10", "--memory"]
+    assert load_tool("bench_tta").main(args) == 0
+    out = capsys.readouterr().out
+    assert float(re.search(r"max \|logit diff\| (\S+)", out).group(1)) < 1e-4
+    assert re.search(r"^\| 6 \| cpu \| [\d,]+ ms \| [\d,]+ ms \| \S+x \| \S+x \| \d+% \|$", out, re.M)
+    assert "bound R / (B + F)" in out and "one TPT image at 6 classes" in out
+    for side in ("ours", "ours, grad checkpointing", "reference"):
+        assert re.search(rf"^  {re.escape(side)} +6 classes: saved for backward +[\d.]+ MiB", out, re.M)
 
 
 def test_bench_text_compares_both_sides(capsys):

@@ -211,3 +211,19 @@ def test_tiles_equal_the_full_sequence(tiny_clip, monkeypatch, tile):
     for a, b in zip(*grads, strict=True):
         assert b.abs().max() > 0
         assert rel(a, b) < 1e-5
+
+
+def test_a_layout_is_built_once_and_never_as_inference_tensors():
+    """The same lengths give the same Packing object (built once: every step and every TPT image
+    asks for it again); one first asked for under inference mode still serves a forward with a graph."""
+    from coop.model.packing import pack
+
+    lengths = torch.tensor([3, 5, 2, 7, 4])
+    with torch.inference_mode():
+        first = pack(lengths, 2, groups=2)
+    again = pack(lengths.clone(), 2, groups=2)
+    assert again is first and not first.mask.is_inference() and not first.row.is_inference()
+    assert pack(lengths, 3, groups=2) is not first and pack(torch.tensor([3, 5, 2, 7, 5]), 2, 2) is not first
+    x = torch.randn(1, int(lengths.sum()), 6, requires_grad=True)
+    x[:, again.source].sum().backward()  # the cached index tensor in a graph
+    assert x.grad is not None

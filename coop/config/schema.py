@@ -260,6 +260,21 @@ def section(cls):
 
 
 @dataclass
+class TptConfig:  # coop.tta.tpt: TPT's settings (tpt_classification.py's defaults)
+    lr: float = key(5e-3, "> 0")  # AdamW, its state reset before every image
+    steps: int = key(1, ">= 1")  # AdamW steps per image (--tta_steps)
+    selection: float = key(0.1, "in (0, 1]")  # the confident views kept: int(views * selection), >= 1
+    weight_decay: float = key(0.01, ">= 0")  # torch's AdamW default, which TPT keeps
+    ctx_init: str = "a photo of a"  # a zero-shot host's learnable context (--ctx_init a_photo_of_a)
+    grad_checkpointing: bool = False  # recompute the text blocks in each backward: less memory
+
+
+@dataclass
+class CtptConfig:  # coop.tta.tpt.CTPT
+    lambda_term: float | None = key(None, ">= 0")  # null: C-TPT's scripts' (20 natural shifts, 50 else)
+
+
+@dataclass
 class RunConfig:
     method: str = key("coop", choices=METHODS)
     model: ModelConfig = section(ModelConfig)
@@ -282,6 +297,8 @@ class RunConfig:
     fedpgp: FedpgpConfig = section(FedpgpConfig)
     tta: TtaConfig = section(TtaConfig)
     zero: ZeroConfig = section(ZeroConfig)
+    tpt: TptConfig = section(TptConfig)
+    ctpt: CtptConfig = section(CtptConfig)
     output_dir: str | None = None
     device: str = "auto"
 

@@ -70,6 +70,7 @@ def coop_text_features(
     inputs=None,
     ctx: torch.Tensor | None = None,
     classes: slice | None = None,
+    deep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Text features (n_cls, E) of `learner`'s prompts, computed the CoOp way on the OpenCLIP model.
 
@@ -81,6 +82,7 @@ def coop_text_features(
         ctx: context vectors to use instead of `learner.ctx`, same shape (CoCoOp's shifted ones).
         classes: only these classes' prompts (default: all); every class is computed on its own,
             so a benchmark may run the classes in slices to bound the memory.
+        deep: deep prompts to use instead of `learner.deep_ctx`, same shape (TPT's tuned ones).
     """
     oc = openclip_model
     ids, name_lens, slots = inputs if inputs is not None else reference_inputs(openclip_model, learner)
@@ -91,7 +93,8 @@ def coop_text_features(
     ctx = learner.ctx if ctx is None else ctx
     ctx = ctx[rows] if learner.csc else ctx.unsqueeze(0).expand(n_cls, -1, -1)  # (n_cls, M, W)
     x = coop_layout(learner, embeds, ctx, name_lens)  # (n_cls, 77, W)
-    deep = learner.deep_ctx[: learner.depth - 1] if learner.deep_ctx is not None else None
+    deep = learner.deep_ctx if deep is None else deep
+    deep = deep[: learner.depth - 1] if deep is not None else None
     if deep is not None and learner.csc:
         deep = deep[:, rows]  # (J-1, n_cls, M, W)
     return text_tower(oc, x, ids, slots, deep)

@@ -19,9 +19,10 @@ from omegaconf import DictConfig
 
 from coop.methods.base import Method
 from coop.tta.base import TestTimeError, TestTimeMethod, confident_views, entropy, host_features, host_logits
+from coop.tta.tpt import CTPT, TPT
 from coop.tta.zero import Zero
 
-TTA_METHODS: dict[str, type[TestTimeMethod]] = {"zero": Zero}
+TTA_METHODS: dict[str, type[TestTimeMethod]] = {"tpt": TPT, "ctpt": CTPT, "zero": Zero}
 
 
 def tta_class(name: str) -> type[TestTimeMethod]:
@@ -40,9 +41,12 @@ def build_tta(host: Method, cfg: DictConfig) -> TestTimeMethod:
 
 
 __all__ = [
+    "CTPT",
+    "TPT",
     "TTA_METHODS",
     "TestTimeError",
     "TestTimeMethod",
+    "Zero",
     "build_tta",
     "tta_class",
     "confident_views",

@@ -42,6 +42,13 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              tools/bench/bench_vl.py builds them (CLIP's tokenizer; the reference's image side is timm's
              own forward, `coop.reference.timm_vit`); a model the method cannot be built on is one
              row saying why ("not supported: ...").
+  tpt        TPT per image (tools/bench/bench_tta.py): a zero-shot host on ViT-B/16, 64 views of
+             random image features, 200 and 1,000 classes: the original-style reference (77 tokens x
+             all classes, forward, backward, forward per image) against ours (the starting prompt's
+             forward and graph shared by all images, then per image a backward and a forward of the
+             fast text pass); time per image (best of 3 after a warm-up image), the bound
+             R / (B + F) and its share reached; peak memory of one image at 1,000 classes: ours,
+             ours with tpt.grad_checkpointing, the reference;
   ddp        where several GPUs are visible: one run on 1 GPU vs on all of them (tools/bench/bench_ddp.py:
              torchrun, NCCL, ViT-B/16, CoOp on cached features and MaPLe on pixels, epoch times).
 
@@ -89,12 +96,14 @@ from _gpu_steps import (  # noqa: E402
     print_mmrl,
     print_timm,
 )
+from _tta import check_tpt, print_tpt  # noqa: E402
 
 SIZES = {  # --tiny: the test suite's model, so that the whole script runs on a CPU in seconds
     "full": {"model": "ViT-B-16", "parity": 100, "speed": (100, 1000), "n_ctx": (4, 16), "memory": 1000,
-             "images": 16000, "repeats": 3},
+             "images": 16000, "repeats": 3, "tpt": (200, 1000), "tpt_images": 3, "tpt_views": 64},
     "tiny": {"model": TINY_MODEL, "parity": 10, "speed": (10,),
-             "n_ctx": (4,), "memory": 20, "images": 64, "repeats": 1},
+             "n_ctx": (4,), "memory": 20, "images": 64, "repeats": 1, "tpt": (10,), "tpt_images": 1,
+             "tpt_views": 8},
 }  # fmt: skip
 
 
@@ -144,6 +153,7 @@ PRINTERS = {
     "mmrl": print_mmrl,
     "timm_maple": print_timm("maple"),
     "timm_clip_lora": print_timm("clip_lora"),
+    "tpt": print_tpt,
     "ddp": print_ddp,
 }
 
@@ -193,6 +203,7 @@ def main(argv=None) -> int:
         "mmrl": lambda: check_mmrl(device, args.tiny),
         "timm_maple": lambda: check_timm("maple", device, args.tiny),
         "timm_clip_lora": lambda: check_timm("clip_lora", device, args.tiny),
+        "tpt": lambda: check_tpt(oc, clip, sizes["tpt"], sizes["tpt_images"], sizes["tpt_views"], device),
         "ddp": lambda: check_ddp(device),
     }
     for section, run in sections.items():
