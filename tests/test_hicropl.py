@@ -240,3 +240,23 @@ def test_refusals_in_one_line_before_the_run(tmp_path, image_folder):
     with pytest.raises(ConfigError):
         train_run(load_config(None, [*args, f"data.descriptions={descriptions}"]))
     assert not out.exists()
+
+
+def test_bench_hicropl_matches_the_reference_and_measures_memory(tmp_path, capsys):
+    from test_bench import load_tool
+
+    bench = load_tool("bench_hicropl")
+    out_json = tmp_path / "hicropl.json"
+    args = ["--model", str(TINY_CONFIG), "--classes", "4", "--batch", "2", "--no-memory"]
+    args += ["--set", "prompt.depth=2", "--set", "hicropl.cross_layer=1", "--json", str(out_json)]
+    assert bench.main(args) == 0
+    assert "speed-up:" in capsys.readouterr().out
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["reference_text"] == 4 * 77 and step["ours_text"] < step["reference_text"] / 2
+    assert step["bound"] > 1 and step["loss_diff"] < 1e-5
+    assert set(step["grad_diff"]) == {"ctx", "deep_ctx", "cross_prompts_visual"}
+    assert max(step["grad_diff"].values()) < 1e-4
+    # the memory child's measurement, in this process
+    child = SimpleNamespace(device="cpu", model=str(TINY_CONFIG), memory_classes=4, batch=2)
+    child.set = ["prompt.depth=2", "hicropl.cross_layer=1"]
+    assert bench.step_memory(child, grad_checkpointing=True) >= 0
