@@ -260,3 +260,12 @@ def test_bench_hicropl_matches_the_reference_and_measures_memory(tmp_path, capsy
     child = SimpleNamespace(device="cpu", model=str(TINY_CONFIG), memory_classes=4, batch=2)
     child.set = ["prompt.depth=2", "hicropl.cross_layer=1"]
     assert bench.step_memory(child, grad_checkpointing=True) >= 0
+
+
+def test_published_mean_is_the_readmes():
+    from coop.results.published import lookup
+    from coop.results.tables import harmonic_mean
+
+    row = [lookup("hicropl", "base_to_new", "average", m) for m in ("accuracy", "new_accuracy", "hm")]
+    assert [f.value for f in row] == [85.89, 77.99, 81.75] and all(f.checked for f in row)
+    assert harmonic_mean(85.89, 77.99) == pytest.approx(81.75, abs=0.006)
