@@ -269,3 +269,22 @@ def test_published_mean_is_the_readmes():
     row = [lookup("hicropl", "base_to_new", "average", m) for m in ("accuracy", "new_accuracy", "hm")]
     assert [f.value for f in row] == [85.89, 77.99, 81.75] and all(f.checked for f in row)
     assert harmonic_mean(85.89, 77.99) == pytest.approx(81.75, abs=0.006)
+
+
+def test_fp16_keeps_the_originals_dtypes(tiny_openclip, tmp_path):
+    """train.precision=fp16 as the original's PREC=fp16: every prompt, mapper, pooling and proxy
+    tensor half; the description features fp32; the loss in fp32; a step reaches the prompts."""
+    import coop
+
+    clip = coop.CLIP.from_openclip(copy.deepcopy(tiny_openclip))  # its own copy: it becomes half
+    method = build(clip, write_descriptions(tmp_path), "prompt.n_ctx=2")
+    described = method.descriptions.clone()
+    method.to_half()
+    assert all(t.dtype == torch.half for t in method.learnable().values())
+    assert method.descriptions.dtype == torch.float32 and torch.equal(method.descriptions, described)
+    images = torch.randn(2, 3, 32, 32).half()
+    loss, logits = method.loss(images, torch.tensor([0, 2]))
+    loss.backward()
+    assert torch.isfinite(loss) and loss.dtype == logits.dtype == torch.float32
+    assert method.cross_prompts_visual.grad.dtype == torch.half
+    assert method.cross_prompts_visual.grad.abs().max() > 0
