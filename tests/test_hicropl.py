@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import REPO, TINY_CONFIG, kill_at_first_checkpoint, tiny_args
+from test_protocols import data_root  # noqa: F401  (a fixture: a CoOp DATA folder)
 from test_vision_families import family, offline  # noqa: F401  (fixtures: the shrunk timm families)
 from torch import nn
 
@@ -182,33 +183,6 @@ def test_step_equals_the_originals_on_timm_towers(family, tmp_path):  # noqa: F8
     assert all(t.grad.abs().max() > 0 for t in (pl.ctx, pl.deep_ctx, method.cross_prompts_visual))
 
 
-def test_end_to_end_killed_and_resumed_is_bit_identical(image_folder, tmp_path):
-    sentences = {c: [f"a photo of something {c}.", f"{c} is a colour."] for c in ("red", "green", "blue")}
-    sentences = {f"{c}_thing": s for c, s in sentences.items()}
-    extra = {
-        "method": "hicropl",
-        "prompt.depth": 2,
-        "prompt.n_ctx": 2,
-        "hicropl.cross_layer": 1,
-        "data.descriptions": write_descriptions(tmp_path, sentences),
-        "train.epochs": 2,
-        "train.lr": 0.01,
-    }
-    whole = train_run(load_config(None, tiny_args(image_folder, tmp_path / "whole", **extra)))
-    assert whole["hicropl_cross_layer"] == 1 and whole["hicropl_weight"] == 12.0
-    out = tmp_path / "killed"
-    cmd = [sys.executable, str(REPO / "tools" / "train.py"), *tiny_args(image_folder, out, **extra)]
-    kill_at_first_checkpoint(cmd, out)
-    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] < 2, "killed too late"
-    resumed = train_run(load_config(None, tiny_args(image_folder, out, **extra)))
-    final = torch.load(out / "checkpoint.pt", weights_only=True)["prompt"]
-    want = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)["prompt"]
-    assert {"ctx", "deep_ctx", "cross_prompts_visual", "text_proxy_token"} <= set(want)
-    assert final.keys() == want.keys() and all(torch.equal(final[k], v) for k, v in want.items())
-    assert resumed["final_train_loss"] == whole["final_train_loss"]
-    assert resumed["accuracy"] == whole["accuracy"]
-
-
 def test_refusals_in_one_line_before_the_run(tmp_path, image_folder):
     descriptions = write_descriptions(tmp_path)
     base = ["method=hicropl", f"model.name={TINY_CONFIG}", "prompt.depth=2", "hicropl.cross_layer=1"]
@@ -288,3 +262,41 @@ def test_fp16_keeps_the_originals_dtypes(tiny_openclip, tmp_path):
     assert torch.isfinite(loss) and loss.dtype == logits.dtype == torch.float32
     assert method.cross_prompts_visual.grad.dtype == torch.half
     assert method.cross_prompts_visual.grad.abs().max() > 0
+
+
+def test_base_to_new_end_to_end_killed_and_resumed_bit_identically(data_root, tmp_path):  # noqa: F811
+    """Trained on ImageNet's base half (a descriptions file written here), scored on its new half and
+    on ImageNet-A's classes with their own description features; re-evaluating the checkpoint gives
+    the same accuracy (an evaluation maps into copies); tools/train.py killed with SIGKILL after its
+    first checkpoint and resumed ends with the same tensors, loss and accuracy."""
+    from coop.train.evaluation import evaluate_checkpoint
+
+    sentences = {
+        f"{c} thing": [f"a {c} thing.", f"something {c}."] for c in ("red", "green", "blue", "yellow")
+    }
+    common = [f"model.name={TINY_CONFIG}", "model.pretrained=none", "method=hicropl", "data.name=imagenet"]
+    common += [f"data.root={data_root}", "data.subsample_classes=base", "eval.targets=[imagenet_a]"]
+    common += ["data.shots=4", "data.num_workers=0", "train.batch_size=4", "train.epochs=2", "device=cpu"]
+    common += ["prompt.depth=2", "prompt.n_ctx=2", "hicropl.cross_layer=1", "train.lr=0.01"]
+    common += [f"data.descriptions={write_descriptions(tmp_path, sentences)}"]
+    whole = tmp_path / "whole"
+    metrics = train_run(load_config(None, [*common, f"output_dir={whole}"]))
+    assert (
+        metrics["epochs"] == 2 and metrics["hicropl_cross_layer"] == 1 and metrics["hicropl_weight"] == 12.0
+    )
+    assert json.loads((whole / "eval_imagenet_new.json").read_text())["n_test"] == 6
+    assert len(json.loads((whole / "eval_imagenet_a.json").read_text())["per_class_accuracy"]) == 2
+    assert evaluate_checkpoint(whole / "checkpoint.pt")["accuracy"] == metrics["accuracy"]
+
+    out = tmp_path / "killed"
+    kill_at_first_checkpoint(
+        [sys.executable, str(REPO / "tools" / "train.py"), *common, f"output_dir={out}"], out
+    )
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] < 2, "killed too late"
+    resumed = train_run(load_config(None, [*common, f"output_dir={out}"]))
+    final = torch.load(out / "checkpoint.pt", weights_only=True)["prompt"]
+    want = torch.load(whole / "checkpoint.pt", weights_only=True)["prompt"]
+    assert {"ctx", "deep_ctx", "cross_prompts_visual", "text_proxy_token"} <= set(want)
+    assert final.keys() == want.keys() and all(torch.equal(final[k], v) for k, v in want.items())
+    assert resumed["final_train_loss"] == metrics["final_train_loss"]
+    assert resumed["accuracy"] == metrics["accuracy"]
