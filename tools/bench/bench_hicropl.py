@@ -19,9 +19,11 @@ into ctx, deep_ctx and cross_prompts_visual) from the same state, with HiCroPL's
 The descriptions are two sentences per class written here ("a photo of a {c}.", "{c}, a kind of
 thing."): no third-party text. The state is restored before every call, so the sides compute the
 same step; each gets `--warmup` untimed calls, then the best of `--repeats` timed calls counts, the
-sides alternating. The bound is the token counts' (tokens x layers x width^2): text, the reference's
-n_cls x 77 against our prompts' own tokens up to [EOS]; image, B x (T + M) for the prompted pass and
-B x T / 3 for the frozen forward on both sides. The reference at 1,000 classes keeps a graph of
+sides alternating. The bound is the token counts' (tokens x layers x width^2; the attention's
+quadratic term left out): text, the reference's n_cls x 77 against our shared prefix [SOS][v1..vM]
+once (the deep prompts are the same for every class, so the prefix stays shared at every block)
+plus each prompt's own tokens up to [EOS]; image, B x (T + M) for the prompted pass and B x T / 3
+for the frozen forward on both sides. The reference at 1,000 classes keeps a graph of
 77,000 text tokens (about 30 GB in fp32 for ViT-B/16) and is skipped, with a message, where it
 does not fit.
 
@@ -77,8 +79,12 @@ def token_bound(method, clip, batch: int) -> dict:
     """Tokens per step of both sides and the speed-up they bound (module docstring)."""
     tokens, n_ctx = image_tokens(clip.visual), method.cross_prompts_visual.shape[1]
     image = batch * (tokens + n_ctx) + batch * tokens / 3
-    ref_text = len(method.classnames) * clip.text.cfg.context_length
-    ours_text = int((method.prompt_learner.eos + 1).sum())
+    pl, n_cls = method.prompt_learner, len(method.classnames)
+    ref_text = n_cls * clip.text.cfg.context_length
+    if clip.text.cuts:  # the shared prefix once, then each prompt's own tokens up to [EOS]
+        ours_text = pl.shared_prefix + int((pl.eos + 1 - pl.shared_prefix).sum())
+    else:  # a tower without the causal cut (SigLIP's) runs every prompt whole
+        ours_text = n_cls * pl.token_embeds.shape[1]
     t, v = clip.text.cfg, clip.visual
     text_cost, image_cost = t.layers * t.width**2, v.layers * v.width**2
     bound = (ref_text * text_cost + image * image_cost) / (ours_text * text_cost + image * image_cost)
