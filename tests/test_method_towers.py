@@ -20,6 +20,7 @@ import torch
 from conftest import REPO, make_image_folder, run_tool_in_process
 from open_clip.model import _build_vision_tower
 
+from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.federated import task
 from coop.methods import METHODS
@@ -50,7 +51,7 @@ REFUSED = {  # (model, method): what the method needs, why the model's tower can
     ("coca-tiny", "fl.method=fedotp"): (TOKENS, COCA),
     **{
         ("mobileclip-s-tiny", f"method={m}"): (PROMPTS, CNN)
-        for m in ("vpt", "ivlp", "maple", "promptsrc", "mmrl")
+        for m in ("vpt", "ivlp", "maple", "promptsrc", "mmrl", "hicropl")
     },
     ("mobileclip-s-tiny", "method=clip_lora"): ("adapts the image tower (lora.towers)", CNN),
     ("mobileclip-s-tiny", "fl.method=fedotp"): ("matches prompts to the image tower's patch tokens", CNN),
@@ -58,11 +59,28 @@ REFUSED = {  # (model, method): what the method needs, why the model's tower can
 }
 
 
+# what a method needs beyond WITHIN: HiCroPL crosses between two layers, takes both towers' prompts
+# from prompt.* and reads descriptions
+NEEDS = {
+    "method=hicropl": ["prompt.depth=2", "hicropl.cross_layer=1", "vision.n_ctx=null", "vision.depth=null"]
+}
+
+
+def described(folder) -> str:
+    """data.descriptions= a file of sentences for CLASSES written here (hicropl reads one)."""
+    path = folder / "descriptions.json"
+    path.write_text(
+        json.dumps({c: [f"a {c} in a photo."] for c in ("red_thing", "green_thing", "blue_thing")})
+    )
+    return f"data.descriptions={path}"
+
+
 def run_config(stem: str, label: str, *extra: str):
     """(method class, config) of `label` on the tiny model `stem`."""
     key, _, name = label.partition("=")
     fl = key == "fl.method"
     args = [f"model.name={REPO / 'configs' / 'models' / stem}.json", "model.pretrained=none", *WITHIN, label]
+    args += NEEDS.get(label, [])
     cfg = load_config(None, [*args, *extra], base=task.FEDERATED_BASE if fl else None)
     return (task.FL_METHODS if fl else METHODS)[name], cfg
 
@@ -74,9 +92,13 @@ def expected_message(stem: str, label: str) -> str:
 
 @pytest.mark.parametrize("label", LABELS)
 @pytest.mark.parametrize("stem", STEMS)
-def test_preflight_refuses_exactly_the_pairs_that_cannot_run(stem, label):
-    method, cfg = run_config(stem, label)
+def test_preflight_refuses_exactly_the_pairs_that_cannot_run(stem, label, tmp_path):
+    method, cfg = run_config(stem, label, described(tmp_path))
     if (stem, label) not in REFUSED:
+        if label in NEEDS and TowerLayers.of_model(cfg.model.name).image < 2:  # one image block: no crossing
+            with pytest.raises(ConfigError, match="prompt.depth=2 is above the image tower's 1 layers"):
+                check_model_limits(cfg, method)
+            return
         check_model_limits(cfg, method)
         return
     with pytest.raises(ModelError) as e:

@@ -4,6 +4,8 @@ schedules with iteration budgets, which classes a method scores, and the train-t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import interrupted_at, tiny_args
@@ -140,6 +142,10 @@ def test_without_augmentation_pixel_methods_train_on_the_test_transform(method, 
     """train.augment=false: each training batch is the test transform of its images, in the
     epoch's order, and the run folder says so."""
     extra = {"method": method, "train.augment": "false", "prompt.depth": 2, "vision.depth": 2}
+    if method == "hicropl":  # it crosses below its depth and reads class descriptions
+        path = tmp_path / "descriptions.json"
+        path.write_text(json.dumps({c: [f"a {c}."] for c in ("red_thing", "green_thing", "blue_thing")}))
+        extra |= {"hicropl.cross_layer": 1, "data.descriptions": path}
     args = tiny_args(image_folder, tmp_path / "noaug", **extra)
     cfg = load_config(None, [*args, "train.epochs=2", "output_dir=null"])
     assert coop.train.runner.default_output_dir(cfg).split("/")[-2].endswith("_noaug")

@@ -40,6 +40,10 @@ ON_PURPOSE = {
         "mmrl.rep_dim": "its scripts pass REP_DIM 512: the ImageNet checkpoint's d_r on every target",
         "train.epochs": "its cross-dataset yaml trains ImageNet 1 epoch, not base-to-new's 5",
     },
+    "hicropl/vit_b16_c2_ep5_batch32_2ctx_cross_datasets.yaml": {
+        "train.epochs": "its cross-dataset config trains ImageNet 5 epochs, not base-to-new's 40",
+        "train.batch_size": "its cross-dataset config trains ImageNet in batches of 32, not 128",
+    },
     "mmrl/vit_b16_few_shot.yaml": {
         "train.epochs": "50 at every shot count; for ImageNet the original's few-shot script picks "
         "vit_b16_imagenet.yaml (5 epochs) instead of this file",

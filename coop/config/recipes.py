@@ -103,6 +103,23 @@ METHOD_DEFAULTS = {
         "train.eps": 1e-3,
         "train.epochs": 50,
     },
+    # HiCroPL's configs/trainers/HiCroPL/vit_b16_c2_ep50_batch32_16ctx (its base-to-new and few-shot
+    # scripts): N_CTX 16 (above 4, so random context, "X X ... {class}."), PROMPT_DEPTH 12,
+    # CROSS_LAYER 6, LAMBD 12; Adam lr 0.0025 with eps 1e-3, wd 5e-4 (Dassl's default), batch 32,
+    # 50 epochs, one constant warm-up epoch at 1e-5, then cosine. ImageNet: ep40_batch128
+    # (DATASET_RECIPES). Its PREC=fp16 is `train.precision=fp16`; the default here stays amp.
+    "hicropl": {
+        "prompt.n_ctx": 16,
+        "prompt.ctx_init": "a photo of a",
+        "prompt.depth": 12,
+        "hicropl.cross_layer": 6,
+        "hicropl.weight": 12.0,
+        "train.optimizer": "adam",
+        "train.lr": 0.0025,
+        "train.eps": 1e-3,
+        "train.epochs": 50,
+        "train.batch_size": 32,
+    },
     # DePT (`dept.enabled=true`) on its hosts: the DePT repository's configs/trainers/ExtrasLinearProbe*
     # merged over its train.py `extend_cfg` (SGD, staged lr x6.5 for the head and FiLM, 10 epochs).
     # CoOp: N_CTX 16 random (extend_cfg), lr 0.0035, batch 4; CoCoOp: CoCoOp's prompt, lr 0.002,
@@ -176,6 +193,8 @@ DATASET_RECIPES = {
         "eurosat": {"mmrl.reg_weight": 0.01, "mmrl.rep_dim": 2048},
     },
     "tcp": {"imagenet": {"train.epochs": 25}, "sun397": {"train.epochs": 25}},
+    # HiCroPL's test script reads ImageNet's model from its vit_b16_c2_ep40_batch128_16ctx folder
+    "hicropl": {"imagenet": {"train.epochs": 40, "train.batch_size": 128}},
 }
 # A method default not applied when the other key is set: a default context phrase fixes M in
 # CoCoOp and KgCoOp, so it yields to an explicit prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M

@@ -27,7 +27,7 @@ from coop.config.spec import Spec, key, specs
 # see coop.methods
 METHODS = tuple(
     "coop cocoop kgcoop zeroshot linear_probe vpt ivlp maple promptsrc tip_adapter tip_adapter_f clip_lora "
-    "mmrl tcp".split()
+    "mmrl tcp hicropl".split()
 )
 
 
@@ -128,6 +128,12 @@ class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.methods.gpa
     templates: str = "promptsrc"
     gpa_mean: float = key(15.0, "finite")  # an epoch
     gpa_std: float = key(1.0, "in (0, inf)")  # epochs
+
+
+@dataclass
+class HicroplConfig:  # coop.methods.hicropl
+    cross_layer: int = key(6, ">= 1")  # text -> image in layers 0..L-1, image -> text from L on
+    weight: float = key(12.0, ">= 0")  # lambda: the two consistency terms' weight (the original's LAMBD)
 
 
 @dataclass
@@ -286,6 +292,7 @@ class RunConfig:
     cocoop: CocoopConfig = section(CocoopConfig)
     kgcoop: KgcoopConfig = section(KgcoopConfig)
     promptsrc: PromptsrcConfig = section(PromptsrcConfig)
+    hicropl: HicroplConfig = section(HicroplConfig)
     tip: TipConfig = section(TipConfig)
     lora: LoraConfig = section(LoraConfig)
     mmrl: MmrlConfig = section(MmrlConfig)

@@ -17,6 +17,7 @@ from coop.methods.clip_lora import CLIPLoRA
 from coop.methods.cocoop import CoCoOp, MetaNet
 from coop.methods.coop import CoOp, build_learner
 from coop.methods.dept import DePT
+from coop.methods.hicropl import HiCroPL
 from coop.methods.ivlp import IVLP
 from coop.methods.kgcoop import KgCoOp
 from coop.methods.linear_probe import LinearProbe
@@ -44,6 +45,7 @@ METHODS: dict[str, type[Method]] = {
     "clip_lora": CLIPLoRA,
     "mmrl": MMRL,
     "tcp": TCP,
+    "hicropl": HiCroPL,
 }
 
 
@@ -65,6 +67,7 @@ __all__ = [
     "CoCoOp",
     "CoOp",
     "DePT",
+    "HiCroPL",
     "IVLP",
     "KgCoOp",
     "LinearProbe",

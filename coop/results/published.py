@@ -55,6 +55,7 @@ CLIP_LORA = "CLIP-LoRA (Zanella & Ben Ayed, CVPRW 2024)"
 MMRL = "MMRL (Guo & Gu, CVPR 2025)"
 TCP = "TCP (Yao et al., CVPR 2024)"
 DEPT = "DePT (Zhang et al., CVPR 2024)"
+HICROPL = "HiCroPL (Zheng et al., ICCV 2025)"
 
 
 class Figure(NamedTuple):
@@ -97,10 +98,13 @@ BASE_TO_NEW = {
         (98.07, 76.50, 85.95), (90.67, 91.53, 91.10), (42.73, 37.87, 40.15), (82.67, 78.47, 80.52),
         (83.37, 62.97, 71.75), (92.90, 73.90, 82.32), (87.10, 78.80, 82.74), (84.26, 76.10, 79.97)]),
 }  # fmt: skip
-# Means only, as MaPLe's model zoo lists them (its IVLP: 2+2 prompts; VPT: deep vision prompts).
+# Means only, as MaPLe's model zoo lists them (its IVLP: 2+2 prompts; VPT: deep vision prompts), and
+# HiCroPL's as its README's "Results on B2N" table prints them (its per-dataset rows are in the paper,
+# which could not be read here).
 BASE_TO_NEW_MEANS = {
     "ivlp": (MAPLE + ", model zoo (README)", (82.15, 74.07, 77.90)),
     "vpt": (MAPLE + ", model zoo (README)", (80.24, 73.43, 76.68)),
+    "hicropl": (HICROPL + ", Table 1; HiCroPL README", (85.89, 77.99, 81.75)),
 }
 
 # TCP's, DePT's and MMRL's base-to-new means (16 shots, ViT-B/16; None: not quoted), unchecked:
