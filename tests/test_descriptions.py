@@ -105,6 +105,9 @@ def test_a_run_refuses_a_class_without_sentences_before_its_folder(image_folder,
     check_data_files(load_config(None, base))
     with pytest.raises(DataError, match="no sentences for class 'red_thing'"):
         check_data_files(load_config(None, [*base, "data.subsample_classes=new"]))
+    # a method that scores with the sentences (HiCroPL) needs the new half too, which the base run scores
+    with pytest.raises(DataError, match="no sentences for class 'red_thing'"):
+        check_data_files(load_config(None, [*base, "method=hicropl"]))
 
 
 def test_float32_whatever_the_precision(tiny_clip):

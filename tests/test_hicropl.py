@@ -25,7 +25,8 @@ from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.data import DataError
 from coop.methods import build_method
-from coop.methods.hicropl import HiCroPL, _description_features
+from coop.methods.descriptions import description_features
+from coop.methods.hicropl import HiCroPL
 from coop.model.errors import ModelError
 from coop.reference.coop import reference_inputs
 from coop.train.preflight import check_model_limits
@@ -87,7 +88,7 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
 
 def test_description_features_are_the_originals(tiny_openclip, tiny_clip):
     sentences = [SENTENCES[c.replace("_", " ")] for c in CLASSNAMES]
-    ours = _description_features(tiny_clip, sentences)
+    ours = description_features(tiny_clip, sentences).mean
     want = reference.gpt_clip_classifier(tiny_openclip, sentences)
     assert ours.dtype == torch.float32 and torch.allclose(ours, want, atol=2e-6)
     normalised_last = unit(

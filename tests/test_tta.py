@@ -308,7 +308,9 @@ def test_refusals_name_the_key_before_the_folder_exists(image_folder, tmp_path, 
     assert "tta.init is not set, and method=coop" in refusal(image_folder, tmp_path, "method=coop")
     assert refusal(image_folder, tmp_path, "tta.views=0").startswith("tta.views must be an integer >= 1")
     assert refusal(image_folder, tmp_path, "zero.gamma=0").startswith("zero.gamma must be a number in (0, 1]")
-    assert refusal(image_folder, tmp_path, "tta.method=nope").startswith("tta.method must be one of tpt, ctpt, zero")
+    assert refusal(image_folder, tmp_path, "tta.method=nope").startswith(
+        "tta.method must be one of tpt, ctpt, zero"
+    )
 
     class Picky(TestTimeMethod):
         name = "zero"

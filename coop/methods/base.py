@@ -113,6 +113,7 @@ class Method(nn.Module):
     text_prompt = False  # True: a learned text context, `prompt.*` (`coop.model.prompt.PromptLearner`)
     token_features = False  # True: reads image tokens after the final norm (`ImageTower.final_tokens`)
     inserts_text_tokens = False  # True: inserts tokens at the text tower's layers (MMRL's)
+    scores_with_descriptions = False  # True: every class scored needs data.descriptions (HiCroPL)
     config_key = "method"  # the key that selects it ("fl.method" for the federated methods)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):

@@ -52,6 +52,7 @@ from torch import nn
 from coop.config.checks import ConfigError
 from coop.data.descriptions import load_descriptions, read_description_file
 from coop.methods.base import TowerLayers, Towers
+from coop.methods.descriptions import description_features
 from coop.methods.ivlp import IVLP
 from coop.model.clip import CLIP
 from coop.model.errors import ModelError
@@ -107,23 +108,6 @@ class KnowledgeMapper(nn.Module):
         return q + self.ffn(self.ln_2(q))
 
 
-@torch.no_grad()
-def _description_features(clip: CLIP, sentences_per_class: list[list[str]]) -> torch.Tensor:
-    """(n_cls, E) fp32: per class, its sentences' frozen text features normalised, averaged,
-    normalised (the original's `gpt_clip_classifier`, on an fp32 copy of a half text tower as its
-    `.float()` CLIP). Private until the shared `coop.methods.descriptions` lands."""
-    text = clip.text
-    if text.token_embedding.weight.dtype != torch.float32:
-        text = copy.deepcopy(text).float()
-    device = clip.logit_scale.device
-    rows = []
-    with torch.autocast(device.type, enabled=False):
-        for sentences in sentences_per_class:
-            f = text(clip.tokenize(sentences).to(device)).float()  # (S, E)
-            rows.append(F.normalize(F.normalize(f, dim=-1).mean(0), dim=-1))
-    return torch.stack(rows)
-
-
 class HiCroPL(IVLP):
     """IVLP-placed prompts in both towers, crossed by knowledge mappers, fused with frozen features.
 
@@ -134,6 +118,7 @@ class HiCroPL(IVLP):
     """
 
     name = "hicropl"
+    scores_with_descriptions = True  # its text features are fused with the class's sentences
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
@@ -179,7 +164,7 @@ class HiCroPL(IVLP):
         self.weight = float(cfg.hicropl.weight)
         sentences = load_descriptions(cfg.data.descriptions, self.classnames)
         # fp32, never halved (the original's `fixed_embeddings` is an attribute, not a buffer)
-        self.descriptions = _description_features(clip, sentences)
+        self.descriptions = description_features(clip, sentences).mean  # HiCroPL's gpt_clip_classifier
         log.info("HiCroPL: description features of %d classes from %s", self.n_cls, cfg.data.descriptions)
 
     def build_vision(self, cfg: DictConfig) -> None:

@@ -128,8 +128,10 @@ def check_data_files(cfg: DictConfig) -> None:
     a DataError in one line: with data.fewshot_source=jsonl, 2SFS's split files for (data.shots,
     data.seed) (`coop.data.jsonl_splits`: the file, the line and the path of an entry that does not
     resolve in the DATA folder); with data.descriptions, the description file against the classes
-    the run trains on (`coop.data.descriptions.load_descriptions`: the file and the first class
-    without sentences). Nothing is read for a run that has neither."""
+    the run trains on, or, for a method that scores with the sentences
+    (`Method.scores_with_descriptions`: HiCroPL), every class the run scores: the dataset's, new
+    classes included, and each of `eval.targets` (`coop.data.descriptions.load_descriptions`: the
+    file and the first class without sentences). Nothing is read for a run that has neither."""
     jsonl = cfg.data.fewshot_source == "jsonl"
     if not jsonl and cfg.data.descriptions is None:
         return
@@ -141,5 +143,11 @@ def check_data_files(cfg: DictConfig) -> None:
         split_file=cfg.data.split_file,
         fewshot_source=cfg.data.fewshot_source if jsonl else "sample",
     )
-    if cfg.data.descriptions is not None:
+    if cfg.data.descriptions is None:
+        return
+    if not METHODS[cfg.method].scores_with_descriptions:  # the sentences serve training only
         load_descriptions(cfg.data.descriptions, subsample_classes(ds, cfg.data.subsample_classes).classnames)
+        return
+    load_descriptions(cfg.data.descriptions, ds.classnames)  # a base run scores the new classes too
+    for target in cfg.eval.targets:
+        load_descriptions(cfg.data.descriptions, build_dataset(target, cfg.data.root, shots=0).classnames)
