@@ -25,6 +25,7 @@ from coop.methods.mmrl import MMRL
 from coop.methods.promptsrc import PromptSRC
 from coop.methods.tcp import TCP
 from coop.methods.tip_adapter import TipAdapter, TipAdapterF
+from coop.methods.twosfs import TwoSFS
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model.clip import CLIP
@@ -44,6 +45,7 @@ METHODS: dict[str, type[Method]] = {
     "clip_lora": CLIPLoRA,
     "mmrl": MMRL,
     "tcp": TCP,
+    "2sfs": TwoSFS,
 }
 
 
@@ -76,6 +78,7 @@ __all__ = [
     "TipAdapter",
     "TipAdapterF",
     "TCP",
+    "TwoSFS",
     "TransferError",
     "VPT",
     "VisionPromptMethod",
