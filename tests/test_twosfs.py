@@ -33,6 +33,7 @@ from coop.train.schedule import Schedule
 CLASSES = ["red thing", "green_thing", "t-shirt"]
 NEW = ["blue car", "dog"]
 FAMILIES = {"clip": "coop-tiny", "siglip": "siglip-tiny", "eva02": "eva02-tiny", "pe-core": "pe-core-tiny"}
+HF = {"roberta": "roberta-tiny", "mt5": "mt5-tiny"}  # Hugging Face text towers (mT5: T5LayerNorm)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,7 +56,12 @@ def family(name: str, tmp_path):
         from coop.model.tiny_tokenizers import unigram
 
         tok = unigram(tmp_path / "tok", pad="</s>")
-    return build_family(FAMILIES[name], tok, edit=randomise_image_norms)
+    if name in HF:
+        from coop.model.tiny_tokenizers import make_tiny_tokenizer
+
+        tok = tmp_path / "tok"
+        make_tiny_tokenizer(REPO / "configs" / "models" / f"{HF[name]}.json", tok)
+    return build_family({**FAMILIES, **HF}[name], tok, edit=randomise_image_norms)
 
 
 def method_for(clip, classes=CLASSES, *overrides):
@@ -99,7 +105,7 @@ def test_start_blocks_leave_the_lower_norms_out(tmp_path):
     assert names and not any(".resblocks.0." in k for k in names)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(FAMILIES) + sorted(HF))
 def test_both_stages_and_the_selective_classifier_match_the_reference(name, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     clip, oc = family(name, tmp_path)
@@ -109,7 +115,14 @@ def test_both_stages_and_the_selective_classifier_match_the_reference(name, tmp_
     labels = torch.tensor([0, 2])
     ids = full_ids(clip, CLASSES)
     norms = {k: v for k, v in m.learnable().items() if k not in ("head", "stage")}
-    if hasattr(oc.visual, "trunk"):  # the timm rule, and the original's walk on the text tower
+    if name in HF:  # the original's walk knows no Hugging Face tower: our selection, in its forward
+        for p in oc.parameters():
+            p.requires_grad_(False)
+        names = [oc_name(oc, k) for k in norms]
+        assert {n.split(".")[-2] for n in names if n.startswith("text.")} <= {"LayerNorm", "layer_norm"}
+        for n in names:
+            dict(oc.named_parameters())[n].requires_grad_(True)
+    elif hasattr(oc.visual, "trunk"):  # the timm rule, and the original's walk on the text tower
         for p in oc.parameters():
             p.requires_grad_(False)
         names = ref.timm_trunk_norms(oc) + [n for n, _ in oc.named_parameters() if ".resblocks." in n]

@@ -17,7 +17,7 @@ S = int(alpha T), alpha = `twosfs.stage_one` (0.6). With y the batch's labels:
         logits = logit_scale.exp() * norm(image) @ norm([W_c or text_c for every class c]).T
 
 Stage one (`twosfs.peft`):
-    ln    the weight and bias of every `nn.LayerNorm` inside the blocks of each tower in
+    ln    the weight and bias of every LayerNorm inside the blocks of each tower in
           `twosfs.towers`, from block `twosfs.text_start` / `twosfs.vision_start` on. The original's
           `trainable_norm_params` also lists ln_pre, ln_post and ln_final but, meeting each twice in
           its module walk, sets them back to requires_grad=False: they never train, here neither.
@@ -51,14 +51,20 @@ from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
 PREFIX = {"text": "text.", "vision": "visual."}  # learned tensors' names: the tower's key in open_clip
 
 
+def is_layer_norm(module: nn.Module) -> bool:
+    """An `nn.LayerNorm`, or a class named so that is not one: mT5's `T5LayerNorm` (an RMS norm
+    with a weight only), the one norm of its text tower's layers."""
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("LayerNorm")
+
+
 def block_norms(tower: nn.Module, start: int, prefix: str) -> dict[str, nn.Parameter]:
-    """The weight and bias of every `nn.LayerNorm` inside `tower.blocks[start:]`, named `prefix`
-    plus their key in the tower's state dict (e.g. "visual.transformer.resblocks.0.ln_1.weight")."""
+    """The weight and bias of every LayerNorm (`is_layer_norm`) inside `tower.blocks[start:]`, named
+    `prefix` plus their key in the tower's state dict (e.g. "visual.transformer.resblocks.0.ln_1.weight")."""
     keys = {id(p): k for k, p in tower.named_parameters()}
     found = {}
     for block in list(tower.blocks)[start:]:
         for module in block.modules():
-            if isinstance(module, nn.LayerNorm):
+            if is_layer_norm(module):
                 for p in module.parameters(recurse=False):
                     found[prefix + keys[id(p)]] = p
     return found
