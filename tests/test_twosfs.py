@@ -27,6 +27,7 @@ from coop.methods import build_method
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
 from coop.model.errors import ModelError
 from coop.reference import twosfs as ref
+from coop.reference.clip_lora import clip_lora_logits
 from coop.train.runner import train_run
 from coop.train.schedule import Schedule
 
@@ -96,6 +97,58 @@ def test_the_originals_walk_selects_our_tensors(tmp_path, towers, starts):
     # the walk lists the towers' outer LayerNorms (ln_pre only from block 0) and leaves them frozen
     outer = [p for n, p in model.named_parameters() if {"ln_pre", "ln_post", "ln_final"} & set(n.split("."))]
     assert any(id(p) in listed_params for p in outer) and not any(p.requires_grad for p in outer)
+
+
+@pytest.mark.parametrize("towers, starts", [("both", (0, 0)), ("text", (1, 0)), ("vision", (0, 1))])
+def test_bitfit_is_the_originals_bias_walk_and_its_gradients(tmp_path, towers, starts):
+    """peft=bitfit: the original's `trainable_bias_params` on open_clip's model picks our tensors
+    (block biases but not the packed in_proj_bias; ln_post and ln_final, ln_pre from block 0);
+    stage one's loss and every bias gradient against open_clip's forward."""
+    clip, oc = family("clip", tmp_path)
+    listed = {"both": "[text,vision]", "text": "[text]", "vision": "[vision]"}[towers]
+    starts_set = [f"twosfs.text_start={starts[0]}", f"twosfs.vision_start={starts[1]}"]
+    m = method_for(clip, CLASSES, "twosfs.peft=bitfit", f"twosfs.towers={listed}", *starts_set)
+    tensors = {k: v for k, v in m.learnable().items() if k not in ("head", "stage")}
+    ref.trainable_biases(oc, towers, starts[1], starts[0])
+    params = dict(oc.named_parameters())
+    assert {n for n, p in params.items() if p.requires_grad} == {oc_name(oc, k) for k in tensors}
+    assert not any("in_proj_bias" in k for k in tensors) and any("ln_final" in k for k in tensors) == (
+        towers != "vision"
+    )
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # the same random biases on both sides
+        for k, p in tensors.items():
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            params[oc_name(oc, k)].copy_(p)
+    images = torch.randn(2, 3, clip.image_size, clip.image_size, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 2])
+    m.train()
+    loss = m.loss(images, labels)[0]
+    ref_loss = F.cross_entropy(ref.stage_one_logits(oc, images, full_ids(clip, CLASSES)), labels)
+    assert abs(float(loss.detach() - ref_loss.detach())) < 1e-5
+    ours = torch.autograd.grad(loss, list(tensors.values()))
+    theirs = torch.autograd.grad(ref_loss, [params[oc_name(oc, k)] for k in tensors])
+    for key, a, b in zip(tensors, ours, theirs, strict=True):
+        assert relative_error(a, b) < 1e-4, key
+
+
+def test_lora_stage_one_is_clip_loras_step(tmp_path):
+    """peft=lora: CLIP-LoRA's adapters (lora.*) on twosfs.towers, stage one's logits those of
+    `coop.reference.clip_lora` (dropout off), the switch freezes them and the head trains."""
+    clip, oc = family("clip", tmp_path)
+    m = method_for(clip, CLASSES, "twosfs.peft=lora", "twosfs.towers=[vision]", "lora.rank=3")
+    tensors = {k: v for k, v in m.learnable().items() if k not in ("head", "stage")}
+    assert tensors and all(k.startswith("vision.") for k in tensors)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in tensors.values():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    m.eval()
+    images = torch.randn(2, 3, clip.image_size, clip.image_size, generator=torch.Generator().manual_seed(1))
+    want = clip_lora_logits(oc, images, full_ids(clip, CLASSES), tensors, m.adapters.scale)
+    assert relative_error(m.loss(images, torch.tensor([0, 1]))[1], want) < 1e-5
+    m.start_stage_two()
+    assert not any(p.requires_grad for p in tensors.values()) and m.head.requires_grad
 
 
 def test_start_blocks_leave_the_lower_norms_out(tmp_path):

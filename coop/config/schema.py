@@ -158,7 +158,7 @@ class LoraConfig:  # coop.model.lora, coop.methods.clip_lora
 
 @dataclass
 class TwosfsConfig:  # method=2sfs (coop.methods.twosfs); a key may not start with a digit
-    peft: str = key("ln", choices=("ln", "lora"))  # stage one tunes LayerNorms, or LoRA (lora.* but towers)
+    peft: str = key("ln", choices=("ln", "lora", "bitfit"))  # stage one: LayerNorms, LoRA (lora.*), biases
     towers: list[str] = key(["text", "vision"], choices=("text", "vision"), distinct=True, nonempty=True)
     stage_one: float = key(0.6, "in (0, 1)")  # alpha: stage one's share of the iterations
     text_start: int = key(0, ">= 0")  # the first text block whose LayerNorms train (0-based)

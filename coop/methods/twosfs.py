@@ -23,6 +23,7 @@ Stage one (`twosfs.peft`):
           its module walk, sets them back to requires_grad=False: they never train, here neither.
     lora  CLIP-LoRA's adapters (`coop.model.lora`: `lora.rank`, `alpha`, `dropout`, `targets`,
           `layers`) on the towers in `twosfs.towers` (the original's `--encoder`).
+    bitfit  BitFit: the biases its `trainable_bias_params` picks (`block_biases`).
 
 Each stage has an AdamW of its own (lr 2e-4, weight decay 1e-2) and its own CosineAnnealingLR to
 1e-6 over its steps. Here one AdamW holds both stages' tensors and only the current stage's have
@@ -70,6 +71,23 @@ def block_norms(tower: nn.Module, start: int, prefix: str) -> dict[str, nn.Param
     return found
 
 
+def block_biases(tower: nn.Module, start: int, prefix: str) -> dict[str, nn.Parameter]:
+    """BitFit's tensors as the original's `trainable_bias_params` picks them: the `bias` of every
+    module inside `tower.blocks[start:]` that has one (not the packed q|k|v `in_proj_bias` of
+    open_clip's attention, which is named otherwise), and the biases of the tower's ln_post and
+    ln_final, and of ln_pre when start is 0 (its walk gives ln_pre block 0, the others the
+    tower's block count); named as `block_norms` names them."""
+    keys = {id(p): k for k, p in tower.named_parameters()}
+    modules = [m for block in list(tower.blocks)[start:] for m in block.modules()]
+    modules += [
+        m
+        for name, m in tower.named_modules()
+        if "ln_post" in name or "ln_final" in name or ("ln_pre" in name and start == 0)
+    ]
+    biases = [getattr(m, "bias", None) for m in modules]
+    return {prefix + keys[id(b)]: b for b in biases if isinstance(b, nn.Parameter)}
+
+
 class TwoSFS(Method):
     """2SFS: the towers' LayerNorms (or LoRA) for stage one, then a linear head on the adapted
     features, initialised from the adapted text features; at test time the head scores its classes
@@ -90,9 +108,10 @@ class TwoSFS(Method):
     def image_tower_use(cls, cfg: DictConfig) -> str | None:
         if "vision" not in cfg.twosfs.towers:
             return None
-        if cfg.twosfs.peft == "ln":
-            return "tunes the LayerNorms of the image tower's blocks (twosfs.towers)"
-        return "adapts the image tower (twosfs.towers)"
+        return {
+            "ln": "tunes the LayerNorms of the image tower's blocks (twosfs.towers)",
+            "bitfit": "tunes the biases of the image tower's blocks (twosfs.towers)",
+        }.get(cfg.twosfs.peft, "adapts the image tower (twosfs.towers)")
 
     @classmethod
     def check_config(cls, cfg: DictConfig, towers: TowerLayers) -> None:
@@ -109,7 +128,7 @@ class TwoSFS(Method):
             blocks = towers.text if tower == "text" else towers.image
             if blocks is None:
                 continue  # a tower whose block count is not known here: checked when built
-            if t.peft == "ln":
+            if t.peft != "lora":
                 start = int(t[f"{tower}_start"])
                 if start >= blocks:
                     raise ConfigError(
@@ -130,8 +149,8 @@ class TwoSFS(Method):
         self.settings = {"twosfs_peft": self.peft, "twosfs_towers": "+".join(self.tuned)}
         self.settings["twosfs_stage_one"] = self.fraction
         self.adapters: LoRAAdapters | None = None
-        if self.peft == "ln":
-            self.stage_one = self.layer_norms(clip, t)
+        if self.peft != "lora":
+            self.stage_one = self.tuned_tensors(clip, t)
         else:
             lora = cfg.lora
             self.adapters = LoRAAdapters(
@@ -157,16 +176,17 @@ class TwoSFS(Method):
         self._frozen_text: torch.Tensor | None = None  # the text tower not tuned: computed once
         self.set_stage(1)
 
-    def layer_norms(self, clip: CLIP, t: DictConfig) -> dict[str, nn.Parameter]:
-        """peft=ln: the tuned towers' block LayerNorms (`block_norms`); a ModelError for a tower
-        that has none from its start block on."""
+    def tuned_tensors(self, clip: CLIP, t: DictConfig) -> dict[str, nn.Parameter]:
+        """peft=ln: the tuned towers' block LayerNorms (`block_norms`); bitfit: their biases
+        (`block_biases`); a ModelError for a tower that has none from its start block on."""
+        pick, what = (block_norms, "LayerNorms") if self.peft == "ln" else (block_biases, "biases")
         tensors = {}
         for tower in self.tuned:
             module = clip.text if tower == "text" else clip.visual
-            found = block_norms(module, int(t[f"{tower}_start"]), PREFIX[tower])
+            found = pick(module, int(t[f"{tower}_start"]), PREFIX[tower])
             if not found:
                 raise ModelError(
-                    f"method=2sfs tunes the LayerNorms of the {tower} tower's blocks, and model "
+                    f"method=2sfs tunes the {what} of the {tower} tower's blocks, and model "
                     f"{clip.name}'s {type(module).__name__} has none from block {t[f'{tower}_start']} on"
                 )
             tensors.update(found)

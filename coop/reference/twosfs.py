@@ -61,6 +61,21 @@ def trainable_norms(model: nn.Module, modality: str = "both", vision_start: int 
     return params
 
 
+def trainable_biases(model: nn.Module, modality: str = "both", vision_start: int = 0, text_start: int = 0):
+    """The original's `trainable_bias_params` (BitFit): every parameter frozen, then the `bias` of
+    every module its walk (`named_modules_with_index`) gives a block index >= the tower's start."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = []
+    for name, module, block in named_modules_with_index(model):
+        tower = "vision" if "visual" in name else "text"
+        start = vision_start if tower == "vision" else text_start
+        if hasattr(module, "bias") and block >= start and modality in ("both", tower):
+            module.bias.requires_grad_(True)
+            params.append(module.bias)
+    return params
+
+
 def timm_trunk_norms(model: nn.Module, start: int = 0) -> list[str]:
     """Names of the LayerNorm weights and biases inside `visual.trunk.blocks.{i}`, i >= start."""
     names = []
