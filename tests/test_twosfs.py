@@ -4,7 +4,9 @@
    (ln_pre, ln_post and ln_final listed but frozen), for each tower choice and start block.
 2. Stage one's logits, loss and every LayerNorm gradient, the head's initial rows, stage two's loss
    and head gradient, and the selective classifier (head rows for the training classes, the
-   adapted text tower for the others), on the tiny CLIP, SigLIP, EVA02 and PE-Core models.
+   adapted text tower for the others), on the tiny CLIP, SigLIP and EVA02 models and the Hugging
+   Face text towers of RoBERTa and mT5; BitFit against the original's bias walk, LoRA against
+   CLIP-LoRA's reference.
 3. The schedule: two per-iteration cosines, as two CosineAnnealingLRs step them.
 4. End to end on the image folder: both stages in one run folder, a base-to-new evaluation (the
    head for the base classes, the adapted text tower for the new ones), a run stopped at each
@@ -33,7 +35,9 @@ from coop.train.schedule import Schedule
 
 CLASSES = ["red thing", "green_thing", "t-shirt"]
 NEW = ["blue car", "dog"]
-FAMILIES = {"clip": "coop-tiny", "siglip": "siglip-tiny", "eva02": "eva02-tiny", "pe-core": "pe-core-tiny"}
+# PE-Core's tiny model (timm's Eva trunk with RoPE, as EVA02's) costs 15 s here and adds no kind of
+# LayerNorm that EVA02's does not have: left out
+FAMILIES = {"clip": "coop-tiny", "siglip": "siglip-tiny", "eva02": "eva02-tiny"}
 HF = {"roberta": "roberta-tiny", "mt5": "mt5-tiny"}  # Hugging Face text towers (mT5: T5LayerNorm)
 
 
@@ -300,22 +304,21 @@ def test_two_stages_in_one_run_and_base_to_new(four_classes, tmp_path):
         assert all(torch.equal(m.learnable()[k], ckpt["prompt"][k]) for k in norms)
 
 
-@pytest.mark.parametrize("epoch", [1, 2])
-def test_stopped_at_each_epoch_resumes_bit_identical(four_classes, tmp_path, epoch):
+def test_stopped_at_each_epoch_resumes_bit_identical(four_classes, tmp_path):
     """Epoch 1 ends in stage one (3 steps), epoch 2 in stage two (the switch at step 4 inside it)."""
     whole = train_run(load_config(None, two_stage_args(four_classes, tmp_path / "whole")))
-    out = tmp_path / "stopped"
-    with interrupted_at(epoch), pytest.raises(KeyboardInterrupt):
-        train_run(load_config(None, two_stage_args(four_classes, out)))
-    stage = int(torch.load(out / "checkpoint.pt", weights_only=True)["prompt"]["stage"])
-    assert stage == epoch  # 1 before the switch, 2 after it
-    resumed = train_run(load_config(None, two_stage_args(four_classes, out)))
-    final = torch.load(out / "checkpoint.pt", weights_only=True)["prompt"]
     want = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)["prompt"]
-    assert final.keys() == want.keys() and all(torch.equal(final[k], v) for k, v in want.items())
-    assert (
-        resumed["final_train_loss"] == whole["final_train_loss"] and resumed["accuracy"] == whole["accuracy"]
-    )
+    for epoch in (1, 2):
+        out = tmp_path / f"stopped-{epoch}"
+        with interrupted_at(epoch), pytest.raises(KeyboardInterrupt):
+            train_run(load_config(None, two_stage_args(four_classes, out)))
+        stage = int(torch.load(out / "checkpoint.pt", weights_only=True)["prompt"]["stage"])
+        assert stage == epoch  # 1 before the switch, 2 after it
+        resumed = train_run(load_config(None, two_stage_args(four_classes, out)))
+        final = torch.load(out / "checkpoint.pt", weights_only=True)["prompt"]
+        assert final.keys() == want.keys() and all(torch.equal(final[k], v) for k, v in want.items())
+        assert resumed["final_train_loss"] == whole["final_train_loss"]
+        assert resumed["accuracy"] == whole["accuracy"]
 
 
 @pytest.mark.parametrize(
