@@ -4,7 +4,7 @@
    (ln_pre, ln_post and ln_final listed but frozen), for each tower choice and start block.
 2. Stage one's logits, loss and every LayerNorm gradient, the head's initial rows, stage two's loss
    and head gradient, and the selective classifier (head rows for the training classes, the
-   adapted text tower for the others), on the tiny CLIP, SigLIP and EVA02 models and the Hugging
+   adapted text tower for the others), on the tiny CLIP, SigLIP, EVA02 and PE-Core models and the Hugging
    Face text towers of RoBERTa and mT5; BitFit against the original's bias walk, LoRA against
    CLIP-LoRA's reference.
 3. The schedule: two per-iteration cosines, as two CosineAnnealingLRs step them.
@@ -15,13 +15,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY_CONFIG, build_family, interrupted_at, make_image_folder, tiny_args
+from conftest import (
+    REPO,
+    TINY_CONFIG,
+    build_family,
+    interrupted_at,
+    make_image_folder,
+    shrunk_timm,
+    tiny_args,
+)
 
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
@@ -35,9 +44,7 @@ from coop.train.schedule import Schedule
 
 CLASSES = ["red thing", "green_thing", "t-shirt"]
 NEW = ["blue car", "dog"]
-# PE-Core's tiny model (timm's Eva trunk with RoPE, as EVA02's) costs 15 s here and adds no kind of
-# LayerNorm that EVA02's does not have: left out
-FAMILIES = {"clip": "coop-tiny", "siglip": "siglip-tiny", "eva02": "eva02-tiny"}
+FAMILIES = {"clip": "coop-tiny", "siglip": "siglip-tiny", "eva02": "eva02-tiny", "pe-core": "pe-core-tiny"}
 HF = {"roberta": "roberta-tiny", "mt5": "mt5-tiny"}  # Hugging Face text towers (mT5: T5LayerNorm)
 
 
@@ -66,7 +73,8 @@ def family(name: str, tmp_path):
 
         tok = tmp_path / "tok"
         make_tiny_tokenizer(REPO / "configs" / "models" / f"{HF[name]}.json", tok)
-    return build_family({**FAMILIES, **HF}[name], tok, edit=randomise_image_norms)
+    with shrunk_timm(depth=2) if name in ("eva02", "pe-core") else contextlib.nullcontext():  # 2 of 12 blocks
+        return build_family({**FAMILIES, **HF}[name], tok, edit=randomise_image_norms)
 
 
 def method_for(clip, classes=CLASSES, *overrides):
