@@ -360,3 +360,15 @@ def test_text_only_runs_on_a_cnn_image_tower(image_folder, tmp_path):
     assert all(k.startswith("text.") for k in prompt if k not in ("head", "stage"))
     assert metrics["n_test"] > 0
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["twosfs_towers"] == "text"
+
+
+def test_run_names_say_what_stage_one_tunes():
+    from coop.config.run_names import run_name
+
+    names = {
+        peft: run_name(load_config(None, ["method=2sfs", f"twosfs.peft={peft}", "twosfs.towers=[text]"]))
+        for peft in ("ln", "bitfit", "lora")
+    }
+    assert names["ln"].endswith("/2sfs_ln_text_s0.6_from0-0/seed1")
+    assert names["bitfit"].endswith("/2sfs_bitfit_text_s0.6_from0-0/seed1")
+    assert names["lora"].endswith("/2sfs_lora_text_s0.6_r2_a1_drop0.25_qkv_all/seed1")
