@@ -74,6 +74,9 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, monkeypatch, capsys):
     mmrl = report["mmrl"]
     assert [r["side"] for r in mmrl] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["ms"] > 0 and r["classes"] == 20 for r in mmrl)
+    twosfs = report["twosfs"]
+    assert [r["side"] for r in twosfs] == ["coop", "coop, grad checkpointing", "reference"]
+    assert all(r["ms"] > 0 and r["classes"] == 20 for r in twosfs)
     timm_models = ["eva02-tiny", "siglip-tiny", "pe-core-tiny"]
     timm_maple = report["timm_maple"]
     assert [(r["model"], r["side"]) for r in timm_maple] == [
@@ -366,3 +369,27 @@ def test_bench_threads_times_the_demo_epoch_and_text_step_under_exactly_its_sett
         "PATH": "/bin",
         "COOP_OMP_DEFAULTS": "0",
     }
+
+
+def test_bench_twosfs_compares_both_stages_and_states_its_bound(capsys):
+    args = [
+        "--model",
+        str(TINY_CONFIG),
+        "--classes",
+        "3",
+        "5",
+        "--batch",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    ]
+    assert load_tool("bench_twosfs").main(args) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"(\d+) classes: stage-one step: .* bound 77 / (\S+) = (\S+)x; stage-two step", out)
+    assert [int(r[0]) for r in rows] == [3, 5]
+    assert all(float(b) == pytest.approx(77 / float(own), rel=1e-2) for _, own, b in rows)
+    diffs = re.findall(r"max \|diff\| loss: (\S+);.* step (\S+), text side (\S+)", out)
+    assert len(diffs) == 2 and all(float(d) < 1e-4 for row in diffs for d in row)
+    assert re.search(r"of one stage-one step: 2sfs \d+ MiB, reference \d+ MiB", out)

@@ -42,9 +42,12 @@ RUNS = {
     "linear_probe": {"method": "linear_probe"},
     # a fit (the cache of augmented views), SGD with a last, smaller batch, then tuning on val
     "tip_adapter_f": {"method": "tip_adapter_f", "tip.augment_epochs": 2, "tip.search_step": [4, 3]},
+    # two stages (4 steps: LayerNorms for 2, then the head): only the stage's tensors are reduced;
+    # at its own lr (Adam at 0.05 moves a LayerNorm weight whose gradient is all rounding by 2e-6)
+    "2sfs": {"method": "2sfs", "train.drop_last": True, "train.lr": 2e-4},
 }
 WITH_VAL = ("linear_probe", "tip_adapter_f")
-SGD = ["coop", "maple"]
+SGD = ["coop", "maple", "2sfs"]
 KILL_AT = 3  # rank 1 is killed at its 4th step: mid-way through epoch 2, after epoch 1's checkpoint
 
 

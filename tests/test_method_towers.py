@@ -54,6 +54,10 @@ REFUSED = {  # (model, method): what the method needs, why the model's tower can
         for m in ("vpt", "ivlp", "maple", "promptsrc", "mmrl", "hicropl")
     },
     ("mobileclip-s-tiny", "method=clip_lora"): ("adapts the image tower (lora.towers)", CNN),
+    ("mobileclip-s-tiny", "method=2sfs"): (
+        "tunes the LayerNorms of the image tower's blocks (twosfs.towers)",
+        CNN,
+    ),
     ("mobileclip-s-tiny", "fl.method=fedotp"): ("matches prompts to the image tower's patch tokens", CNN),
     **{(stem, "method=mmrl"): (INSERTS, HF.format(hub)) for stem, hub in HF_TEXT.items()},
 }

@@ -81,6 +81,22 @@ METHOD_DEFAULTS = {
         "train.iterations_per_shot": 500,
         "train.batch_size": 32,
     },
+    # 2SFS's main.py defaults and fs/twostage.py, the same for every dataset and shot count: AdamW
+    # lr 2e-4, wd 1e-2, betas (0.9, 0.999), batch 32 with the last, smaller batch kept, M = 300
+    # iterations per shot, a CosineAnnealingLR to 1e-6 per stage stepped every iteration (restarted
+    # at stage two: coop.methods.twosfs), no warm-up; the split alpha = 0.6 is `twosfs.stage_one`.
+    "2sfs": {
+        "train.optimizer": "adamw",
+        "train.lr": 2e-4,
+        "train.weight_decay": 1e-2,
+        "train.betas": [0.9, 0.999],
+        "train.schedule": "cosine_iter",
+        "train.min_lr": 1e-6,
+        "train.warmup_epochs": 0,
+        "train.iterations_per_shot": 300,
+        "train.batch_size": 32,
+        "train.drop_last": False,
+    },
     # MMRL's configs/trainers/MMRL/vit_b16.yaml (base-to-new): AdamW lr 1e-3, wd 5e-4 (Dassl's
     # default), one constant warm-up epoch at 1e-5 then Dassl's cosine, batch 4, 10 epochs,
     # RandomResizedCrop scale (0.5, 1); PREC=amp. Its 5 tokens of width 512, layers 6..12 and

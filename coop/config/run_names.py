@@ -34,7 +34,8 @@ def _settings(cfg: DictConfig) -> str:
     after "<method>_" (M is "init" when the context starts from prompt.ctx_init), ivlp and promptsrc followed by
     _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
     (a literal template by its hash); linear_probe: linear_probe; tip_adapter and tip_adapter_f:
-    <method>_views<tip.augment_epochs>; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>.
+    <method>_views<tip.augment_epochs>; 2sfs: 2sfs_<peft>_<towers>_s<stage_one> then, for ln and
+    bitfit, _from<text_start>-<vision_start>, for lora CLIP-LoRA's settings; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>.
     DePT (`dept.enabled`) adds "_dept".
     """
     if cfg.method == "zeroshot":
@@ -51,6 +52,16 @@ def _settings(cfg: DictConfig) -> str:
         layers = lora.layers if isinstance(lora.layers, str) else "-".join(str(i) for i in lora.layers)
         towers, targets = "+".join(lora.towers), "".join(lora.targets)
         return f"clip_lora_r{lora.rank}_a{lora.alpha:g}_drop{lora.dropout:g}_{towers}_{targets}_{layers}"
+    if cfg.method == "2sfs":
+        t = cfg.twosfs
+        name = f"2sfs_{t.peft}_{'+'.join(t.towers)}_s{t.stage_one:g}"
+        if t.peft == "lora":
+            lora = cfg.lora
+            layers = lora.layers if isinstance(lora.layers, str) else "-".join(str(i) for i in lora.layers)
+            return (
+                f"{name}_r{lora.rank}_a{lora.alpha:g}_drop{lora.dropout:g}_{''.join(lora.targets)}_{layers}"
+            )
+        return f"{name}_from{t.text_start}-{t.vision_start}"
     if cfg.method == "mmrl":
         m = cfg.mmrl
         layers = "-".join(map(str, m.layers)) if m.layers is not None else "auto"

@@ -27,7 +27,7 @@ from coop.config.spec import Spec, key, specs
 # see coop.methods
 METHODS = tuple(
     "coop cocoop kgcoop zeroshot linear_probe vpt ivlp maple promptsrc tip_adapter tip_adapter_f clip_lora "
-    "mmrl tcp hicropl".split()
+    "mmrl tcp hicropl 2sfs".split()
 )
 
 
@@ -165,6 +165,15 @@ class LoraConfig:  # coop.model.lora, coop.methods.clip_lora
 
 
 @dataclass
+class TwosfsConfig:  # method=2sfs (coop.methods.twosfs); a key may not start with a digit
+    peft: str = key("ln", choices=("ln", "lora", "bitfit"))  # stage one: LayerNorms, LoRA (lora.*), biases
+    towers: list[str] = key(["text", "vision"], choices=("text", "vision"), distinct=True, nonempty=True)
+    stage_one: float = key(0.6, "in (0, 1)")  # alpha: stage one's share of the iterations
+    text_start: int = key(0, ">= 0")  # the first text block whose LayerNorms train (0-based)
+    vision_start: int = key(0, ">= 0")  # the first image block whose LayerNorms train
+
+
+@dataclass
 class MmrlConfig:  # coop.methods.mmrl; per-dataset reg_weight / rep_dim: coop.config.recipes.DATASET_RECIPES
     n_tokens: int = key(5, ">= 1")  # K representation tokens
     rep_dim: int = key(512, ">= 1")  # d_r
@@ -295,6 +304,7 @@ class RunConfig:
     hicropl: HicroplConfig = section(HicroplConfig)
     tip: TipConfig = section(TipConfig)
     lora: LoraConfig = section(LoraConfig)
+    twosfs: TwosfsConfig = section(TwosfsConfig)
     mmrl: MmrlConfig = section(MmrlConfig)
     tcp: TcpConfig = section(TcpConfig)
     dept: DeptConfig = section(DeptConfig)

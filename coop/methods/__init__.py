@@ -26,6 +26,7 @@ from coop.methods.mmrl import MMRL
 from coop.methods.promptsrc import PromptSRC
 from coop.methods.tcp import TCP
 from coop.methods.tip_adapter import TipAdapter, TipAdapterF
+from coop.methods.twosfs import TwoSFS
 from coop.methods.vpt import VPT, VisionPromptMethod
 from coop.methods.zeroshot import COOP_TEMPLATES, ZeroShot, resolve_templates, template_features
 from coop.model.clip import CLIP
@@ -46,6 +47,7 @@ METHODS: dict[str, type[Method]] = {
     "mmrl": MMRL,
     "tcp": TCP,
     "hicropl": HiCroPL,
+    "2sfs": TwoSFS,
 }
 
 
@@ -79,6 +81,7 @@ __all__ = [
     "TipAdapter",
     "TipAdapterF",
     "TCP",
+    "TwoSFS",
     "TransferError",
     "VPT",
     "VisionPromptMethod",

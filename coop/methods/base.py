@@ -270,6 +270,12 @@ class Method(nn.Module):
         """Method-specific fields for metrics.json (e.g. n_ctx, position; the chosen C)."""
         return {}
 
+    def restart_step(self, total: int) -> int:
+        """The step of a run of `total` optimizer steps at which a per-iteration cosine restarts
+        (`coop.train.schedule.Schedule.restart`), called before training starts or resumes; 0:
+        never. 2SFS starts its second stage there."""
+        return 0
+
     def end_epoch(self, epoch: int, epochs: int) -> None:
         """Called by the runner after SGD epoch `epoch` (1-based) of `epochs`, before its checkpoint
         (e.g. PromptSRC's prompt aggregation); by default nothing."""

@@ -54,6 +54,25 @@ def shared_prefix_length(ids: torch.Tensor, eos: torch.Tensor) -> int:
     return min(common, int(eos.min()))
 
 
+def template_ids(clip: CLIP, classnames: list[str]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The template's prompt for every class, tokenised and cut after the last pooled token:
+    (ids (n_cls, L), each row's pooled position (n_cls,), the length of the prefix all rows share)."""
+    texts = [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in classnames]
+    ids = clip.tokenize(texts).to(clip.logit_scale.device)  # (n_cls, 77)
+    eos = clip.text.pool_positions(ids)  # each prompt's pooled token: [EOS] in CLIP's tower
+    ids = ids[:, : clip.text.cut_length(eos, ids.shape[1])]
+    return ids, eos, shared_prefix_length(ids, eos)
+
+
+def encode_template(text, ids: torch.Tensor, eos: torch.Tensor, prefix: int) -> torch.Tensor:
+    """(n, E) unnormalised features of the prompts `ids` (n, L) pooled at `eos` (n,) through the text
+    tower `text`, their first `prefix` tokens computed once for all rows (0: every row its own)."""
+    x = text.token_embedding(ids)  # (n, L, W)
+    if not prefix:
+        return text.encode_embeddings(x, eos)
+    return text.encode_with_shared_prefix(x[:1, :prefix], x[:, prefix:], eos)
+
+
 def layer_spec(cfg: DictConfig) -> str | list[int]:
     """`lora.layers` as `coop.model.lora.resolve_layers` takes it: a name or a plain list."""
     layers = cfg.lora.layers
@@ -112,13 +131,9 @@ class CLIPLoRA(Method):
         ).to(self.device)
         self.adapters.attach()
         self.grad_checkpointing = bool(OmegaConf.select(cfg, "train.grad_checkpointing", default=False))
-        texts = [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in self.classnames]
-        ids = clip.tokenize(texts).to(self.device)  # (n_cls, 77)
-        eos = clip.text.pool_positions(ids)  # each prompt's pooled token: [EOS] in CLIP's tower
-        length = clip.text.cut_length(eos, ids.shape[1])
-        self.register_buffer("token_ids", ids[:, :length], persistent=False)  # (n_cls, L)
+        ids, eos, self.prefix = template_ids(clip, self.classnames)
+        self.register_buffer("token_ids", ids, persistent=False)  # (n_cls, L)
         self.register_buffer("eos", eos, persistent=False)
-        self.prefix = shared_prefix_length(self.token_ids, eos)
         self._frozen_text: torch.Tensor | None = None  # lora.towers without text: computed once
 
     @property
@@ -142,12 +157,8 @@ class CLIPLoRA(Method):
     def encode_classes(self) -> torch.Tensor:
         """(n_cls, E): the template's prompts through the text tower, the shared prefix once unless
         the text adapters draw dropout masks (then every class computes its own prefix)."""
-        text = self.clip.text
-        x = text.token_embedding(self.token_ids)  # (n_cls, L, W)
-        if self.adapters.draws_masks("text") or not self.prefix:  # a mask per token; or nothing shared
-            return text.encode_embeddings(x, self.eos)
-        p = self.prefix
-        return text.encode_with_shared_prefix(x[:1, :p], x[:, p:], self.eos)
+        shared = 0 if self.adapters.draws_masks("text") else self.prefix  # else a mask per token
+        return encode_template(self.clip.text, self.token_ids, self.eos, shared)
 
     def image_features(self, images: torch.Tensor) -> torch.Tensor:
         """Unnormalised features (B, E) of the adapted image tower."""

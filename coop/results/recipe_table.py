@@ -30,7 +30,7 @@ DATASETS = tuple(d for d in COOP_DATASETS if d not in IMAGENET_VARIANTS)
 OTHER = "imagefolder"
 OTHER_LABEL = "any other"
 # A method's own config section where it is not named after the method.
-SECTIONS = {"tip_adapter": "tip", "tip_adapter_f": "tip", "clip_lora": "lora"}
+SECTIONS = {"tip_adapter": "tip", "tip_adapter_f": "tip", "clip_lora": "lora", "2sfs": "twosfs"}
 OPTIMIZER_KEYS = {"sgd": ("train.momentum",), "adam": ("train.betas", "train.eps"), "adamw": ("train.betas", "train.eps")}  # fmt: skip
 ITERATION_KEYS = ("train.iterations", "train.iterations_per_shot")  # shown instead of train.epochs when set
 

@@ -245,7 +245,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
     method.train()
     total_loss, correct, seen = 0.0, 0, 0
     max_steps = None if schedule is None else schedule.steps_in_epoch(epoch)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
     for step, batch in enumerate(batches):
         if step == max_steps:
             break
@@ -268,6 +268,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
             total_loss += loss.item() * n_local
             correct += int((logits.argmax(-1) == y).sum())
             seen += n_local
+        params = [p for p in tensors if p.requires_grad]  # a stage's tensors (2SFS trains two in turn)
         if distributed.average_gradients(params, n_local):  # the global batch's mean (one rank: as is)
             optimizer.step()
     total_loss, correct, seen = distributed.all_sum([total_loss, correct, seen])  # over the ranks

@@ -34,6 +34,7 @@ import json
 import logging
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -165,6 +166,7 @@ def _train_run(cfg: DictConfig, folder: Path, board: Board) -> dict:
     trained = [p for p in method.learnable().values() if p.requires_grad]
     optimizer = build_optimizer(method.param_groups(), cfg.train)
     schedule = plan_schedule(cfg, len(s.dataset.train))
+    schedule = replace(schedule, restart=method.restart_step(schedule.total))  # 2SFS's second stage
     start, history = restore(ckpt, s, optimizer, folder, schedule) if ckpt is not None else (0, [])
     epochs = schedule.epochs if method.trainer == "sgd" else 0
     log.info(

@@ -16,8 +16,10 @@
                  the count of t restarts after them as in `cosine`.
     constant     `train.lr` at every step (FedOTP, FedPGP).
 
-Both cosines end at `train.min_lr` (0 in Dassl and Tip-Adapter-F; 1e-6 in CLIP-LoRA). A rate is a
-function of (epoch, step) alone, so a resumed run needs no scheduler state.
+Both cosines end at `train.min_lr` (0 in Dassl and Tip-Adapter-F; 1e-6 in CLIP-LoRA). A method may
+split its steps in two (`Method.restart_step`, 2SFS's two stages): `cosine_iter` then runs a cosine
+over the first R steps and a fresh one over the other T - R, as two CosineAnnealingLRs would. A rate
+is a function of (epoch, step) alone, so a resumed run needs no scheduler state.
 
 A method's tensors come in parameter groups (`Method.param_groups`): each group's `lr_scale`
 multiplies the schedule's rate after warm-up (DePT trains its head at 6.5x the prompt rate; during
@@ -93,6 +95,8 @@ class Schedule:
         warmup_epochs: epochs at `warmup_lr` first.
         steps_per_epoch: optimizer steps per epoch (`steps_per_epoch`).
         steps: total optimizer steps of the run (`train.iterations`); the last epoch stops early.
+        restart: `cosine_iter` restarts its cosine at this step (0: never): steps t < R follow a
+            cosine over R steps, steps t >= R one over the remaining total - R.
     """
 
     kind: str
@@ -103,6 +107,7 @@ class Schedule:
     warmup_lr: float = 0.0
     min_lr: float = 0.0
     steps: int | None = None
+    restart: int = 0
 
     @classmethod
     def from_config(cls, train_cfg, epochs: int, steps_per_epoch: int, steps: int | None = None) -> Schedule:
@@ -122,7 +127,8 @@ class Schedule:
         """What a checkpoint records of the schedule."""
         if self.kind == "cosine":
             return DASSL_COSINE
-        return f"{self.kind} (min_lr {self.min_lr}, warm-up {self.warmup_epochs} epochs at {self.warmup_lr})"
+        restart = f", restarted at step {self.restart}" if self.restart and self.per_step else ""
+        return f"{self.kind} (min_lr {self.min_lr}, warm-up {self.warmup_epochs} epochs at {self.warmup_lr}{restart})"
 
     @property
     def per_step(self) -> bool:
@@ -166,7 +172,9 @@ class Schedule:
                 min_lr=self.min_lr,
             )
         t = (epoch - self.warmup_epochs) * self.steps_per_epoch + step
-        return cosine(t, max(self.total, 1), self.lr, self.min_lr)
+        if self.restart and t >= self.restart:
+            return cosine(t - self.restart, max(self.total - self.restart, 1), self.lr, self.min_lr)
+        return cosine(t, max(self.restart or self.total, 1), self.lr, self.min_lr)
 
 
 def plan_schedule(cfg, n_train: int) -> Schedule:

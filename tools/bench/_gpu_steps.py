@@ -1,5 +1,5 @@
 """The vision-language sections of tools/bench/gpu_check.py: time and peak memory of one training step of
-MaPLe, CLIP-LoRA and MMRL, ours (with and without grad checkpointing) against the reference.
+MaPLe, CLIP-LoRA, MMRL and 2SFS, ours (with and without grad checkpointing) against the reference.
 
 What each section measures is described in tools/bench/gpu_check.py.
 """
@@ -152,6 +152,44 @@ def clip_lora_steps(model: str, sizes: dict, device) -> list[dict]:
         return F.cross_entropy(clip_lora_logits(oc, images, ids, tensors, scale).float(), labels)
 
     return timed_steps(model, method, clip, reference, images, labels, sizes, device)
+
+
+# --- 2SFS: one stage-one step (the LayerNorms of both towers) -------------------------------------
+
+TWOSFS_SIZES = {
+    "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 32, "repeats": 3, "set": ()},
+    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1, "set": ()},
+}  # fmt: skip
+
+
+def check_twosfs(device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one 2SFS stage-one step, ours (with and without grad checkpointing)
+    and the reference (`coop.reference.twosfs`: 77 tokens per class through open_clip's encode_text),
+    per model."""
+    return per_model(TWOSFS_SIZES, twosfs_steps, device, tiny)
+
+
+def twosfs_steps(model: str, sizes: dict, device) -> list[dict]:
+    from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
+    from coop.reference.twosfs import stage_one_logits, trainable_norms
+
+    oc, clip = build_models(model, device)
+    method = imagenet_method(clip, "2sfs", sizes["classes"], sizes["set"])
+    images, labels = step_batch(clip, sizes, device)
+    texts = [CLIP_LORA_TEMPLATE.format(c.replace("_", " ")) for c in method.classnames]
+    ids = clip.tokenize(texts).to(device)
+    trainable_norms(oc)  # the original's LayerNorms on open_clip's model (ours is a copy)
+
+    def reference():
+        oc.zero_grad(set_to_none=True)
+        return F.cross_entropy(stage_one_logits(oc, images, ids).float(), labels)
+
+    return timed_steps(model, method, clip, reference, images, labels, sizes, device)
+
+
+def print_twosfs(rows: list[dict]) -> None:
+    print("one 2SFS stage-one step (the LayerNorms of both towers' blocks, bf16 autocast)")
+    print_maple_rows(rows)
 
 
 def print_clip_lora(rows: list[dict]) -> None:

@@ -35,6 +35,9 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              tower and L/2..L of the image tower, its loss with the frozen image pass): ours with
              and without grad checkpointing, and the reference the official way
              (`coop.reference.mmrl.mmrl_step`: 77+K tokens per class, two full image passes).
+  twosfs     the same for one 2SFS stage-one step (the LayerNorms of both towers' blocks train),
+             ViT-B/16 and ViT-L/14, 1,000 classes, batch 32 (its recipe): ours against
+             `coop.reference.twosfs` (77 tokens per class through open_clip's encode_text).
   timm_maple, timm_clip_lora
              the MaPLe and CLIP-LoRA steps above on the timm towers of EVA02-B-16 (RoPE),
              ViT-B-16-SigLIP2 (no class token, MAP pool, 64-token text without the causal mask)
@@ -91,10 +94,12 @@ from _gpu_steps import (  # noqa: E402
     check_maple,
     check_mmrl,
     check_timm,
+    check_twosfs,
     print_clip_lora,
     print_maple,
     print_mmrl,
     print_timm,
+    print_twosfs,
 )
 from _tta import check_tpt, print_tpt  # noqa: E402
 
@@ -151,6 +156,7 @@ PRINTERS = {
     "maple": print_maple,
     "clip_lora": print_clip_lora,
     "mmrl": print_mmrl,
+    "twosfs": print_twosfs,
     "timm_maple": print_timm("maple"),
     "timm_clip_lora": print_timm("clip_lora"),
     "tpt": print_tpt,
@@ -201,6 +207,7 @@ def main(argv=None) -> int:
         "maple": lambda: check_maple(device, args.tiny),
         "clip_lora": lambda: check_clip_lora(device, args.tiny),
         "mmrl": lambda: check_mmrl(device, args.tiny),
+        "twosfs": lambda: check_twosfs(device, args.tiny),
         "timm_maple": lambda: check_timm("maple", device, args.tiny),
         "timm_clip_lora": lambda: check_timm("clip_lora", device, args.tiny),
         "tpt": lambda: check_tpt(oc, clip, sizes["tpt"], sizes["tpt_images"], sizes["tpt_views"], device),
