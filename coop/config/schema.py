@@ -233,6 +233,46 @@ class FedpgpConfig:  # fl.method=fedpgp (coop.federated.fedpgp): rank of U V, we
     temp: float = key(0.5, "> 0")
 
 
+@dataclass
+class TdaConfig:  # tta.method=tda (coop.tta.tda); null: the original's value for data.name (TDA_SETTINGS)
+    views: int | None = key(None, ">= 1")  # views per image, the image itself included
+    fraction: float = key(0.1, "in (0, 1]")  # of the views, the most confident kept
+    scale: float | None = key(100.0, "> 0")  # TDA's fixed logit scale; null: the model's logit_scale
+    pos_enabled: bool = True
+    pos_capacity: int = key(3, ">= 1")  # entries per class
+    pos_alpha: float | None = key(None, ">= 0")
+    pos_beta: float | None = key(None, ">= 0")
+    neg_enabled: bool = True
+    neg_capacity: int = key(2, ">= 1")
+    neg_alpha: float = key(0.117, ">= 0")
+    neg_beta: float = key(1.0, ">= 0")
+    neg_entropy: list[float] = key([0.2, 0.5], "finite", length=2)  # the gate on entropy / log2(classes)
+    neg_mask: list[float] = key([0.03, 1.0], "finite", length=2)  # the probabilities a negative entry marks
+
+
+@dataclass
+class BoostadapterConfig(TdaConfig):  # tta.method=boostadapter (coop.tta.boostadapter): BOOST_SETTINGS
+    delta: int | None = key(None, ">= 0")  # the boosting samples' extra entries per class
+    image_only: bool | None = None  # the image itself (true) or the confident views' mean as the image
+
+
+@dataclass
+class DpeConfig:  # tta.method=dpe (coop.tta.dpe); null: the original's value for data.name (DPE_SETTINGS)
+    views: int | None = key(None, ">= 1")
+    fraction: float = key(0.1, "in (0, 1]")
+    scale: float | None = key(100.0, "> 0")  # DPE's fixed logit scale; null: the model's logit_scale
+    capacity: int = key(3, ">= 1")  # cached features per class
+    alpha: float | None = key(None, ">= 0")
+    beta: float | None = key(None, ">= 0")
+    lr_text: float | None = key(None, ">= 0")  # the textual residual's AdamW step
+    lr_image: float | None = key(None, ">= 0")  # the visual residual's
+    align: float | None = key(None, ">= 0")  # the InfoNCE weight
+    eps: float = key(1e-3, "> 0")  # AdamW
+    weight_decay: float = key(0.1, ">= 0")  # AdamW
+    update_entropy: float = key(0.1, ">= 0")  # T evolves below this entropy / log2(classes)
+    infer_all_views: bool | None = None  # predict from the confident views (ImageNet-A) or the image
+
+
 def section(cls):
     return field(default_factory=cls)
 
@@ -258,6 +298,9 @@ class RunConfig:
     fl: FlConfig = section(FlConfig)
     fedotp: FedotpConfig = section(FedotpConfig)
     fedpgp: FedpgpConfig = section(FedpgpConfig)
+    tda: TdaConfig = section(TdaConfig)
+    dpe: DpeConfig = section(DpeConfig)
+    boostadapter: BoostadapterConfig = section(BoostadapterConfig)
     output_dir: str | None = None
     device: str = "auto"
 

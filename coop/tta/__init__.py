@@ -7,6 +7,28 @@ coop.data, coop.config and the root modules. Imported by: the tools.
 
 from __future__ import annotations
 
-from coop.tta.base import TestTimeError, TestTimeMethod, confident_views, entropy, host_features, host_logits
+from coop.tta.base import (
+    TestTimeError,
+    TestTimeMethod,
+    ViewPlan,
+    confident_views,
+    entropy,
+    host_features,
+    host_logits,
+)
+from coop.tta.boostadapter import BoostAdapter
+from coop.tta.dpe import DPE
+from coop.tta.tda import TDA
 
-__all__ = ["TestTimeError", "TestTimeMethod", "confident_views", "entropy", "host_features", "host_logits"]
+TTA_METHODS: dict[str, type[TestTimeMethod]] = {"tda": TDA, "dpe": DPE, "boostadapter": BoostAdapter}
+
+__all__ = [
+    "TTA_METHODS",
+    "TestTimeError",
+    "TestTimeMethod",
+    "ViewPlan",
+    "confident_views",
+    "entropy",
+    "host_features",
+    "host_logits",
+]

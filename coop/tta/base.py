@@ -25,6 +25,7 @@ DPE, ZERO on a feature host) encodes each view once; one that changes the prompt
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
@@ -36,6 +37,20 @@ from coop.methods.base import Method
 class TestTimeError(ValueError):
     """A test-time setting that cannot work: a host the method cannot start from, views or a
     selection fraction out of range. One line, raised before any work."""
+
+
+@dataclass(frozen=True)
+class ViewPlan:
+    """The views a method asks of the runner for each test image (`TestTimeMethod.views_for`).
+
+    Attributes:
+        count: views in all, the image itself (views[0]) included; 1: the image alone.
+        augmix: the other count - 1 views are AugMix'ed random resized crops with flips, as TPT's
+            `AugMixAugmenter(augmix=True)` makes them; False: random resized crops with flips only.
+    """
+
+    count: int
+    augmix: bool
 
 
 class TestTimeMethod(nn.Module):
@@ -61,6 +76,13 @@ class TestTimeMethod(nn.Module):
         """A one-line TestTimeError when this method cannot start from `host` (e.g. TPT from a
         linear probe, which has no prompt). By default every host works."""
 
+    @classmethod
+    def views_for(cls, cfg: DictConfig) -> ViewPlan | None:
+        """The views this method's original takes on `cfg.data.name` (with the method's own keys
+        applied), or None: the runner's `tta.views` and its own choice of augmentation. The online
+        methods answer per dataset (TDA: the image alone on the cross-dataset sets)."""
+        return None
+
     def predict(self, views: torch.Tensor, index: int) -> torch.Tensor:
         """The logits (n_cls,) of test image `index` from its views (V, 3, H, W), views[0] being the
         image under the test transform; their argmax is the prediction. An episodic method leaves
@@ -82,12 +104,13 @@ class TestTimeMethod(nn.Module):
         return {}
 
 
-def host_features(host: Method, views: torch.Tensor) -> torch.Tensor:
+def host_features(host: Method, views: torch.Tensor, prepared=None) -> torch.Tensor:
     """Unnormalised image features (V, E) of the views through the host's image tower: CLIP's own
-    for a feature host, the host's prompted tower for a pixel host (`Method.towers`)."""
+    for a feature host, the host's prompted tower for a pixel host (`Method.towers`; `prepared` as
+    for `Method.logits`, so that a method that keeps it does not recompute the host's text)."""
     if host.input == "features":
         return host.clip.encode_image(views)
-    return host.towers(views).image
+    return host.towers(views, prepared).image
 
 
 def host_logits(host: Method, views: torch.Tensor, prepared=None) -> torch.Tensor:
