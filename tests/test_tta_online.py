@@ -16,7 +16,7 @@ from conftest import build_family
 
 from coop.config.load import load_config
 from coop.methods import build_method
-from coop.tta import TTA_METHODS, ViewPlan
+from coop.tta import TTA_METHODS
 from coop.tta.base import TestTimeError as TtaError
 from coop.tta.boostadapter import BoostAdapter
 from coop.tta.dpe import DPE
@@ -338,9 +338,8 @@ def test_tda_logits_are_the_originals(tiny_clip, case, monkeypatch):
     cfg = config(dataset, *extra)
     host = host_for(tiny_clip, cfg, monkeypatch)
     tda = TDA(host, cfg)
-    plan = TDA.views_for(cfg)
-    assert plan == ViewPlan(1 if dataset == "dtd" else 64, True)
-    views = stream(16, plan.count)
+    assert TDA.views_for(cfg) == (1 if dataset == "dtd" else 64) and TDA.augment == "augmix"
+    views = stream(16, TDA.views_for(cfg))
     ours = run(tda, views)
     s = {**tda.settings, "scale": 30.0}
     assert (s["pos_alpha"], s["pos_beta"]) == ((2.0, 3.0) if dataset == "dtd" else (2.0, 5.0))
@@ -355,9 +354,8 @@ def test_boostadapter_logits_are_the_originals(tiny_clip, dataset, monkeypatch):
     cfg = config(dataset, "boostadapter.scale=30")
     host = host_for(tiny_clip, cfg, monkeypatch)
     boost = BoostAdapter(host, cfg)
-    plan = BoostAdapter.views_for(cfg)
-    assert plan == ViewPlan(64, False)
-    views = stream(16, plan.count)
+    assert BoostAdapter.views_for(cfg) == 64 and BoostAdapter.augment == "crop_flip"
+    views = stream(16, 64)
     ours = run(boost, views)
     s = {**boost.settings, "scale": 30.0}
     assert s["image_only"] == (dataset == "dtd") and s["delta"] == {"dtd": 0, "imagenet_r": 3}[dataset]
@@ -372,9 +370,8 @@ def test_dpe_logits_are_the_originals(tiny_clip, dataset, monkeypatch):
     cfg = config(dataset, "dpe.scale=30", "dpe.lr_text=0.01", "dpe.lr_image=0.02", "dpe.align=0.5")
     host = host_for(tiny_clip, cfg, monkeypatch)
     dpe = DPE(host, cfg)
-    plan = DPE.views_for(cfg)
-    assert plan == ViewPlan(1 if dataset == "dtd" else 64, True)
-    views = stream(10, plan.count)
+    assert DPE.views_for(cfg) == (1 if dataset == "dtd" else 64) and DPE.augment == "augmix"
+    views = stream(10, DPE.views_for(cfg))
     ours = run(dpe, views)
     s = {**dpe.settings, "scale": 30.0}
     assert s["infer_all_views"] == (dataset == "imagenet_a")
@@ -388,11 +385,11 @@ def test_settings_are_the_originals_per_dataset_unless_set(tiny_clip):
     cfg = config("imagenet_sketch")
     tda = TDA(host_for(tiny_clip, cfg), cfg)
     assert (tda.settings["pos_alpha"], tda.settings["pos_beta"], tda.scale) == (2.363, 7.45, 100.0)
-    assert TDA.views_for(cfg) == ViewPlan(64, True) and TDA.views_for(config("imagenet")).count == 1
-    cfg = config("imagenet_sketch", "tda.pos_alpha=1.5", "tda.views=3", "tda.scale=null")
+    assert TDA.views_for(cfg) == 64 and TDA.views_for(config("imagenet")) == 1
+    cfg = config("imagenet_sketch", "tda.pos_alpha=1.5", "tda.scale=null")
     tda = TDA(host_for(tiny_clip, cfg), cfg)
     assert tda.settings["pos_alpha"] == 1.5 and tda.settings["pos_beta"] == 7.45
-    assert tda.scale == pytest.approx(float(tiny_clip.logit_scale.exp())) and TDA.views_for(cfg).count == 3
+    assert tda.scale == pytest.approx(float(tiny_clip.logit_scale.exp()))
     dpe = DPE(host_for(tiny_clip, config("eurosat")), config("eurosat"))
     assert [dpe.settings[k] for k in ("alpha", "beta", "lr_text", "lr_image", "align")] == [
         3.0,
@@ -420,7 +417,7 @@ def test_a_host_without_class_text_is_refused(tiny_clip):
 
 @pytest.mark.parametrize("name", ["tda", "dpe", "boostadapter"])
 def test_a_resumed_stream_is_bit_identical(tiny_clip, name, monkeypatch):
-    cfg = config("imagenet_a", f"{name}.views=8", f"{name}.scale=30")
+    cfg = config("imagenet_a", f"{name}.scale=30")
     host = host_for(tiny_clip, cfg, monkeypatch)
     views = stream(12, 8, seed=1)
     whole = TTA_METHODS[name](host, cfg)
@@ -458,8 +455,8 @@ def test_online_methods_run_on_timm_towers(stem, tmp_path):
         make_tiny_tokenizer(REPO / "configs" / "models" / f"{stem}.json", tok)
     clip, _ = build_family(stem, tok)
     size = clip.image_size
-    for name, cls in TTA_METHODS.items():
-        cfg = config("imagenet_a", f"{name}.views=2")
+    for cls in TTA_METHODS.values():
+        cfg = config("imagenet_a")
         method = cls(build_method(clip, CLASSES, cfg), cfg)
         for i, views in enumerate(stream(2, 2, size=size)):
             out = method.predict(views, i)

@@ -235,7 +235,6 @@ class FedpgpConfig:  # fl.method=fedpgp (coop.federated.fedpgp): rank of U V, we
 
 @dataclass
 class TdaConfig:  # tta.method=tda (coop.tta.tda); null: the original's value for data.name (TDA_SETTINGS)
-    views: int | None = key(None, ">= 1")  # views per image, the image itself included
     fraction: float = key(0.1, "in (0, 1]")  # of the views, the most confident kept
     scale: float | None = key(100.0, "> 0")  # TDA's fixed logit scale; null: the model's logit_scale
     pos_enabled: bool = True
@@ -258,7 +257,6 @@ class BoostadapterConfig(TdaConfig):  # tta.method=boostadapter (coop.tta.boosta
 
 @dataclass
 class DpeConfig:  # tta.method=dpe (coop.tta.dpe); null: the original's value for data.name (DPE_SETTINGS)
-    views: int | None = key(None, ">= 1")
     fraction: float = key(0.1, "in (0, 1]")
     scale: float | None = key(100.0, "> 0")  # DPE's fixed logit scale; null: the model's logit_scale
     capacity: int = key(3, ">= 1")  # cached features per class

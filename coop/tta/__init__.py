@@ -10,7 +10,6 @@ from __future__ import annotations
 from coop.tta.base import (
     TestTimeError,
     TestTimeMethod,
-    ViewPlan,
     confident_views,
     entropy,
     host_features,
@@ -26,7 +25,6 @@ __all__ = [
     "TTA_METHODS",
     "TestTimeError",
     "TestTimeMethod",
-    "ViewPlan",
     "confident_views",
     "entropy",
     "host_features",

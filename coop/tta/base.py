@@ -25,7 +25,6 @@ DPE, ZERO on a feature host) encodes each view once; one that changes the prompt
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
@@ -39,20 +38,6 @@ class TestTimeError(ValueError):
     selection fraction out of range. One line, raised before any work."""
 
 
-@dataclass(frozen=True)
-class ViewPlan:
-    """The views a method asks of the runner for each test image (`TestTimeMethod.views_for`).
-
-    Attributes:
-        count: views in all, the image itself (views[0]) included; 1: the image alone.
-        augmix: the other count - 1 views are AugMix'ed random resized crops with flips, as TPT's
-            `AugMixAugmenter(augmix=True)` makes them; False: random resized crops with flips only.
-    """
-
-    count: int
-    augmix: bool
-
-
 class TestTimeMethod(nn.Module):
     """Base class of the test-time methods.
 
@@ -64,6 +49,9 @@ class TestTimeMethod(nn.Module):
     __test__ = False  # not a pytest class, despite its name
     name = "tta"
     kind = "episodic"  # or "online"
+    # the augmented views where `tta.augment` is null (`coop.tta.views`): TPT's rule by dataset
+    # ("tpt"), or "augmix" / "crop_flip" on every dataset, as the method's original does
+    augment = "tpt"
 
     def __init__(self, host: Method, cfg: DictConfig):
         super().__init__()
@@ -77,10 +65,10 @@ class TestTimeMethod(nn.Module):
         linear probe, which has no prompt). By default every host works."""
 
     @classmethod
-    def views_for(cls, cfg: DictConfig) -> ViewPlan | None:
-        """The views this method's original takes on `cfg.data.name` (with the method's own keys
-        applied), or None: the runner's `tta.views` and its own choice of augmentation. The online
-        methods answer per dataset (TDA: the image alone on the cross-dataset sets)."""
+    def views_for(cls, cfg: DictConfig) -> int | None:
+        """How many views (the image itself included) this method's original takes on
+        `cfg.data.name`, for a runner whose `tta.views` is left unset; None: no preference. The
+        online methods answer per dataset (TDA: the image alone on the cross-dataset sets)."""
         return None
 
     def predict(self, views: torch.Tensor, index: int) -> torch.Tensor:

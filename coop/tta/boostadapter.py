@@ -57,7 +57,7 @@ class BoostAdapter(TDA):
 
     name = "boostadapter"
     table = BOOST_SETTINGS
-    augmix = False
+    augment = "crop_flip"  # its AugMixAugmenter(..., augmix=False)
 
     def score(self, features: torch.Tensor, logits: torch.Tensor) -> Scored:
         if self.settings["image_only"]:

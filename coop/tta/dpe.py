@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from coop.methods.base import Method
-from coop.tta.base import TestTimeError, TestTimeMethod, ViewPlan, check_fraction, entropy
+from coop.tta.base import TestTimeError, TestTimeMethod, check_fraction, entropy
 from coop.tta.online import (
     IMAGENET_FAMILY,
     ClassCache,
@@ -43,6 +43,7 @@ from coop.tta.online import (
     affinity_logits,
     check_text_host,
     encode,
+    original_views,
     score_image,
     score_views,
     settings,
@@ -92,6 +93,7 @@ class DPE(TestTimeMethod):
 
     name = "dpe"
     kind = "online"
+    augment = "augmix"  # DPE's get_preprocess: AugMixAugmenter(augmix=True)
 
     @classmethod
     def check_host(cls, host: Method) -> None:
@@ -102,8 +104,8 @@ class DPE(TestTimeMethod):
             )
 
     @classmethod
-    def views_for(cls, cfg: DictConfig) -> ViewPlan:
-        return ViewPlan(int(settings(cfg, cls.name, DPE_SETTINGS)["views"]), True)
+    def views_for(cls, cfg: DictConfig) -> int:
+        return original_views(cfg, DPE_SETTINGS)
 
     def __init__(self, host: Method, cfg: DictConfig):
         super().__init__(host, cfg)

@@ -47,6 +47,11 @@ def settings(cfg: DictConfig, section: str, table: dict[str, dict], default: str
     return {k: (row[k] if v is None and k in row else v) for k, v in own.items()}
 
 
+def original_views(cfg: DictConfig, table: dict[str, dict], default: str = "imagenet") -> int:
+    """The views per image of the original on `cfg.data.name` (`table`'s "views")."""
+    return int(table.get(str(cfg.data.name), table[default])["views"])
+
+
 def check_text_host(name: str, host: Method) -> None:
     """A one-line TestTimeError when `host` exposes no class text features (`Method.towers`)."""
     if isinstance(host, ZeroShot) or type(host).towers is not Method.towers:

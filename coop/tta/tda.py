@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from coop.methods.base import Method
-from coop.tta.base import TestTimeError, TestTimeMethod, ViewPlan, check_fraction
+from coop.tta.base import TestTimeError, TestTimeMethod, check_fraction
 from coop.tta.online import (
     IMAGENET_OOD,
     ClassCache,
@@ -35,6 +35,7 @@ from coop.tta.online import (
     affinity_logits,
     check_text_host,
     encode,
+    original_views,
     score_views,
     settings,
     view_logits,
@@ -71,16 +72,16 @@ class TDA(TestTimeMethod):
 
     name = "tda"
     kind = "online"
-    table = TDA_SETTINGS  # the original's per-dataset values of the null keys
-    augmix = True  # TDA's OOD loaders: AugMixAugmenter(augmix=True)
+    table = TDA_SETTINGS  # the original's per-dataset values of the null keys, and its views
+    augment = "augmix"  # TDA's OOD loaders: AugMixAugmenter(augmix=True)
 
     @classmethod
     def check_host(cls, host: Method) -> None:
         check_text_host(cls.name, host)
 
     @classmethod
-    def views_for(cls, cfg: DictConfig) -> ViewPlan:
-        return ViewPlan(int(settings(cfg, cls.name, cls.table)["views"]), cls.augmix)
+    def views_for(cls, cfg: DictConfig) -> int:
+        return original_views(cfg, cls.table)
 
     def __init__(self, host: Method, cfg: DictConfig):
         super().__init__(host, cfg)
