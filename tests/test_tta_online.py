@@ -462,3 +462,25 @@ def test_online_methods_run_on_timm_towers(stem, tmp_path):
             out = method.predict(views, i)
             assert out.shape == (len(CLASSES),) and torch.isfinite(out).all()
         assert method.state()["pos.count"].sum() == 2
+
+
+def test_bench_reports_the_overhead_per_image_over_zero_shot():
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_tta_online", REPO / "tools/bench/bench_tta_online.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.overhead(
+        str(REPO / "configs/models/coop-tiny.json"), 6, 2, (1, 3), "dtd", torch.device("cpu")
+    )
+    assert [(r["method"], r["views"]) for r in rows] == [
+        (m, v) for v in (1, 3) for m in ("tda", "dpe", "boostadapter")
+    ]
+    for r in rows:
+        assert r["zeroshot_ms"] > 0 and r["method_ms"] > 0
+        assert r["overhead_ms"] == pytest.approx(r["method_ms"] - r["zeroshot_ms"])
+        assert r["ratio"] == pytest.approx(r["method_ms"] / r["zeroshot_ms"])
