@@ -484,3 +484,30 @@ def test_bench_reports_the_overhead_per_image_over_zero_shot():
         assert r["zeroshot_ms"] > 0 and r["method_ms"] > 0
         assert r["overhead_ms"] == pytest.approx(r["method_ms"] - r["zeroshot_ms"])
         assert r["ratio"] == pytest.approx(r["method_ms"] / r["zeroshot_ms"])
+
+
+@pytest.mark.parametrize(
+    "overrides", [["method=coop"], ["method=maple", "prompt.depth=1"], ["method=cocoop"]], ids=lambda o: o[0]
+)
+def test_trained_hosts_give_their_towers_text_and_image(tiny_clip, overrides):
+    """A CoOp (feature), MaPLe (pixel, prompted image tower) or CoCoOp (text per image) host: the
+    first image's TDA logits are the host's towers' cosine x 100, plus alpha at its class (its own
+    entry: affinity 1), minus the negative term when gated; DPE refuses CoCoOp."""
+    cfg = load_config(None, [*overrides, "data.name=dtd"])
+    host = build_method(tiny_clip, CLASSES, cfg)
+    views = stream(1, 1)[0]
+    with torch.no_grad():
+        x = tiny_clip.encode_image(views) if host.input == "features" else views
+        towers = host.towers(x)
+        f, text = F.normalize(towers.image.float(), dim=-1), F.normalize(towers.text.float(), dim=-1)
+        z = 100 * (torch.einsum("ve,vce->vc", f, text) if text.dim() == 3 else f @ text.T)[0]
+    p = z.softmax(-1)
+    expected = z + 2.0 * F.one_hot(z.argmax(), len(CLASSES))  # dtd: alpha+ 2
+    if 0.2 < float(softmax_entropy(z[None])[0] / math.log2(len(CLASSES))) < 0.5:
+        expected -= 0.117 * ((p > 0.03) & (p < 1.0)).float()
+    torch.testing.assert_close(TDA(host, cfg).predict(views, 0), expected, rtol=1e-5, atol=1e-4)
+    if overrides[0] == "method=cocoop":
+        with pytest.raises(TtaError, match="^tta.method=dpe evolves one set of class text features"):
+            DPE(host, cfg)
+    else:
+        assert torch.isfinite(DPE(host, cfg).predict(views, 0)).all()
