@@ -24,6 +24,7 @@ from coop.tta.online import ClassCache
 from coop.tta.tda import TDA
 
 CLASSES = ["cat", "dog", "car", "tree", "boat"]
+ONLINE = (TDA, DPE, BoostAdapter)
 
 
 def config(dataset: str, *extra: str):
@@ -407,15 +408,16 @@ def test_settings_are_the_originals_per_dataset_unless_set(tiny_clip):
 def test_a_host_without_class_text_is_refused(tiny_clip):
     cfg = load_config(None, ["method=linear_probe", "data.name=dtd"])
     host = build_method(tiny_clip, CLASSES, cfg)
-    for name, cls in TTA_METHODS.items():
-        with pytest.raises(TtaError, match=f"^tta.method={name} reads the host's class text features"):
+    assert all(TTA_METHODS[cls.name] is cls and cls.kind == "online" for cls in ONLINE)
+    for cls in ONLINE:
+        with pytest.raises(TtaError, match=f"^tta.method={cls.name} reads the host's class text features"):
             cls(host, cfg)
 
 
 # -- resume -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tda", "dpe", "boostadapter"])
+@pytest.mark.parametrize("name", [cls.name for cls in ONLINE])
 def test_a_resumed_stream_is_bit_identical(tiny_clip, name, monkeypatch):
     cfg = config("imagenet_a", f"{name}.scale=30")
     host = host_for(tiny_clip, cfg, monkeypatch)
@@ -455,7 +457,7 @@ def test_online_methods_run_on_timm_towers(stem, tmp_path):
         make_tiny_tokenizer(REPO / "configs" / "models" / f"{stem}.json", tok)
     clip, _ = build_family(stem, tok)
     size = clip.image_size
-    for cls in TTA_METHODS.values():
+    for cls in ONLINE:
         cfg = config("imagenet_a")
         method = cls(build_method(clip, CLASSES, cfg), cfg)
         for i, views in enumerate(stream(2, 2, size=size)):
