@@ -387,6 +387,8 @@ def test_settings_are_the_originals_per_dataset_unless_set(tiny_clip):
     tda = TDA(host_for(tiny_clip, cfg), cfg)
     assert (tda.settings["pos_alpha"], tda.settings["pos_beta"], tda.scale) == (2.363, 7.45, 100.0)
     assert TDA.views_for(cfg) == 64 and TDA.views_for(config("imagenet")) == 1
+    assert DPE.views_for(config("imagenet")) == 64 and DPE.views_for(config("dtd")) == 1
+    assert BoostAdapter.views_for(config("imagenet")) == 1 and BoostAdapter.views_for(config("dtd")) == 64
     cfg = config("imagenet_sketch", "tda.pos_alpha=1.5", "tda.scale=null")
     tda = TDA(host_for(tiny_clip, cfg), cfg)
     assert tda.settings["pos_alpha"] == 1.5 and tda.settings["pos_beta"] == 7.45
