@@ -98,6 +98,7 @@ def run_name(cfg: DictConfig) -> str:
 def tta_run_name(cfg: DictConfig) -> str:
     """A test-time pass's folder (`coop.tta`): <dataset>/<model>/tta_<method>/<host>_views<V>/seed<S>.
 
+    V is `tta.views`, or "-own" where it is null (the method's original's number for the dataset).
     The host is the settings part of its run name (`method_settings`), followed for a run or export
     (`tta.init`) by _init-<8 hex digits of its path>; a `tta.augment` other
     than the method's own adds "_<augment>"; a base-to-new split "_base"/"_new".
@@ -112,5 +113,5 @@ def tta_run_name(cfg: DictConfig) -> str:
     classes = "" if cfg.data.subsample_classes == "all" else f"_{cfg.data.subsample_classes}"
     return (
         f"{cfg.data.name}/{model_tag(cfg.model.name)}/tta_{t.method}/"
-        f"{host}_views{t.views}{augment}{classes}/seed{cfg.data.seed}"
+        f"{host}_views{'-own' if t.views is None else t.views}{augment}{classes}/seed{cfg.data.seed}"
     )

@@ -257,7 +257,9 @@ VIEW_AUGMENTS = ("tpt", "augmix", "crop_flip")  # see coop.tta.views
 @dataclass
 class TtaConfig:  # coop.tta: the test-time pass (tools/tta.py)
     method: str = key("zero", choices=TTA_METHODS)
-    views: int = key(64, ">= 1")  # per test image: the image itself and views - 1 augmented ones
+    # per test image: the image itself and views - 1 augmented ones; null: the method's original's
+    # number for the dataset (TDA: the image alone on the cross-dataset sets), else 64
+    views: int | None = key(64, ">= 1")
     init: str | None = None  # a run folder or an export to start from; null: the hand-written prompt
     # the augmented views: TPT's rule (crop + flip for the ImageNet sets, AugMix for the others),
     # AugMix or crop + flip everywhere; null: the method's own (`TestTimeMethod.augment`)
@@ -268,6 +270,44 @@ class TtaConfig:  # coop.tta: the test-time pass (tools/tta.py)
 @dataclass
 class ZeroConfig:  # coop.tta.zero: the fraction of views, most confident first, that vote
     gamma: float = key(0.3, "in (0, 1]")
+
+
+@dataclass
+class TdaConfig:  # tta.method=tda (coop.tta.tda); null: the original's value for data.name (TDA_SETTINGS)
+    fraction: float = key(0.1, "in (0, 1]")  # of the views, the most confident kept
+    scale: float | None = key(100.0, "> 0")  # TDA's fixed logit scale; null: the model's logit_scale
+    pos_enabled: bool = True
+    pos_capacity: int = key(3, ">= 1")  # entries per class
+    pos_alpha: float | None = key(None, ">= 0")
+    pos_beta: float | None = key(None, ">= 0")
+    neg_enabled: bool = True
+    neg_capacity: int = key(2, ">= 1")
+    neg_alpha: float = key(0.117, ">= 0")
+    neg_beta: float = key(1.0, ">= 0")
+    neg_entropy: list[float] = key([0.2, 0.5], "finite", length=2)  # the gate on entropy / log2(classes)
+    neg_mask: list[float] = key([0.03, 1.0], "finite", length=2)  # the probabilities a negative entry marks
+
+
+@dataclass
+class BoostadapterConfig(TdaConfig):  # tta.method=boostadapter (coop.tta.boostadapter): BOOST_SETTINGS
+    delta: int | None = key(None, ">= 0")  # the boosting samples' extra entries per class
+    image_only: bool | None = None  # the image itself (true) or the confident views' mean as the image
+
+
+@dataclass
+class DpeConfig:  # tta.method=dpe (coop.tta.dpe); null: the original's value for data.name (DPE_SETTINGS)
+    fraction: float = key(0.1, "in (0, 1]")
+    scale: float | None = key(100.0, "> 0")  # DPE's fixed logit scale; null: the model's logit_scale
+    capacity: int = key(3, ">= 1")  # cached features per class
+    alpha: float | None = key(None, ">= 0")
+    beta: float | None = key(None, ">= 0")
+    lr_text: float | None = key(None, ">= 0")  # the textual residual's AdamW step
+    lr_image: float | None = key(None, ">= 0")  # the visual residual's
+    align: float | None = key(None, ">= 0")  # the InfoNCE weight
+    eps: float = key(1e-3, "> 0")  # AdamW
+    weight_decay: float = key(0.1, ">= 0")  # AdamW
+    update_entropy: float = key(0.1, ">= 0")  # T evolves below this entropy / log2(classes)
+    infer_all_views: bool | None = None  # predict from the confident views (ImageNet-A) or the image
 
 
 def section(cls):
@@ -316,6 +356,9 @@ class RunConfig:
     zero: ZeroConfig = section(ZeroConfig)
     tpt: TptConfig = section(TptConfig)
     ctpt: CtptConfig = section(CtptConfig)
+    tda: TdaConfig = section(TdaConfig)
+    dpe: DpeConfig = section(DpeConfig)
+    boostadapter: BoostadapterConfig = section(BoostadapterConfig)
     output_dir: str | None = None
     device: str = "auto"
 

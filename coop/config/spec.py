@@ -190,7 +190,9 @@ def check_layer(tree: dict, specs: dict[str, Spec], prefix: str = "") -> str | N
         interpolation = isinstance(value, str) and value.startswith("${")
         mapping = isinstance(value, dict)
         if spec is not None and (
-            mapping or spec.kind == "bool" and not (isinstance(value, bool) or interpolation)
+            mapping
+            or spec.kind == "bool"
+            and not (isinstance(value, bool) or interpolation or value is None and spec.optional)
         ):
             return f"{full} must be {spec.describe()}, got {value!r}"
     return None

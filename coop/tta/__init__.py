@@ -19,10 +19,20 @@ from omegaconf import DictConfig
 
 from coop.methods.base import Method
 from coop.tta.base import TestTimeError, TestTimeMethod, confident_views, entropy, host_features, host_logits
+from coop.tta.boostadapter import BoostAdapter
+from coop.tta.dpe import DPE
+from coop.tta.tda import TDA
 from coop.tta.tpt import CTPT, TPT
 from coop.tta.zero import Zero
 
-TTA_METHODS: dict[str, type[TestTimeMethod]] = {"tpt": TPT, "ctpt": CTPT, "zero": Zero}
+TTA_METHODS: dict[str, type[TestTimeMethod]] = {
+    "tpt": TPT,
+    "ctpt": CTPT,
+    "zero": Zero,
+    "tda": TDA,
+    "dpe": DPE,
+    "boostadapter": BoostAdapter,
+}
 
 
 def tta_class(name: str) -> type[TestTimeMethod]:
@@ -42,6 +52,9 @@ def build_tta(host: Method, cfg: DictConfig) -> TestTimeMethod:
 
 __all__ = [
     "CTPT",
+    "DPE",
+    "TDA",
+    "BoostAdapter",
     "TPT",
     "TTA_METHODS",
     "TestTimeError",

@@ -66,6 +66,13 @@ class TestTimeMethod(nn.Module):
         """A one-line TestTimeError when this method cannot start from `host` (e.g. TPT from a
         linear probe, which has no prompt). By default every host works."""
 
+    @classmethod
+    def views_for(cls, cfg: DictConfig) -> int | None:
+        """How many views (the image itself included) this method's original takes on
+        `cfg.data.name`, for a runner whose `tta.views` is left unset; None: no preference. The
+        online methods answer per dataset (TDA: the image alone on the cross-dataset sets)."""
+        return None
+
     def predict(self, views: torch.Tensor, index: int) -> torch.Tensor:
         """The logits (n_cls,) of test image `index` from its views (V, 3, H, W), views[0] being the
         image under the test transform; their argmax is the prediction. An episodic method leaves
@@ -87,12 +94,13 @@ class TestTimeMethod(nn.Module):
         return {}
 
 
-def host_features(host: Method, views: torch.Tensor) -> torch.Tensor:
+def host_features(host: Method, views: torch.Tensor, prepared=None) -> torch.Tensor:
     """Unnormalised image features (V, E) of the views through the host's image tower: CLIP's own
-    for a feature host, the host's prompted tower for a pixel host (`Method.towers`)."""
+    for a feature host, the host's prompted tower for a pixel host (`Method.towers`; `prepared` as
+    for `Method.logits`, so that a method that keeps it does not recompute the host's text)."""
     if host.input == "features":
         return host.clip.encode_image(views)
-    return host.towers(views).image
+    return host.towers(views, prepared).image
 
 
 def host_logits(host: Method, views: torch.Tensor, prepared=None) -> torch.Tensor:

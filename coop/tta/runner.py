@@ -50,6 +50,7 @@ from coop.tta.base import TestTimeError, TestTimeMethod
 from coop.tta.host import Host, build_host
 from coop.tta.views import ViewDataset, ViewMaker, augment_for
 
+DEFAULT_VIEWS = 64  # tta.views=null and a method without a per-dataset number
 log = logging.getLogger(__name__)
 
 
@@ -95,6 +96,14 @@ def tta_run(cfg: DictConfig) -> dict:
             handler.close()
 
 
+def views_of(cfg: DictConfig, method: TestTimeMethod) -> int:
+    """The views per test image: `tta.views`, or where it is null the method's original's number for
+    the dataset (`TestTimeMethod.views_for`: TDA's image alone on the cross-dataset sets), else 64."""
+    if cfg.tta.views is not None:
+        return int(cfg.tta.views)
+    return int(method.views_for(cfg) or DEFAULT_VIEWS)
+
+
 def _tta_run(cfg: DictConfig, folder: Path, dataset, host: Host, method: TestTimeMethod, device) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     if (folder / "config.yaml").is_file():
@@ -105,6 +114,7 @@ def _tta_run(cfg: DictConfig, folder: Path, dataset, host: Host, method: TestTim
         return json.loads(metrics_path.read_text())
     atomic_write(folder / "config.yaml", lambda tmp: Path(tmp).write_text(to_yaml(cfg)))
     augment = augment_for(cfg.tta.augment or method.augment, cfg.data.name)
+    views = views_of(cfg, method)
     items = dataset.test
     log.info(
         "%s | tta.method=%s (%s) on %s%s | %d views (%s) | %d images, %d classes, seed %d | %s %s",
@@ -113,15 +123,15 @@ def _tta_run(cfg: DictConfig, folder: Path, dataset, host: Host, method: TestTim
         method.kind,
         cfg.method,
         "" if cfg.tta.init is None else f" from {cfg.tta.init}",
-        cfg.tta.views,
-        augment if cfg.tta.views > 1 else "the image alone",
+        views,
+        augment if views > 1 else "the image alone",
         len(items),
         len(dataset.classnames),
         cfg.data.seed,
         device,
         host.precision,
     )
-    maker = ViewMaker(host.transform, int(cfg.tta.views), augment, int(cfg.data.seed))
+    maker = ViewMaker(host.transform, views, augment, int(cfg.data.seed))
     images = ViewDataset(items, maker, skip_corrupt=bool(cfg.data.skip_corrupt))
     order = outputs.stream_order(len(items), method.kind == "online", int(cfg.data.seed))
     start = distributed.broadcast(resume(folder, method) if distributed.is_main() else None)
@@ -224,8 +234,8 @@ def describe(cfg: DictConfig, method: TestTimeMethod, augment: str, n_cls: int, 
         "kind": method.kind,
         "method": cfg.method,  # the host's
         "init": cfg.tta.init,
-        "views": int(cfg.tta.views),
-        "augment": augment if cfg.tta.views > 1 else None,
+        "views": views_of(cfg, method),
+        "augment": augment if views_of(cfg, method) > 1 else None,
         "seed": int(cfg.data.seed),
         "order_seed": int(cfg.data.seed) if method.kind == "online" else None,
         "dataset": cfg.data.name,
