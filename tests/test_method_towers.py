@@ -168,13 +168,15 @@ def test_the_tools_refuse_before_the_run_folder(stem, label, folder, tmp_path):
 def test_a_sweep_refuses_the_point_before_any_run_folder(tmp_path):
     out = tmp_path / "runs"
     model = f"model.name={REPO / 'configs' / 'models' / 'coca-tiny'}.json"
-    res = run_tool_in_process(
-        REPO / "tools" / "sweep.py",
-        ["--out", out, "--dry-run", "method=[coop,mmrl]", model, "model.pretrained=none", "data.shots=1"],
-    )
+    args = ["--out", out, "method=[coop,mmrl]", model, "model.pretrained=none", "data.shots=1"]
+    why = expected_message("coca-tiny", "method=mmrl")
+    res = run_tool_in_process(REPO / "tools" / "sweep.py", [*args, "--dry-run"])  # lists it as refused
+    assert res.returncode == 2 and res.stderr.strip() == "error: 1 of 2 points are refused (listed above)"
+    assert res.stdout.splitlines()[1].startswith("refused ") and f"({why}" in res.stdout.splitlines()[1]
+    res = run_tool_in_process(REPO / "tools" / "sweep.py", args)
     errors = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
-    assert errors[0].startswith(f"error: point method=mmrl: {expected_message('coca-tiny', 'method=mmrl')}")
+    assert errors[0].startswith(f"error: point method=mmrl: {why}")
     assert not out.exists()
 
 
