@@ -5,7 +5,7 @@ the 30% of views with the lowest entropy -> majority vote), on zero-shot CLIP an
 CoOp run; the refusals come before the run folder exists; a pass killed with SIGKILL and rerun
 ends bit-identical to an uninterrupted one (ZERO, episodic, and TDA, online); two ranks equal one
 process (ZERO and TPT); tta.views null takes the method's original's views for the dataset; TPT
-runs through tools/tta.py from a CoOp run.
+runs through tools/tta.py from a CoOp run; ZERO, TPT and TDA run on SigLIP, EVA02 and PE-Core.
 """
 
 from __future__ import annotations
@@ -220,9 +220,11 @@ def test_zero_votes_with_the_confident_views_of_the_pass(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "tower", ["siglip-tiny", "eva02-tiny", pytest.param("pe-core-tiny", marks=pytest.mark.slow)]
 )
-def test_zero_on_other_towers_is_the_written_out_vote(tmp_path, tower, monkeypatch):
+def test_zero_tpt_and_tda_on_other_towers(tmp_path, tower, monkeypatch):
     """SigLIP (its own tokenizer, made offline), EVA02 and PE-Core (timm image towers at 224 and 384
-    pixels: 3 images, 4 views): the same vote over their logits."""
+    pixels: 3 images, 4 views): ZERO is the same vote over their logits; TPT's and TDA's passes are
+    their methods applied to the runner's views in stream order (TDA: the image alone, its views
+    on an image folder; its caches carried along)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     image_folder = make_image_folder(tmp_path / "images", n_train=1, n_test=1)
     model, extra = REPO / "configs" / "models" / f"{tower}.json", {}
@@ -236,6 +238,33 @@ def test_zero_on_other_towers_is_the_written_out_vote(tmp_path, tower, monkeypat
     clip = ZeroShotLogits(image_folder, model, extra.get("model.tokenizer"))
     expected = written_out_zero(image_folder, 4, 0.3, 1, clip, clip.transform).argmax(-1)
     assert torch.equal(outputs.read_outputs(tmp_path / "run")["logits"].argmax(-1), expected)
+    for path, views, replayed in ((TPT, 4, 2), (TDA, "null", 3)):
+        args = zero_args(
+            image_folder, tmp_path / path.stem, **{"model.name": model, "tta.views": views, **extra}
+        )
+        cfg = tta_config(str(path), args)
+        metrics = tta_run(cfg)
+        assert metrics["views"] == (4 if path == TPT else 1) and metrics["tta_method"] == path.stem
+        replay_pass(cfg, outputs.read_outputs(tmp_path / path.stem), replayed)
+
+
+def replay_pass(cfg, out: dict, n: int) -> None:
+    """The first `n` outputs of a pass (in stream order) are its method's `predict` on the views
+    the runner makes, one fresh method applied to the images in that order."""
+    from coop.tta.host import build_host
+    from coop.tta.runner import views_of
+    from coop.tta.views import ViewMaker, augment_for
+
+    items = build_dataset(cfg.data.name, cfg.data.root, shots=0).test
+    host = build_host(
+        cfg, build_dataset(cfg.data.name, cfg.data.root, shots=0).classnames, torch.device("cpu")
+    )
+    method = coop.tta.build_tta(host.method, cfg)
+    maker = ViewMaker(host.transform, views_of(cfg, method), augment_for(method.augment, cfg.data.name), 1)
+    assert torch.isfinite(out["logits"]).all() and len(out["logits"]) == len(items)
+    for row, i in enumerate(out["index"][:n].tolist()):
+        expected = method.predict(maker(load_image(items[i].path), i), i).detach().float()
+        torch.testing.assert_close(out["logits"][row], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_zero_on_a_maple_run_scores_the_views_through_its_prompted_tower(image_folder, tmp_path):
@@ -297,7 +326,6 @@ def test_tpt_through_the_tool_from_a_coop_run(image_folder, coop_run, tmp_path):
     """tools/tta.py --config configs/tta/tpt.yaml tta.init=RUN: each image's logits are TPT's step on
     the run's learned context, from the views the runner makes for that image (seed, image)."""
     from coop.interop import load_classifier
-    from coop.tta.views import ViewMaker, augment_for
 
     args = zero_args(image_folder, tmp_path / "tpt", **{"tta.views": 4, "tta.init": coop_run})
     result = run_tool_in_process(REPO / "tools" / "tta.py", ["--config", TPT, *args])
@@ -307,14 +335,11 @@ def test_tpt_through_the_tool_from_a_coop_run(image_folder, coop_run, tmp_path):
     assert metrics["augment"] == "augmix"  # TPT's rule off the ImageNet sets
     out = outputs.read_outputs(tmp_path / "tpt")
     assert torch.equal(out["index"], torch.arange(12))
-    clf = load_classifier(coop_run)
-    tpt = coop.tta.TPT(clf.method, tta_config(str(TPT), args))
-    maker = ViewMaker(clf.transform, 4, augment_for("augmix", "imagefolder"), 1)
-    items = build_dataset("imagefolder", str(image_folder), shots=0).test
-    for i in (0, 5, 11):
-        expected = tpt.predict(maker(load_image(items[i].path), i), i)
-        torch.testing.assert_close(out["logits"][i], expected.detach(), rtol=1e-5, atol=1e-5)
-    assert not torch.equal(expected, clf.logits(maker(load_image(items[11].path), 11)[:1])[0])  # tuned
+    replay_pass(tta_config(str(TPT), args), out, 4)
+    clf = load_classifier(coop_run)  # the run's own logits of the images: TPT moved them
+    untuned = torch.cat([clf.logits(clf.transform(load_image(item.path))[None]) for item in
+                         build_dataset("imagefolder", str(image_folder), shots=0).test])  # fmt: skip
+    assert not torch.allclose(out["logits"], untuned, rtol=1e-5, atol=1e-5)
 
 
 def test_null_views_take_the_originals_number_for_the_dataset(image_folder, tmp_path):
