@@ -3,8 +3,9 @@
 ZERO's outputs are checked against a written-out computation per image (views -> CLIP's logits ->
 the 30% of views with the lowest entropy -> majority vote), on zero-shot CLIP and on a trained
 CoOp run; the refusals come before the run folder exists; a pass killed with SIGKILL and rerun
-ends bit-identical to an uninterrupted one (ZERO, and an online method with a running state); two
-ranks equal one process.
+ends bit-identical to an uninterrupted one (ZERO, episodic, and TDA, online); two ranks equal one
+process (ZERO and TPT); tta.views null takes the method's original's views for the dataset; TPT
+runs through tools/tta.py from a CoOp run; ZERO, TPT and TDA run on SigLIP, EVA02 and PE-Core.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from coop.data import build_dataset
 from coop.data.images import derive_seed, load_image
 from coop.model.weights import load_clip
 from coop.train.engine import clip_transforms
-from coop.tta import TTA_METHODS, TestTimeError, TestTimeMethod, host_logits, outputs
+from coop.tta import TTA_METHODS, TestTimeError, TestTimeMethod, outputs
 from coop.tta.host import tta_config
 from coop.tta.runner import tta_run
 from coop.tta.zero import vote
 
-ZERO = REPO / "configs" / "tta" / "zero.yaml"
+ZERO, TPT, TDA = (REPO / "configs" / "tta" / f"{m}.yaml" for m in ("zero", "tpt", "tda"))
 VIEWS = 8
 
 
@@ -219,9 +220,11 @@ def test_zero_votes_with_the_confident_views_of_the_pass(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "tower", ["siglip-tiny", "eva02-tiny", pytest.param("pe-core-tiny", marks=pytest.mark.slow)]
 )
-def test_zero_on_other_towers_is_the_written_out_vote(tmp_path, tower, monkeypatch):
+def test_zero_tpt_and_tda_on_other_towers(tmp_path, tower, monkeypatch):
     """SigLIP (its own tokenizer, made offline), EVA02 and PE-Core (timm image towers at 224 and 384
-    pixels: 3 images, 4 views): the same vote over their logits."""
+    pixels: 3 images, 4 views): ZERO is the same vote over their logits; TPT's and TDA's passes are
+    their methods applied to the runner's views in stream order (TDA: the image alone, its views
+    on an image folder; its caches carried along)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     image_folder = make_image_folder(tmp_path / "images", n_train=1, n_test=1)
     model, extra = REPO / "configs" / "models" / f"{tower}.json", {}
@@ -235,6 +238,33 @@ def test_zero_on_other_towers_is_the_written_out_vote(tmp_path, tower, monkeypat
     clip = ZeroShotLogits(image_folder, model, extra.get("model.tokenizer"))
     expected = written_out_zero(image_folder, 4, 0.3, 1, clip, clip.transform).argmax(-1)
     assert torch.equal(outputs.read_outputs(tmp_path / "run")["logits"].argmax(-1), expected)
+    for path, views, replayed in ((TPT, 4, 2), (TDA, "null", 3)):
+        args = zero_args(
+            image_folder, tmp_path / path.stem, **{"model.name": model, "tta.views": views, **extra}
+        )
+        cfg = tta_config(str(path), args)
+        metrics = tta_run(cfg)
+        assert metrics["views"] == (4 if path == TPT else 1) and metrics["tta_method"] == path.stem
+        replay_pass(cfg, outputs.read_outputs(tmp_path / path.stem), replayed)
+
+
+def replay_pass(cfg, out: dict, n: int) -> None:
+    """The first `n` outputs of a pass (in stream order) are its method's `predict` on the views
+    the runner makes, one fresh method applied to the images in that order."""
+    from coop.tta.host import build_host
+    from coop.tta.runner import views_of
+    from coop.tta.views import ViewMaker, augment_for
+
+    items = build_dataset(cfg.data.name, cfg.data.root, shots=0).test
+    host = build_host(
+        cfg, build_dataset(cfg.data.name, cfg.data.root, shots=0).classnames, torch.device("cpu")
+    )
+    method = coop.tta.build_tta(host.method, cfg)
+    maker = ViewMaker(host.transform, views_of(cfg, method), augment_for(method.augment, cfg.data.name), 1)
+    assert torch.isfinite(out["logits"]).all() and len(out["logits"]) == len(items)
+    for row, i in enumerate(out["index"][:n].tolist()):
+        expected = method.predict(maker(load_image(items[i].path), i), i).detach().float()
+        torch.testing.assert_close(out["logits"][row], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_zero_on_a_maple_run_scores_the_views_through_its_prompted_tower(image_folder, tmp_path):
@@ -289,6 +319,66 @@ def test_zero_on_a_trained_coop_run_and_its_export(image_folder, coop_run, tmp_p
     assert torch.equal(a["logits"], b["logits"])
 
 
+# ---------------------------------------------------------------- TPT and the online methods' views
+
+
+def test_tpt_through_the_tool_from_a_coop_run(image_folder, coop_run, tmp_path):
+    """tools/tta.py --config configs/tta/tpt.yaml tta.init=RUN: each image's logits are TPT's step on
+    the run's learned context, from the views the runner makes for that image (seed, image)."""
+    from coop.interop import load_classifier
+
+    args = zero_args(image_folder, tmp_path / "tpt", **{"tta.views": 4, "tta.init": coop_run})
+    result = run_tool_in_process(REPO / "tools" / "tta.py", ["--config", TPT, *args])
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((tmp_path / "tpt" / "metrics.json").read_text())
+    assert (metrics["tta_method"], metrics["method"], metrics["views"]) == ("tpt", "coop", 4)
+    assert metrics["augment"] == "augmix"  # TPT's rule off the ImageNet sets
+    out = outputs.read_outputs(tmp_path / "tpt")
+    assert torch.equal(out["index"], torch.arange(12))
+    replay_pass(tta_config(str(TPT), args), out, 4)
+    clf = load_classifier(coop_run)  # the run's own logits of the images: TPT moved them
+    untuned = torch.cat([clf.logits(clf.transform(load_image(item.path))[None]) for item in
+                         build_dataset("imagefolder", str(image_folder), shots=0).test])  # fmt: skip
+    assert not torch.allclose(out["logits"], untuned, rtol=1e-5, atol=1e-5)
+
+
+def test_null_views_take_the_originals_number_for_the_dataset(image_folder, tmp_path):
+    """configs/tta/tda.yaml leaves tta.views null: the image alone on an image folder (ImageNet's row)
+    and the cross-dataset sets, 64 AugMix views on ImageNet-A (an imagenet_a fixture); tta.views=4
+    overrides it; the folder name says _views-own. DPE and BoostAdapter answer per dataset too."""
+    from coop.config.run_names import tta_run_name
+    from coop.data.imagenet_variants import IMAGENET_VARIANTS
+    from coop.tta.runner import views_of
+
+    own = tta_config(str(TDA), zero_args(image_folder, tmp_path / "own", **{"tta.views": "null"}))
+    assert own.tta.views is None and "/tta_tda/zeroshot" in tta_run_name(own)
+    assert tta_run_name(own).endswith("_views-own/seed1")
+    metrics = tta_run(own)
+    assert (metrics["views"], metrics["augment"]) == (1, None)
+    four = tta_config(str(TDA), zero_args(image_folder, tmp_path / "four", **{"tta.views": 4}))
+    assert tta_run_name(four).endswith("_views4/seed1")
+    assert (tta_run(four)["views"], outputs.read_outputs(tmp_path / "four")["logits"].shape) == (4, (12, 3))
+
+    layout = IMAGENET_VARIANTS["imagenet_a"]
+    images = tmp_path / "data" / layout.folder
+    images.mkdir(parents=True)
+    (images / "classnames.txt").write_text("n01 goldfish\nn02 great white shark\nn03 tench\n")
+    for wnid, colour in (("n01", "red_thing"), ("n02", "blue_thing")):
+        (images / layout.images / wnid).mkdir(parents=True)
+        (images / layout.images / wnid / "0.png").write_bytes(
+            (image_folder / "test" / colour / "0.png").read_bytes()
+        )
+    shifted = {"data.name": "imagenet_a", "data.root": tmp_path / "data", "tta.views": "null"}
+    metrics = tta_run(tta_config(str(TDA), zero_args(image_folder, tmp_path / "a", **shifted)))
+    assert (metrics["views"], metrics["augment"], metrics["n_test"]) == (64, "augmix", 2)
+    expected = {"tda": (1, 1, 1, 64, 64), "dpe": (64, 1, 64, 64, 64), "boostadapter": (1, 64, 1, 64, 64)}
+    for name, views in expected.items():
+        cfgs = [tta_config(str(REPO / "configs" / "tta" / f"{name}.yaml"), [f"data.name={d}"])
+                for d in ("imagefolder", "dtd", "imagenet", "imagenet_a", "imagenet_sketch")]  # fmt: skip
+        assert all(c.tta.views is None for c in cfgs), name
+        assert tuple(views_of(c, TTA_METHODS[name]) for c in cfgs) == views, name
+
+
 # ---------------------------------------------------------------- refusals, before the run folder
 
 
@@ -334,7 +424,6 @@ def test_an_init_of_another_model_or_method_is_refused(image_folder, coop_run, t
 
 
 def test_an_online_method_refuses_more_than_one_rank(image_folder, tmp_path, monkeypatch):
-    monkeypatch.setitem(TTA_METHODS, "tda", RunningSum)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert refusal(image_folder, tmp_path, "tta.method=tda") == (
@@ -358,35 +447,12 @@ def test_the_tool_says_it_in_one_line(image_folder, tmp_path):
 # ---------------------------------------------------------------- SIGKILL and resume
 
 
-class RunningSum(TestTimeMethod):
-    """An online method: the logits of view 0 plus a running sum of every image's mean logits so far."""
-
-    name = "tda"
-    kind = "online"
-
-    def __init__(self, host, cfg):
-        super().__init__(host, cfg)
-        self.total = torch.zeros(host.n_cls)
-
-    @torch.no_grad()
-    def predict(self, views, index):
-        logits = host_logits(self.host, views).float()
-        self.total += logits.mean(0)
-        return logits[0] + 0.1 * self.total
-
-    def state(self):
-        return {"total": self.total}
-
-    def load_state(self, state):
-        self.total = state["total"].clone()
-
-
-def killed_at(kill_at: int, args: list[str], also=None) -> int:
-    """Run the pass in a forked child that SIGKILLs itself at its `kill_at`-th predict call (or where
-    `also` patches in a kill); returns the child's exit code."""
+def killed_at(kill_at: int, args: list[str], also=None, path=ZERO) -> int:
+    """Run the pass of config `path` in a forked child that SIGKILLs itself at its `kill_at`-th predict
+    call (or where `also` patches in a kill); returns the child's exit code."""
 
     def child():
-        method = TTA_METHODS[OmegaConf.select(tta_config(str(ZERO), args), "tta.method")]
+        method = TTA_METHODS[OmegaConf.select(tta_config(str(path), args), "tta.method")]
         calls = [0]
         real = method.predict
 
@@ -399,7 +465,7 @@ def killed_at(kill_at: int, args: list[str], also=None) -> int:
         method.predict = predict
         if also is not None:
             also()
-        tta_run(tta_config(str(ZERO), args))
+        tta_run(tta_config(str(path), args))
 
     proc = multiprocessing.get_context("fork").Process(target=child)
     proc.start()
@@ -430,16 +496,18 @@ def test_zero_killed_and_rerun_ends_bit_identical(image_folder, tmp_path):
     same_folder(tmp_path / "whole", tmp_path / "killed")
 
 
-def test_an_online_method_killed_and_rerun_ends_bit_identical(image_folder, tmp_path, monkeypatch):
-    monkeypatch.setitem(TTA_METHODS, "tda", RunningSum)
-    run(image_folder, tmp_path / "whole", **{"tta.method": "tda"})
+def test_tda_killed_and_rerun_ends_bit_identical(image_folder, tmp_path):
+    """TDA's caches are saved with the stream position after every chunk: a kill mid-chunk, or
+    between a chunk and its state (the chunk is dropped and redone), then a rerun, ends as one pass."""
+    tda = {"tta.views": 4}  # AugMix views: the confident views' mean feature is the cache key
+    run(image_folder, tmp_path / "whole", TDA, **tda)
     whole = outputs.read_outputs(tmp_path / "whole")
     order = outputs.stream_order(12, True, 1)
     assert torch.equal(whole["index"], order) and not torch.equal(order, torch.arange(12))
-    # killed mid-chunk; then between a chunk and its state (the chunk is dropped and redone)
-    args = zero_args(image_folder, tmp_path / "killed", **{"tta.method": "tda"})
-    assert killed_at(7, args) == -signal.SIGKILL
-    assert outputs.load_state(tmp_path / "killed")[0] == 5
+    args = zero_args(image_folder, tmp_path / "killed", **tda)
+    assert killed_at(7, args, path=TDA) == -signal.SIGKILL
+    position, state = outputs.load_state(tmp_path / "killed")
+    assert position == 5 and 0 < int(state["pos.count"].sum()) <= 5  # the caches so far
 
     def kill_on_second_state():
         saved = outputs.save_state
@@ -451,9 +519,9 @@ def test_an_online_method_killed_and_rerun_ends_bit_identical(image_folder, tmp_
 
         outputs.save_state = save
 
-    assert killed_at(0, args, also=kill_on_second_state) == -signal.SIGKILL
+    assert killed_at(0, args, also=kill_on_second_state, path=TDA) == -signal.SIGKILL
     assert [c[:2] for c in outputs.chunks(tmp_path / "killed")] == [(0, 5), (5, 10)]
-    tta_run(tta_config(str(ZERO), args))
+    tta_run(tta_config(str(TDA), args))
     same_folder(tmp_path / "whole", tmp_path / "killed")
     assert json.loads((tmp_path / "whole" / "metrics.json").read_text())["order_seed"] == 1
 
@@ -461,24 +529,25 @@ def test_an_online_method_killed_and_rerun_ends_bit_identical(image_folder, tmp_
 # ---------------------------------------------------------------- ranks
 
 
-def _rank(rank: int, port: int, args: list[str]) -> None:
+def _rank(rank: int, port: int, args: list[str], path: Path) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     from coop import distributed
 
     try:
-        tta_run(tta_config(str(ZERO), args))
+        tta_run(tta_config(str(path), args))
     finally:
         distributed.close()
 
 
-def test_two_ranks_share_the_images_and_equal_one_process(image_folder, tmp_path):
+@pytest.mark.parametrize("path, extra", [(ZERO, {}), (TPT, {"tta.views": 4})], ids=["zero", "tpt"])
+def test_two_ranks_share_the_images_and_equal_one_process(image_folder, tmp_path, path, extra):
     import torch.multiprocessing as mp
     from test_distributed import free_port
 
-    run(image_folder, tmp_path / "one")
-    args = zero_args(image_folder, tmp_path / "two")  # chunks of 5: shares of 3 and 2
-    mp.start_processes(_rank, args=(free_port(), args), nprocs=2, join=True, start_method="fork")
+    run(image_folder, tmp_path / "one", path, **extra)
+    args = zero_args(image_folder, tmp_path / "two", **extra)  # chunks of 5: shares of 3 and 2
+    mp.start_processes(_rank, args=(free_port(), args, path), nprocs=2, join=True, start_method="fork")
     same_folder(tmp_path / "one", tmp_path / "two")
 
 

@@ -31,7 +31,7 @@ the backward of the image's own gradient dloss/dt through that graph
 (`torch.autograd.grad(..., grad_outputs, retain_graph=True)`) and the forward at theta_1 remain,
 both through the exact fast text pass (cut after [EOS], shared prefix, packed). The reference,
 as TPT's code, runs forward, backward and forward over 77 tokens x all classes per image
-(`coop.reference.tpt`). docs/test_time_tpt.md states the bound and the measured ratio.
+(`coop.reference.tpt`). docs/test_time.md states the bound and the measured ratio.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ forward is the same on both sides and outside the times). `--memory` adds one TP
 largest class count: the bytes each side's graph saves for the backward pass (ours also with
 tpt.grad_checkpointing) and, on CUDA, the peak allocated memory. The default, the tiny test model
 on a CPU, runs in a few minutes; `--model ViT-B-16 --device cuda` is gpu_check.py's `tpt` section.
-What is measured and the bound: tools/bench/_tta.py; the figures: docs/test_time_tpt.md.
+What is measured and the bound: tools/bench/_tta.py; the figures: docs/test_time.md.
 """
 
 from __future__ import annotations
