@@ -27,7 +27,7 @@ from coop.config.spec import Spec, key, specs
 # see coop.methods
 METHODS = tuple(
     "coop cocoop kgcoop zeroshot linear_probe vpt ivlp maple promptsrc tip_adapter tip_adapter_f clip_lora "
-    "mmrl tcp".split()
+    "mmrl tcp coprompt".split()
 )
 
 
@@ -126,6 +126,15 @@ class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.methods.gpa
     templates: str = "promptsrc"
     gpa_mean: float = key(15.0, "finite")  # an epoch
     gpa_std: float = key(1.0, "in (0, inf)")  # epochs
+
+
+@dataclass
+class CopromptConfig:  # coop.methods.coprompt; per dataset: coop.config.recipes
+    weight: float = key(1.0, ">= 0")  # TRAINER.W: on the sum of the two distillation terms
+    distill: str = key("cosine", choices=("cosine", "mse"))  # TRAINER.DISTILL
+    image_ratio: float = key(0.1, "in [0, 1]")  # the image adapter's residual share
+    text_ratio: float = key(0.2, "in [0, 1]")  # the text adapter's
+    reduction: int = key(4, ">= 1")  # the adapters' bottleneck: E // reduction
 
 
 @dataclass
@@ -249,6 +258,7 @@ class RunConfig:
     cocoop: CocoopConfig = section(CocoopConfig)
     kgcoop: KgcoopConfig = section(KgcoopConfig)
     promptsrc: PromptsrcConfig = section(PromptsrcConfig)
+    coprompt: CopromptConfig = section(CopromptConfig)
     tip: TipConfig = section(TipConfig)
     lora: LoraConfig = section(LoraConfig)
     mmrl: MmrlConfig = section(MmrlConfig)

@@ -16,6 +16,7 @@ from coop.methods.base import Method, TransferError
 from coop.methods.clip_lora import CLIPLoRA
 from coop.methods.cocoop import CoCoOp, MetaNet
 from coop.methods.coop import CoOp, build_learner
+from coop.methods.coprompt import CoPrompt
 from coop.methods.dept import DePT
 from coop.methods.ivlp import IVLP
 from coop.methods.kgcoop import KgCoOp
@@ -44,6 +45,7 @@ METHODS: dict[str, type[Method]] = {
     "clip_lora": CLIPLoRA,
     "mmrl": MMRL,
     "tcp": TCP,
+    "coprompt": CoPrompt,
 }
 
 
@@ -64,6 +66,7 @@ __all__ = [
     "METHODS",
     "CoCoOp",
     "CoOp",
+    "CoPrompt",
     "DePT",
     "IVLP",
     "KgCoOp",

@@ -49,6 +49,7 @@ from coop.data import (
     CLIP_STD,
     DataError,
     ImageDataset,
+    Views,
     build_dataset,
     build_transforms,
     collate_skip_none,
@@ -210,9 +211,10 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
         raise DataError(f"the train split of {cfg.data.name} has no images")
     order = torch.randperm(n, generator=gen)
     if train_feats is None:
+        views = int(method.train_views)
         images = ImageDataset(
             s.dataset.train,
-            s.train_tf,
+            s.train_tf if views == 1 else Views(s.train_tf, views),  # (V, 3, H, W) per image
             skip_corrupt=bool(cfg.data.skip_corrupt),
             seed=derive_seed(int(cfg.data.seed), epoch),  # image i's crop and flip: (seed, epoch, i)
         )
@@ -247,6 +249,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
         if schedule is not None and schedule.per_step:
             schedule.apply(optimizer, epoch, step)
         optimizer.zero_grad(set_to_none=True)
+        method.start_step(epoch, step)
         n_local = 0 if batch is None else len(batch[1])
         if n_local:
             x, y = batch[0].to(device, dtype, non_blocking=True), batch[1].to(device, non_blocking=True)
