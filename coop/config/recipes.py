@@ -58,6 +58,7 @@ METHOD_DEFAULTS = {
         "prompt.ctx_init": "a photo of a",
         "prompt.depth": 9,
         "coprompt.weight": 1.0,
+        "train.transform": "randaugment",
         "train.lr": 0.0035,
         "train.epochs": 8,
         "train.batch_size": 4,

@@ -89,6 +89,8 @@ class TrainConfig:
     iterations: int | None = key(None, ">= 1")
     iterations_per_shot: int | None = key(None, ">= 1")  # ... or this many steps per shot (CLIP-LoRA: 500)
     augment: bool = True  # false: train on the test transform (no random crop or flip)
+    # the train transform: coop (random resized crop, flip) | randaugment (Dassl's: CoPrompt's)
+    transform: str = key("coop", choices=("coop", "randaugment"))
     # the train crop's RandomResizedCrop scale [min, max]
     crop_scale: list[float] = key([0.08, 1.0], "in (0, 1]", length=2, order="sorted")
     drop_last: bool = True  # an epoch's last, smaller batch is dropped (Dassl); false: Tip-Adapter-F

@@ -57,6 +57,7 @@ from coop.data import (
     subsample_classes,
 )
 from coop.data.images import derive_seed
+from coop.data.randaugment import randaugment_transform
 from coop.methods import METHODS, Method, build_method
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
@@ -91,21 +92,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def clip_transforms(clip: CLIP, crop_scale=(0.08, 1.0), augment: bool = True):
+def clip_transforms(clip: CLIP, crop_scale=(0.08, 1.0), augment: bool = True, transform: str = "coop"):
     """CoOp's (train, test) transforms at the image tower's size and normalisation.
 
     Args:
         clip: the model, whose preprocessing config gives size, mean and std.
         crop_scale: the train crop's RandomResizedCrop scale range (`train.crop_scale`).
         augment: False (`train.augment=false`): training uses the test transform, no randomness.
+        transform: the train transform (`train.transform`): "coop" (crop and flip) or
+            "randaugment" (Dassl's resize and RandAugment(2, 10), `coop.data.randaugment`: CoPrompt's).
     """
     pre = clip.preprocess_cfg
-    train, test = build_transforms(
-        pre.get("size", clip.image_size),
-        pre.get("mean", CLIP_MEAN),
-        pre.get("std", CLIP_STD),
-        crop_scale=tuple(float(c) for c in crop_scale),
-    )
+    size, mean, std = pre.get("size", clip.image_size), pre.get("mean", CLIP_MEAN), pre.get("std", CLIP_STD)
+    train, test = build_transforms(size, mean, std, crop_scale=tuple(float(c) for c in crop_scale))
+    if transform == "randaugment":
+        train = randaugment_transform(size, mean, std)
     return (train if augment else test), test
 
 
@@ -147,7 +148,9 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
     if clip is None:
         clip = load_clip(cfg.model.name, cfg.model.pretrained, device, cfg.model.tokenizer)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
-    train_tf, test_tf = clip_transforms(clip, cfg.train.crop_scale, bool(cfg.train.augment))
+    train_tf, test_tf = clip_transforms(
+        clip, cfg.train.crop_scale, bool(cfg.train.augment), str(cfg.train.transform)
+    )
     precision = resolve_precision(cfg.train.precision, device)
     if precision != cfg.train.precision:
         log.info(
