@@ -38,7 +38,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from coop.config.checks import ConfigError
@@ -158,11 +158,6 @@ class CoPrompt(MaPLe):
             raise ConfigError(
                 "method=coprompt distils toward class descriptions: set data.descriptions=FILE "
                 "(JSON: class name -> sentences; tools/describe.py writes one)"
-            )
-        if OmegaConf.select(cfg, "dept.enabled", default=False):
-            raise ConfigError(
-                "dept.enabled=true does not take method=coprompt as its host: DePT replaces the host's "
-                "loss, and CoPrompt's needs two views of every image and a description per step"
             )
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
