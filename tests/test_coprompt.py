@@ -4,6 +4,7 @@ views and Dassl's RandAugment, the refusals, and a tiny run end to end (kill -9,
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -13,13 +14,15 @@ import PIL.ImageOps
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, kill_at_first_checkpoint, tiny_args
+from conftest import REPO, TINY_CONFIG, kill_at_first_checkpoint, tiny_args
 from PIL import Image
+from test_bench import load_tool
 from test_vision_families import family  # noqa: F401  (a fixture)
 from test_vision_language import vl_models  # noqa: F401  (a fixture)
 
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
+from coop.config.run_names import run_name
 from coop.data.base import DataError
 from coop.data.images import ImageDataset, Views
 from coop.data.randaugment import OPERATIONS, RandAugment, randaugment_transform
@@ -142,7 +145,7 @@ def test_sampled_description_per_step(tiny_clip, tiny_openclip, tmp_path):
 
     m = build(tiny_clip, write_descriptions(tmp_path / "d.json", CLASSES, (2, 5, 3)), "prompt.depth=2")
     m.start_step(3, 11)
-    assert m._index == step_index(1, 3, 11, 5)  # data.seed=1, S = the largest count
+    assert m.step_sentence == step_index(1, 3, 11, 5)  # data.seed=1, S = the largest count
 
 
 def test_two_views_and_randaugment(image_folder):
@@ -276,3 +279,25 @@ def test_end_to_end_resume_after_kill(image_folder, tmp_path):
     for key, t in tensors.items():
         assert torch.equal(learned(killed)[key], t), key
     assert resumed["final_train_loss"] == metrics["final_train_loss"]
+
+
+def test_run_name_has_the_weight():
+    cfg = load_config(None, ["method=coprompt", "data.name=dtd", "data.descriptions=d.json"])
+    assert run_name(cfg).split("/")[3] == "coprompt_nctx2_cscfalse_posend_depth12_w8"
+
+
+def test_bench_matches_the_reference(tmp_path, capsys):
+    """tools/bench/bench_coprompt.py on the tiny model: our step's loss and every gradient equal the
+    reference's; the reference runs 77 tokens per class, ours fewer; the step's memory is measured."""
+    out_json = tmp_path / "coprompt.json"
+    args = ["--model", str(TINY_CONFIG), "--classes", "4", "--batch", "2", "--set", "prompt.depth=2"]
+    assert load_tool("bench_coprompt").main([*args, "--no-memory", "--json", str(out_json)]) == 0
+    assert "speed-up:" in capsys.readouterr().out
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["classes"] == 4 and step["reference_text"] == 4 * 77 and step["ours_text"] < 4 * 77
+    assert step["loss_diff"] < 1e-5 and max(step["grad_diff"].values()) < 1e-4
+    assert {"adapter_image.fc.0.weight", "adapter_text.fc.2.weight", "proj.weight"} <= set(step["grad_diff"])
+    child = argparse.Namespace(
+        device="cpu", model=str(TINY_CONFIG), memory_classes=4, batch=2, set=["prompt.depth=2"]
+    )
+    assert load_tool("bench_vl").step_memory(child, "coprompt", grad_checkpointing=True) >= 0

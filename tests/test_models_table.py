@@ -66,7 +66,7 @@ def test_method_verdicts_are_the_methods_own_checks(row, methods):
         "method=mmrl reads features of the image tower's tokens, and model coca_ViT-B-32's image tower "
         "pools by attention (CoCa)"
     )
-    image = ["vpt", "ivlp", "maple", "promptsrc", "clip_lora", "mmrl"]
+    image = ["vpt", "ivlp", "maple", "promptsrc", "clip_lora", "mmrl", "coprompt"]
     for cnn in ("RN50", "MobileCLIP-S1", "convnext_base"):
         refused = [m for m, why in method_verdicts(row[cnn], methods).items() if why]
         assert refused == [f"method={m}" for m in METHODS if m in image] + ["fl.method=fedotp"]

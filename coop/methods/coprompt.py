@@ -171,7 +171,7 @@ class CoPrompt(MaPLe):
         self.descriptions_file = str(cfg.data.descriptions)
         self.seed = int(cfg.data.seed)
         self._sentences: tuple[torch.Tensor, torch.Tensor] | None = None  # once per run
-        self._index = 0  # this step's sentence index (`start_step`)
+        self.step_sentence = 0  # this step's sentence index (`start_step`)
         self.last_terms: dict[str, torch.Tensor] = {}
 
     def learnable(self) -> dict[str, torch.Tensor]:
@@ -196,7 +196,7 @@ class CoPrompt(MaPLe):
         return self._sentences
 
     def start_step(self, epoch: int, step: int) -> None:
-        self._index = step_index(self.seed, epoch, step, int(self.sentences()[1].max()))
+        self.step_sentence = step_index(self.seed, epoch, step, int(self.sentences()[1].max()))
 
     def towers(self, images: torch.Tensor, prepared=None) -> Towers:
         text, prompts = self.prepare() if prepared is None else prepared
@@ -212,7 +212,7 @@ class CoPrompt(MaPLe):
             )
         parts = self.towers(images[:, 0])
         sentences, counts = self.sentences()
-        d = pick_sentence(sentences, counts, self._index)
+        d = pick_sentence(sentences, counts, self.step_sentence)
         v0 = self.frozen_image_features(images[:, 1])
         total, terms = coprompt_loss(
             parts.logits, labels, parts.text, d, parts.image, v0, weight=self.weight, distill=self.distill
