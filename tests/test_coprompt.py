@@ -17,9 +17,11 @@ import torch.nn.functional as F
 from conftest import REPO, TINY_CONFIG, kill_at_first_checkpoint, tiny_args
 from PIL import Image
 from test_bench import load_tool
+from test_protocols import data_root  # noqa: F401  (a fixture)
 from test_vision_families import family  # noqa: F401  (a fixture)
 from test_vision_language import vl_models  # noqa: F401  (a fixture)
 
+import coop.methods.coprompt
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.config.run_names import run_name
@@ -257,14 +259,18 @@ def learned(folder):
     return torch.load(folder / "checkpoint.pt", weights_only=True)["prompt"]
 
 
-def test_end_to_end_resume_after_kill(image_folder, tmp_path):
-    """A tiny run with a descriptions file: trains (the adapters too), evaluates its checkpoint again;
-    killed with SIGKILL after its first checkpoint and resumed with a DataLoader worker, it ends
-    bit-identical."""
+def test_end_to_end_resume_after_kill(image_folder, tmp_path, monkeypatch):
+    """A tiny run with a descriptions file: draws each step's sentence from (seed, epoch, step),
+    trains (the adapters too), evaluates its checkpoint again; killed with SIGKILL after its first
+    checkpoint and resumed with a DataLoader worker, it ends bit-identical."""
     desc = write_descriptions(tmp_path / "d.json", ["red_thing", "green_thing", "blue_thing"], (2, 4, 3))
     extra = {"method": "coprompt", "data.descriptions": desc, "prompt.depth": 2, "train.epochs": 2}
     out = tmp_path / "run"
+    drawn = []
+    real = coop.methods.coprompt.step_index
+    monkeypatch.setattr(coop.methods.coprompt, "step_index", lambda *a: drawn.append(a) or real(*a))
     metrics = train_run(load_config(None, tiny_args(image_folder, out, **extra)))
+    assert drawn == [(1, epoch, step, 4) for epoch in range(2) for step in range(3)]  # 12 images, batch 4
     assert metrics["epochs"] == 2 and metrics["coprompt_weight"] == 1.0 and metrics["n_ctx"] == 2
     tensors = learned(out)
     assert tensors["adapter_text.fc.0.weight"].shape == (8, 32)
@@ -301,3 +307,25 @@ def test_bench_matches_the_reference(tmp_path, capsys):
         device="cpu", model=str(TINY_CONFIG), memory_classes=4, batch=2, set=["prompt.depth=2"]
     )
     assert load_tool("bench_vl").step_memory(child, "coprompt", grad_checkpointing=True) >= 0
+
+
+def test_new_classes_and_other_datasets_need_no_descriptions(data_root, tmp_path):  # noqa: F811
+    """Trained on ImageNet's base half with sentences for those two classes only, a run scores the
+    new half and ImageNet-A (eval.targets) with its prompts and adapters: the descriptions only train."""
+    desc = write_descriptions(tmp_path / "d.json", ["red thing", "green thing"], (2, 3))
+    out = tmp_path / "run"
+    overrides = ["method=coprompt", f"data.descriptions={desc}", "prompt.depth=2", "train.epochs=2"]
+    overrides += ["data.name=imagenet", f"data.root={data_root}", "data.subsample_classes=base"]
+    overrides += ["eval.targets=[imagenet_a]", f"model.name={TINY_CONFIG}", "model.pretrained=none"]
+    overrides += [
+        "data.shots=2",
+        "data.num_workers=0",
+        "train.batch_size=2",
+        "device=cpu",
+        f"output_dir={out}",
+    ]
+    metrics = train_run(load_config(None, overrides))
+    assert metrics["n_test"] == 6  # 2 base classes x 3
+    new = json.loads((out / "eval_imagenet_new.json").read_text())
+    target = json.loads((out / "eval_imagenet_a.json").read_text())
+    assert new["n_test"] == 6 and target["n_test"] == 4 and target["trained_on"] == "imagenet"
