@@ -35,6 +35,10 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              tower and L/2..L of the image tower, its loss with the frozen image pass): ours with
              and without grad checkpointing, and the reference the official way
              (`coop.reference.mmrl.mmrl_step`: 77+K tokens per class, two full image passes).
+  coprompt   the same for one CoPrompt training step (ImageNet's recipe: n_ctx 4, depth 12, W 8; its
+             whole loss on batches of two views, the frozen tower on the second): ours with and
+             without grad checkpointing, and `coop.reference.coprompt.coprompt_loss` (77 tokens per
+             class); the descriptions (5 made-up sentences per class) encoded once, untimed, on both.
   timm_maple, timm_clip_lora
              the MaPLe and CLIP-LoRA steps above on the timm towers of EVA02-B-16 (RoPE),
              ViT-B-16-SigLIP2 (no class token, MAP pool, 64-token text without the causal mask)
@@ -81,10 +85,12 @@ from _gpu_coop import (  # noqa: E402
 from _gpu_steps import (  # noqa: E402
     TINY_MODEL,
     check_clip_lora,
+    check_coprompt,
     check_maple,
     check_mmrl,
     check_timm,
     print_clip_lora,
+    print_coprompt,
     print_maple,
     print_mmrl,
     print_timm,
@@ -142,6 +148,7 @@ PRINTERS = {
     "maple": print_maple,
     "clip_lora": print_clip_lora,
     "mmrl": print_mmrl,
+    "coprompt": print_coprompt,
     "timm_maple": print_timm("maple"),
     "timm_clip_lora": print_timm("clip_lora"),
     "ddp": print_ddp,
@@ -191,6 +198,7 @@ def main(argv=None) -> int:
         "maple": lambda: check_maple(device, args.tiny),
         "clip_lora": lambda: check_clip_lora(device, args.tiny),
         "mmrl": lambda: check_mmrl(device, args.tiny),
+        "coprompt": lambda: check_coprompt(device, args.tiny),
         "timm_maple": lambda: check_timm("maple", device, args.tiny),
         "timm_clip_lora": lambda: check_timm("clip_lora", device, args.tiny),
         "ddp": lambda: check_ddp(device),
