@@ -36,7 +36,8 @@ STEMS = [p.stem for p in CONFIGS]
 LABELS = [f"method={n}" for n in METHODS] + [f"fl.method={n}" for n in task.FL_METHODS]
 # keys within the tiny towers (1-3 blocks), so that only the kinds of tower decide
 WITHIN = ["prompt.depth=1", "vision.depth=1", "vision.n_ctx=2", "tcp.layer=1", "data.shots=1"]
-WITHIN.append("data.descriptions=descriptions.json")  # set, as CoPrompt needs (its file is read when it trains)
+# set, as CoPrompt needs it (the file is read when it trains)
+WITHIN.append("data.descriptions=descriptions.json")
 
 CNN = "image tower is timm's FastVit, a convolutional tower: it has no token sequence"
 COCA = "image tower pools by attention (CoCa): its ln_post and projection act on the pool's outputs"
