@@ -77,6 +77,9 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, monkeypatch, capsys):
     twosfs = report["twosfs"]
     assert [r["side"] for r in twosfs] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["ms"] > 0 and r["classes"] == 20 for r in twosfs)
+    coprompt = report["coprompt"]
+    assert [r["side"] for r in coprompt] == ["coop", "coop, grad checkpointing", "reference"]
+    assert all(r["ms"] > 0 and r["classes"] == 20 for r in coprompt)
     timm_models = ["eva02-tiny", "siglip-tiny", "pe-core-tiny"]
     timm_maple = report["timm_maple"]
     assert [(r["model"], r["side"]) for r in timm_maple] == [

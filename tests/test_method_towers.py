@@ -37,6 +37,8 @@ STEMS = [p.stem for p in CONFIGS]
 LABELS = [f"method={n}" for n in METHODS] + [f"fl.method={n}" for n in task.FL_METHODS]
 # keys within the tiny towers (1-3 blocks), so that only the kinds of tower decide
 WITHIN = ["prompt.depth=1", "vision.depth=1", "vision.n_ctx=2", "tcp.layer=1", "data.shots=1"]
+# set, as CoPrompt needs it (the file is read when it trains)
+WITHIN.append("data.descriptions=descriptions.json")
 
 CNN = "image tower is timm's FastVit, a convolutional tower: it has no token sequence"
 COCA = "image tower pools by attention (CoCa): its ln_post and projection act on the pool's outputs"
@@ -51,7 +53,7 @@ REFUSED = {  # (model, method): what the method needs, why the model's tower can
     ("coca-tiny", "fl.method=fedotp"): (TOKENS, COCA),
     **{
         ("mobileclip-s-tiny", f"method={m}"): (PROMPTS, CNN)
-        for m in ("vpt", "ivlp", "maple", "promptsrc", "mmrl", "hicropl")
+        for m in ("vpt", "ivlp", "maple", "promptsrc", "mmrl", "hicropl", "coprompt")
     },
     ("mobileclip-s-tiny", "method=clip_lora"): ("adapts the image tower (lora.towers)", CNN),
     ("mobileclip-s-tiny", "method=2sfs"): (

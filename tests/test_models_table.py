@@ -66,7 +66,7 @@ def test_method_verdicts_are_the_methods_own_checks(row, methods):
         "method=mmrl reads features of the image tower's tokens, and model coca_ViT-B-32's image tower "
         "pools by attention (CoCa)"
     )
-    image = ["vpt", "ivlp", "maple", "promptsrc", "clip_lora", "mmrl", "hicropl", "2sfs"]
+    image = ["vpt", "ivlp", "maple", "promptsrc", "clip_lora", "mmrl", "hicropl", "2sfs", "coprompt"]
     for cnn in ("RN50", "MobileCLIP-S1", "convnext_base"):
         refused = [m for m, why in method_verdicts(row[cnn], methods).items() if why]
         assert refused == [f"method={m}" for m in METHODS if m in image] + ["fl.method=fedotp"]
@@ -190,8 +190,6 @@ def test_the_tool_prints_one_family_with_its_refusals():
     assert taken == {"MobileCLIP-B", "MobileCLIP2-B", "MobileCLIP2-L-14"}
     refused = [line for line in body if "| MobileCLIP | yes | no |" in line]
     assert len(refused) == 6 and all("timm's FastVit, a convolutional tower" in line for line in refused)
-    assert all(
-        "| no | vpt, ivlp, maple, promptsrc, clip_lora, mmrl, hicropl, 2sfs, fedotp |" in line
-        for line in refused
-    )
+    methods = "vpt, ivlp, maple, promptsrc, clip_lora, mmrl, hicropl, 2sfs, coprompt, fedotp"
+    assert all(f"| no | {methods} |" in line for line in refused)
     assert sum("| MobileCLIP | yes | yes |  |" in line for line in body) == 3  # every method runs

@@ -46,6 +46,9 @@ def test_per_dataset_figures_agree_with_the_checked_means():
     assert lookup("cocoop", "base_to_new", "average", "hm").checked
     assert not lookup("cocoop", "base_to_new", "dtd").checked
     assert lookup("maple", "domain_generalization", "imagenet_a").value == 50.90
+    coprompt = [lookup("coprompt", "base_to_new", "average", m) for m in ("accuracy", "new_accuracy", "hm")]
+    assert [f.value for f in coprompt] == [84.00, 77.23, 80.48] and all(f.checked for f in coprompt)
+    assert harmonic_mean(84.00, 77.23) == pytest.approx(80.48, abs=0.011)
 
 
 def test_collect_published_rows(tmp_path):

@@ -146,6 +146,11 @@ def test_without_augmentation_pixel_methods_train_on_the_test_transform(method, 
         path = tmp_path / "descriptions.json"
         path.write_text(json.dumps({c: [f"a {c}."] for c in ("red_thing", "green_thing", "blue_thing")}))
         extra |= {"hicropl.cross_layer": 1, "data.descriptions": path}
+    if method == "coprompt":  # its class descriptions; each of its two views is the test transform
+        extra["data.descriptions"] = tmp_path / "descriptions.json"
+        extra["data.descriptions"].write_text(
+            json.dumps({c: [f"a {c}."] for c in ("red_thing", "green_thing", "blue_thing")})
+        )
     args = tiny_args(image_folder, tmp_path / "noaug", **extra)
     cfg = load_config(None, [*args, "train.epochs=2", "output_dir=null"])
     assert coop.train.runner.default_output_dir(cfg).split("/")[-2].endswith("_noaug")
@@ -164,7 +169,11 @@ def test_without_augmentation_pixel_methods_train_on_the_test_transform(method, 
         len(s.dataset.train), generator=coop.train.engine.seed_epoch(int(cfg.data.seed), 1)
     )
     expected = torch.stack([s.test_tf(coop.data.images.load_image(s.dataset.train[i].path)) for i in order])
-    assert torch.equal(torch.cat(seen), expected[: len(torch.cat(seen))])
+    seen = torch.cat(seen)
+    if s.method.train_views > 1:  # (B, V, 3, H, W)
+        assert all(torch.equal(seen[:, 0], seen[:, v]) for v in range(s.method.train_views))
+        seen = seen[:, 0]
+    assert torch.equal(seen, expected[: len(seen)])
 
 
 def test_crop_scale_reaches_the_train_transform(tiny_clip):

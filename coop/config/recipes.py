@@ -50,6 +50,19 @@ METHOD_DEFAULTS = {
         "train.epochs": 5,
         "train.batch_size": 4,
     },
+    # CoPrompt's configs/trainers/coprompt.yaml (MaPLe's prompts, W 1.0, 8 epochs; Dassl's SGD, cosine
+    # and constant warm-up epoch at 1e-5; PREC=fp16, here amp) and its K_TRANSFORMS 2 views of
+    # Resize + RandAugment(2, 10) ("randaugment", "normalize"); per dataset below.
+    "coprompt": {
+        "prompt.n_ctx": 2,
+        "prompt.ctx_init": "a photo of a",
+        "prompt.depth": 9,
+        "coprompt.weight": 1.0,
+        "train.transform": "randaugment",
+        "train.lr": 0.0035,
+        "train.epochs": 8,
+        "train.batch_size": 4,
+    },
     # Tip-Adapter (gaopengcuhk/Tip-Adapter, main.py and utils.py): the cache keys average 10 views
     # of RandomResizedCrop(scale 0.5-1, bicubic) + flip; the search grids have 200 x 20 points.
     "tip_adapter": {"train.crop_scale": [0.5, 1.0]},
@@ -186,6 +199,27 @@ _TIP = {
     dataset: {"tip.init_beta": beta, "tip.init_alpha": alpha, "tip.search_scale": scale}
     for dataset, (beta, alpha, scale) in TIP_SETTINGS.items()
 }
+# CoPrompt's trainers/constants.py `get_dataset_specified_config` (merged in its train.py after the
+# config file and the command line): (prompt depth, n_ctx, W) per dataset; Food-101 trains 5
+# epochs (its README tests it at --load-epoch 5, the others at 8).
+COPROMPT_SETTINGS = {
+    "imagenet": (12, 4, 8.0),
+    "caltech101": (12, 4, 4.0),
+    "oxford_pets": (12, 2, 0.1),
+    "stanford_cars": (12, 4, 4.0),
+    "oxford_flowers": (9, 4, 8.0),
+    "food101": (9, 4, 0.5),
+    "fgvc_aircraft": (9, 4, 2.0),
+    "sun397": (12, 4, 8.0),
+    "dtd": (12, 2, 8.0),
+    "eurosat": (12, 2, 0.1),
+    "ucf101": (12, 4, 2.0),
+}
+_COPROMPT = {
+    dataset: {"prompt.depth": depth, "prompt.n_ctx": n_ctx, "coprompt.weight": weight}
+    | ({"train.epochs": 5} if dataset == "food101" else {})
+    for dataset, (depth, n_ctx, weight) in COPROMPT_SETTINGS.items()
+}
 # Per dataset, over METHOD_DEFAULTS and under every file and override. MMRL's: its
 # trainers/config.py table (merged in the original over the yaml file and under the command
 # line): the regulariser weight lambda per dataset, and d_r = 2048 for EuroSAT; its scripts run
@@ -211,6 +245,7 @@ DATASET_RECIPES = {
     "tcp": {"imagenet": {"train.epochs": 25}, "sun397": {"train.epochs": 25}},
     # HiCroPL's test script reads ImageNet's model from its vit_b16_c2_ep40_batch128_16ctx folder
     "hicropl": {"imagenet": {"train.epochs": 40, "train.batch_size": 128}},
+    "coprompt": _COPROMPT,
 }
 # A method default not applied when the other key is set: a default context phrase fixes M in
 # CoCoOp and KgCoOp, so it yields to an explicit prompt.n_ctx (CoCoOp's c4/c8/c16 configs: M

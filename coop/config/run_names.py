@@ -35,7 +35,8 @@ def _settings(cfg: DictConfig) -> str:
     _vctx<N>_vdepth<K> (`vision.*`); vpt: vpt_vctx<N>_vdepth<K>; zeroshot: zeroshot_<templates>
     (a literal template by its hash); linear_probe: linear_probe; tip_adapter and tip_adapter_f:
     <method>_views<tip.augment_epochs>; 2sfs: 2sfs_<peft>_<towers>_s<stage_one> then, for ln and
-    bitfit, _from<text_start>-<vision_start>, for lora CLIP-LoRA's settings; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>.
+    bitfit, _from<text_start>-<vision_start>, for lora CLIP-LoRA's settings; mmrl: mmrl_k<K>_dr<d_r>_l<layers>_vl<vision layers>_a<alpha>_lam<lambda>;
+    coprompt: as maple, followed by _w<coprompt.weight>.
     DePT (`dept.enabled`) adds "_dept".
     """
     if cfg.method == "zeroshot":
@@ -76,6 +77,7 @@ def _settings(cfg: DictConfig) -> str:
     prefix = "" if cfg.method == "coop" else f"{cfg.method}_"
     text = f"{prefix}nctx{n_ctx}_csc{str(bool(p.csc)).lower()}_pos{pos}_depth{p.depth}"
     text = f"{text}_{vision}" if cfg.method in ("ivlp", "promptsrc") else text
+    text = f"{text}_w{cfg.coprompt.weight:g}" if cfg.method == "coprompt" else text
     return f"{text}_dept" if cfg.dept.enabled else text
 
 

@@ -27,7 +27,7 @@ from coop.config.spec import Spec, key, specs
 # see coop.methods
 METHODS = tuple(
     "coop cocoop kgcoop zeroshot linear_probe vpt ivlp maple promptsrc tip_adapter tip_adapter_f clip_lora "
-    "mmrl tcp hicropl 2sfs".split()
+    "mmrl tcp hicropl 2sfs coprompt".split()
 )
 
 
@@ -91,6 +91,8 @@ class TrainConfig:
     iterations: int | None = key(None, ">= 1")
     iterations_per_shot: int | None = key(None, ">= 1")  # ... or this many steps per shot (CLIP-LoRA: 500)
     augment: bool = True  # false: train on the test transform (no random crop or flip)
+    # the train transform: coop (random resized crop, flip) | randaugment (Dassl's: CoPrompt's)
+    transform: str = key("coop", choices=("coop", "randaugment"))
     # the train crop's RandomResizedCrop scale [min, max]
     crop_scale: list[float] = key([0.08, 1.0], "in (0, 1]", length=2, order="sorted")
     drop_last: bool = True  # an epoch's last, smaller batch is dropped (Dassl); false: Tip-Adapter-F
@@ -134,6 +136,15 @@ class PromptsrcConfig:  # coop.methods.promptsrc; GPA: coop.methods.gpa
 class HicroplConfig:  # coop.methods.hicropl
     cross_layer: int = key(6, ">= 1")  # text -> image in layers 0..L-1, image -> text from L on
     weight: float = key(12.0, ">= 0")  # lambda: the two consistency terms' weight (the original's LAMBD)
+
+
+@dataclass
+class CopromptConfig:  # coop.methods.coprompt; per dataset: coop.config.recipes
+    weight: float = key(1.0, ">= 0")  # TRAINER.W: on the sum of the two distillation terms
+    distill: str = key("cosine", choices=("cosine", "mse"))  # TRAINER.DISTILL
+    image_ratio: float = key(0.1, "in [0, 1]")  # the image adapter's residual share
+    text_ratio: float = key(0.2, "in [0, 1]")  # the text adapter's
+    reduction: int = key(4, ">= 1")  # the adapters' bottleneck: E // reduction
 
 
 @dataclass
@@ -342,6 +353,7 @@ class RunConfig:
     kgcoop: KgcoopConfig = section(KgcoopConfig)
     promptsrc: PromptsrcConfig = section(PromptsrcConfig)
     hicropl: HicroplConfig = section(HicroplConfig)
+    coprompt: CopromptConfig = section(CopromptConfig)
     tip: TipConfig = section(TipConfig)
     lora: LoraConfig = section(LoraConfig)
     twosfs: TwosfsConfig = section(TwosfsConfig)

@@ -29,7 +29,7 @@ from coop.data.base import (
     subsample_classes,
 )
 from coop.data.datasets import DATASETS, TEST_ONLY_DATASETS, build_dataset
-from coop.data.images import CLIP_MEAN, CLIP_STD, ImageDataset, build_transforms, collate_skip_none
+from coop.data.images import CLIP_MEAN, CLIP_STD, ImageDataset, Views, build_transforms, collate_skip_none
 
 __all__ = [
     "CLIP_MEAN",
@@ -41,6 +41,7 @@ __all__ = [
     "SUBSAMPLE",
     "TEST_ONLY_DATASETS",
     "ImageDataset",
+    "Views",
     "build_dataset",
     "build_transforms",
     "collate_skip_none",

@@ -70,6 +70,18 @@ def build_transforms(
     return train, test
 
 
+class Views:
+    """`k` independent draws of a random `transform`, stacked: (k, ...) per image, as Dassl's
+    K_TRANSFORMS gives a method several augmented views of each training image (CoPrompt's two).
+    Under `ImageDataset(seed=...)` the draws follow one another from image i's seeded RNG."""
+
+    def __init__(self, transform: Callable, k: int):
+        self.transform, self.k = transform, int(k)
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        return torch.stack([self.transform(img) for _ in range(self.k)])
+
+
 def load_image(path: str) -> Image.Image:
     """Open `path` as an RGB PIL image, decoding it fully; raises DataError naming the file."""
     try:

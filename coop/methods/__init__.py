@@ -16,6 +16,7 @@ from coop.methods.base import Method, TransferError
 from coop.methods.clip_lora import CLIPLoRA
 from coop.methods.cocoop import CoCoOp, MetaNet
 from coop.methods.coop import CoOp, build_learner
+from coop.methods.coprompt import CoPrompt
 from coop.methods.dept import DePT
 from coop.methods.hicropl import HiCroPL
 from coop.methods.ivlp import IVLP
@@ -48,6 +49,7 @@ METHODS: dict[str, type[Method]] = {
     "tcp": TCP,
     "hicropl": HiCroPL,
     "2sfs": TwoSFS,
+    "coprompt": CoPrompt,
 }
 
 
@@ -68,6 +70,7 @@ __all__ = [
     "METHODS",
     "CoCoOp",
     "CoOp",
+    "CoPrompt",
     "DePT",
     "HiCroPL",
     "IVLP",

@@ -114,6 +114,9 @@ class Method(nn.Module):
     token_features = False  # True: reads image tokens after the final norm (`ImageTower.final_tokens`)
     inserts_text_tokens = False  # True: inserts tokens at the text tower's layers (MMRL's)
     scores_with_descriptions = False  # True: every class scored needs data.descriptions (HiCroPL)
+    # a pixel method's augmented views of each training image: `loss` then takes (B, V, 3, H, W),
+    # V independent draws of the train transform (Dassl's K_TRANSFORMS; CoPrompt's second view)
+    train_views = 1
     config_key = "method"  # the key that selects it ("fl.method" for the federated methods)
 
     def __init__(self, clip: CLIP, classnames: list[str], cfg: DictConfig):
@@ -275,6 +278,11 @@ class Method(nn.Module):
         (`coop.train.schedule.Schedule.restart`), called before training starts or resumes; 0:
         never. 2SFS starts its second stage there."""
         return 0
+
+    def start_step(self, epoch: int, step: int) -> None:
+        """Called by the runner before training step `step` (0-based) of epoch `epoch` (0-based): a
+        method that draws randomness per step seeds it from (seed, epoch, step) here (CoPrompt's
+        sampled description), so that a resumed run replays it; by default nothing."""
 
     def end_epoch(self, epoch: int, epochs: int) -> None:
         """Called by the runner after SGD epoch `epoch` (1-based) of `epochs`, before its checkpoint

@@ -21,7 +21,8 @@ cross-dataset; over the 4 targets for domain generalisation).
 `checked=True` means the number was compared with the paper or with a reprint of its table that
 could be read where this file was written: the tables that the MaPLe, PromptSRC, KgCoOp, ProText
 and PromptAlign repositories reprint in their READMEs (CLIP/CoOp/CoCoOp/MaPLe/PromptSRC/KgCoOp
-base-to-new means, IVLP and VPT base-to-new means as MaPLe's model zoo lists them, the
+base-to-new means, IVLP and VPT base-to-new means as MaPLe's model zoo lists them, CoPrompt's
+base-to-new means as its README lists them, the
 cross-dataset means, and CoOp/CoCoOp/MaPLe on the four ImageNet variants). The per-dataset
 figures could not be checked against a table here and are `checked=False`; the tests hold them
 to what was checked: their mean equals the checked average to within rounding, and their HM
@@ -56,6 +57,7 @@ MMRL = "MMRL (Guo & Gu, CVPR 2025)"
 TCP = "TCP (Yao et al., CVPR 2024)"
 DEPT = "DePT (Zhang et al., CVPR 2024)"
 HICROPL = "HiCroPL (Zheng et al., ICCV 2025)"
+COPROMPT = "CoPrompt (Roy & Etemad, ICLR 2024)"
 
 
 class Figure(NamedTuple):
@@ -99,12 +101,14 @@ BASE_TO_NEW = {
         (83.37, 62.97, 71.75), (92.90, 73.90, 82.32), (87.10, 78.80, 82.74), (84.26, 76.10, 79.97)]),
 }  # fmt: skip
 # Means only, as MaPLe's model zoo lists them (its IVLP: 2+2 prompts; VPT: deep vision prompts), and
-# HiCroPL's as its README's "Results on B2N" table prints them (its per-dataset rows are in the paper,
-# which could not be read here).
+# HiCroPL's and CoPrompt's as their READMEs print them (HiCroPL's "Results on B2N" table; their
+# per-dataset rows are in the papers, which could not be read here).
 BASE_TO_NEW_MEANS = {
     "ivlp": (MAPLE + ", model zoo (README)", (82.15, 74.07, 77.90)),
     "vpt": (MAPLE + ", model zoo (README)", (80.24, 73.43, 76.68)),
     "hicropl": (HICROPL + ", Table 1; HiCroPL README", (85.89, 77.99, 81.75)),
+    # the means its README reprints (ShuvenduRoy/CoPrompt); its per-dataset rows could not be read here
+    "coprompt": (COPROMPT + ", Table 1; its README", (84.00, 77.23, 80.48)),
 }
 
 # TCP's, DePT's and MMRL's base-to-new means (16 shots, ViT-B/16; None: not quoted), unchecked:

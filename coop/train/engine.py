@@ -49,6 +49,7 @@ from coop.data import (
     CLIP_STD,
     DataError,
     ImageDataset,
+    Views,
     build_dataset,
     build_transforms,
     collate_skip_none,
@@ -56,6 +57,7 @@ from coop.data import (
     subsample_classes,
 )
 from coop.data.images import derive_seed
+from coop.data.randaugment import randaugment_transform
 from coop.methods import METHODS, Method, build_method
 from coop.model.clip import CLIP
 from coop.model.weights import load_clip
@@ -90,21 +92,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def clip_transforms(clip: CLIP, crop_scale=(0.08, 1.0), augment: bool = True):
+def clip_transforms(clip: CLIP, crop_scale=(0.08, 1.0), augment: bool = True, transform: str = "coop"):
     """CoOp's (train, test) transforms at the image tower's size and normalisation.
 
     Args:
         clip: the model, whose preprocessing config gives size, mean and std.
         crop_scale: the train crop's RandomResizedCrop scale range (`train.crop_scale`).
         augment: False (`train.augment=false`): training uses the test transform, no randomness.
+        transform: the train transform (`train.transform`): "coop" (crop and flip) or
+            "randaugment" (Dassl's resize and RandAugment(2, 10), `coop.data.randaugment`: CoPrompt's).
     """
     pre = clip.preprocess_cfg
-    train, test = build_transforms(
-        pre.get("size", clip.image_size),
-        pre.get("mean", CLIP_MEAN),
-        pre.get("std", CLIP_STD),
-        crop_scale=tuple(float(c) for c in crop_scale),
-    )
+    size, mean, std = pre.get("size", clip.image_size), pre.get("mean", CLIP_MEAN), pre.get("std", CLIP_STD)
+    train, test = build_transforms(size, mean, std, crop_scale=tuple(float(c) for c in crop_scale))
+    if transform == "randaugment":
+        train = randaugment_transform(size, mean, std)
     return (train if augment else test), test
 
 
@@ -151,7 +153,9 @@ def setup(cfg: DictConfig, ckpt: dict | None = None, clip: CLIP | None = None) -
     if clip is None:
         clip = load_clip(cfg.model.name, cfg.model.pretrained, device, cfg.model.tokenizer)
     clip.text.grad_checkpointing = bool(cfg.train.grad_checkpointing)  # memory for 1,000 classes
-    train_tf, test_tf = clip_transforms(clip, cfg.train.crop_scale, bool(cfg.train.augment))
+    train_tf, test_tf = clip_transforms(
+        clip, cfg.train.crop_scale, bool(cfg.train.augment), str(cfg.train.transform)
+    )
     precision = resolve_precision(cfg.train.precision, device)
     if precision != cfg.train.precision:
         log.info(
@@ -215,9 +219,10 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
         raise DataError(f"the train split of {cfg.data.name} has no images")
     order = torch.randperm(n, generator=gen)
     if train_feats is None:
+        views = int(method.train_views)
         images = ImageDataset(
             s.dataset.train,
-            s.train_tf,
+            s.train_tf if views == 1 else Views(s.train_tf, views),  # (V, 3, H, W) per image
             skip_corrupt=bool(cfg.data.skip_corrupt),
             seed=derive_seed(int(cfg.data.seed), epoch),  # image i's crop and flip: (seed, epoch, i)
         )
@@ -252,6 +257,7 @@ def train_one_epoch(s: Setup, optimizer, epoch: int, train_feats, schedule: Sche
         if schedule is not None and schedule.per_step:
             schedule.apply(optimizer, epoch, step)
         optimizer.zero_grad(set_to_none=True)
+        method.start_step(epoch, step)
         n_local = 0 if batch is None else len(batch[1])
         if n_local:
             x, y = batch[0].to(device, dtype, non_blocking=True), batch[1].to(device, non_blocking=True)

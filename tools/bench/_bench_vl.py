@@ -7,23 +7,47 @@ Which computation the reference follows for each method is described in tools/be
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
-from _bench import build_models, imagenet_method
+from _bench import IMAGENET_CLASSNAMES, build_models, imagenet_method
 from _bench_families import build_family_models, clip_shaped
 
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
+from coop.data.descriptions import load_descriptions
 from coop.methods.clip_lora import CLIP_LORA_TEMPLATE
 from coop.model.text_support import text_config
 from coop.model.weights import resolve_model_name
 from coop.reference.clip_lora import clip_lora_logits
 from coop.reference.coop import reference_inputs
+from coop.reference.coprompt import coprompt_loss, gpt_clip_classifier
 from coop.reference.mmrl import mmrl_frozen_text, mmrl_step
 from coop.reference.promptsrc import promptsrc_fixed_embeddings, promptsrc_loss
 from coop.reference.vision_prompts import ivlp_logits, maple_logits, vpt_logits
 
-METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora", "mmrl")
+METHODS = ("maple", "ivlp", "vpt", "promptsrc", "clip_lora", "mmrl", "coprompt")
+DESCRIPTIONS_PER_CLASS = 5  # CoPrompt's bench: made-up sentences per class (we ship no real ones)
+
+
+def bench_descriptions(classnames: list[str]) -> Path:
+    """A descriptions file for `classnames` (`DESCRIPTIONS_PER_CLASS` made-up sentences each, about
+    as long as a language model's), written once per process into the temporary folder."""
+    path = Path(tempfile.gettempdir()) / f"coop-bench-descriptions-{os.getpid()}-{len(classnames)}.json"
+    if not path.exists():
+        sentences = {
+            c: [
+                f"A photo of a {c}, which has a distinctive shape, colour and texture number {k}."
+                for k in range(DESCRIPTIONS_PER_CLASS)
+            ]
+            for c in classnames
+        }
+        path.write_text(json.dumps(sentences))
+    return path
 
 
 def check_bench(model: str, method: str, extra=()) -> None:
@@ -36,7 +60,10 @@ def check_bench(model: str, method: str, extra=()) -> None:
     text_config(name)
     from coop.train.preflight import check_model_limits  # the tools' layer may import train
 
-    cfg = load_config(overrides=[f"method={method}", "data.name=imagenet", f"model.name={model}", *extra])
+    made_up = ["data.descriptions=made-up.json"] if method == "coprompt" else []  # written by `build`
+    cfg = load_config(
+        overrides=[f"method={method}", "data.name=imagenet", f"model.name={model}", *made_up, *extra]
+    )
     try:
         check_model_limits(cfg)
     except ConfigError as e:
@@ -71,6 +98,8 @@ def image_tokens(tower) -> int:
 def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=()):
     """`method` with its recipe and `extra` key=value overrides on the first `n_classes` ImageNet names;
     CLIP-LoRA's adapters moved away from their initialisation (B = 0 gives A no gradient)."""
+    if method == "coprompt":  # the descriptions it distils toward, encoded once, untimed, on both sides
+        extra = [f"data.descriptions={bench_descriptions(list(IMAGENET_CLASSNAMES[:n_classes]))}", *extra]
     built = imagenet_method(
         clip, method, n_classes, [f"train.grad_checkpointing={grad_checkpointing}", *extra]
     )
@@ -95,6 +124,8 @@ def reference_loss(name: str, oc, method, terms: dict):
     """
     if name == "mmrl":
         return mmrl_reference(oc, method, *mmrl_inputs(oc, method))
+    if name == "coprompt":
+        return coprompt_reference(oc, method)
     inputs = reference_inputs(oc, method.prompt_learner) if hasattr(method, "prompt_learner") else None
     if name != "promptsrc":
         logits = reference_step(name, oc, method, inputs)
@@ -113,6 +144,23 @@ def reference_loss(name: str, oc, method, terms: dict):
         return loss
 
     return step
+
+
+def coprompt_reference(oc, method):
+    """The original CoPrompt step's loss as a function of (images (B, 2, 3, H, W), labels), on
+    `method`'s tensors: its 77-token prompts tokenised and its description embeddings
+    (`gpt_clip_classifier`) computed once here, untimed, as its code does at build time; the
+    sentence index is ours of the step (0 unless `start_step` drew another)."""
+    pl = method.prompt_learner
+    ids, _, slots = reference_inputs(oc, pl)
+    sentences = load_descriptions(method.descriptions_file, method.classnames)
+    ori = gpt_clip_classifier(oc, sentences)
+    projections = [method.proj, *method.compound_prompt_projections]
+    tensors = method.learnable()
+    return lambda images, labels: coprompt_loss(
+        oc, images[:, 0], images[:, 1], labels, ids, slots, pl.ctx, pl.deep_ctx, projections, tensors, ori,
+        method.step_sentence, method.weight, method.image_ratio, method.text_ratio, method.distill,
+    )[0]  # fmt: skip
 
 
 def mmrl_inputs(oc, method) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +264,8 @@ def token_bound(name: str, method, clip, batch: int) -> dict:
     tokens = image_tokens(tower)
     prompts = method.vision_prompts() if hasattr(method, "vision_prompts") else [torch.zeros(0)]
     image = batch * (tokens + prompts[0].shape[0])
-    if name == "promptsrc":  # both sides also run the frozen tower forward: ~1/3 of a training pass
-        image += batch * tokens // 3
+    if name in ("promptsrc", "coprompt"):  # both sides also run the frozen tower forward: ~1/3 of a
+        image += batch * tokens // 3  # training pass (CoPrompt's on the second view)
     n_cls = len(method.classnames)
     context = clip.text.cfg.context_length  # the reference pads every prompt to it
     if name == "vpt":  # neither side runs the text tower per step

@@ -1,5 +1,5 @@
 """The vision-language sections of tools/bench/gpu_check.py: time and peak memory of one training step of
-MaPLe, CLIP-LoRA, MMRL and 2SFS, ours (with and without grad checkpointing) against the reference.
+MaPLe, CLIP-LoRA, MMRL, 2SFS and CoPrompt, ours (with and without grad checkpointing) against the reference.
 
 What each section measures is described in tools/bench/gpu_check.py.
 """
@@ -41,11 +41,13 @@ def check_maple(device, tiny: bool) -> list[dict]:
     return per_model(MAPLE_SIZES, maple_steps, device, tiny)
 
 
-def step_batch(clip, sizes: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random images and labels of one step of `sizes["batch"]` over `sizes["classes"]`."""
+def step_batch(clip, sizes: dict, device, views: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images (with a view axis for a method that takes `views` > 1: CoPrompt's 2) and labels
+    of one step of `sizes["batch"]` over `sizes["classes"]`."""
     gen = torch.Generator(device).manual_seed(0)
     size = clip.image_size
-    images = torch.randn(sizes["batch"], 3, size, size, device=device, generator=gen)
+    axis = (views,) if views > 1 else ()
+    images = torch.randn(sizes["batch"], *axis, 3, size, size, device=device, generator=gen)
     return images, torch.randint(sizes["classes"], (sizes["batch"],), device=device, generator=gen)
 
 
@@ -235,6 +237,37 @@ def mmrl_steps(model: str, sizes: dict, device) -> list[dict]:
 
 def print_mmrl(rows: list[dict]) -> None:
     print("one MMRL training step (K 5, d_r 512, its whole loss, bf16 autocast)")
+    print_maple_rows(rows)
+
+
+# --- CoPrompt: MaPLe's step on one view, the adapters, the frozen tower on the other -------------
+
+COPROMPT_SIZES = {
+    "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 4, "repeats": 3, "set": ()},
+    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1,
+             "set": ("prompt.depth=2",)},
+}  # fmt: skip
+
+
+def check_coprompt(device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one CoPrompt step (its whole loss on two views), ours and the reference."""
+    return per_model(COPROMPT_SIZES, coprompt_steps, device, tiny)
+
+
+def coprompt_steps(model: str, sizes: dict, device) -> list[dict]:
+    from _bench_vl import build, reference_loss  # its made-up descriptions, encoded once, untimed
+
+    oc, clip = build_models(model, device)
+    method = build("coprompt", clip, sizes["classes"], extra=sizes["set"])
+    images, labels = step_batch(clip, sizes, device, views=method.train_views)
+    reference = reference_loss("coprompt", oc, method, {})
+    method.sentences()  # ours once, untimed, as the reference's
+    step = lambda: reference(images, labels)  # noqa: E731
+    return timed_steps(model, method, clip, step, images, labels, sizes, device)
+
+
+def print_coprompt(rows: list[dict]) -> None:
+    print("one CoPrompt training step (ImageNet's recipe: n_ctx 4, depth 12, W 8; two views, bf16 autocast)")
     print_maple_rows(rows)
 
 

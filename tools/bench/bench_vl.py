@@ -1,4 +1,4 @@
-"""Benchmark one VPT, IVLP, MaPLe, PromptSRC, CLIP-LoRA or MMRL training step: ours vs the official way.
+"""Benchmark one VPT, IVLP, MaPLe, PromptSRC, CLIP-LoRA, MMRL or CoPrompt training step: ours vs the official way.
 
     python tools/bench/bench_vl.py --method maple [--model ViT-B-16] [--classes 100 1000] [--batch 4]
                              [--memory-classes 1000] [--no-memory] [--device cpu]
@@ -18,7 +18,10 @@ for the same method, images and labels, in one process, on random weights, with 
   sides run without dropout, so that they compute the same function). MMRL:
   `coop.reference.mmrl.mmrl_step`, as yunncheng/MMRL computes it: 77+K tokens per class, 197+K per
   image, and a second, full image pass for the frozen features (ours shares the blocks before the
-  insertion), t_zs once, untimed.
+  insertion), t_zs once, untimed. CoPrompt: `coop.reference.coprompt.coprompt_loss`, as
+  ShuvenduRoy/CoPrompt computes it: MaPLe's full-77 step on the first view, the adapters, the frozen
+  tower on the second view, its description embeddings once, untimed (from a made-up descriptions
+  file: `_bench_vl.bench_descriptions`); `tools/bench/bench_coprompt.py` runs it with its defaults.
 
 Each side gets `--warmup` untimed steps, then the best of `--repeats` timed steps counts, the two
 sides alternating so that both see the same machine load; wall and process CPU times are printed
@@ -77,6 +80,11 @@ def timed(step, method, device) -> tuple[float, float, float, dict]:
     return wall, cpu, float(loss.detach()), grads
 
 
+def views(method) -> tuple[int, ...]:
+    """The view axis of a training batch: (V,) for a method that takes V views (CoPrompt's 2), else ()."""
+    return (method.train_views,) if method.train_views > 1 else ()
+
+
 def reference_fits(text_tokens: int, clip, device) -> tuple[bool, float]:
     """Whether a text graph of `text_tokens` tokens (~18 W-sized tensors kept per block: the
     reference's, or ours without grad checkpointing) fits in the free memory of `device`; (fits,
@@ -107,7 +115,7 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
     method.eval()  # the same function on both sides: no dropout (CLIP-LoRA's only random term)
     gen = torch.Generator().manual_seed(1)
     size = clip.image_size
-    images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)
+    images = torch.randn(args.batch, *views(method), 3, size, size, generator=gen).to(device)
     labels = torch.randint(n_classes, (args.batch,), generator=gen).to(device)
     tokens = token_bound(name, method, clip, args.batch)
     print(
@@ -155,7 +163,9 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
     print(
         f"gradients, max |diff| / max |reference| over {len(g_ref)} tensors: {row['grad_diff'][worst]:.1e} ({worst})"
     )
-    if name == "promptsrc":  # the loss terms of the last step of each side
+    if (
+        name == "promptsrc"
+    ):  # the loss terms of the last step of each side (PromptSRC's reference reports them)
         ours_terms = {k: float(v) for k, v in method.last_terms.items()}
         row["term_diff"] = {k: abs(ours_terms[k] - ref_terms[k]) for k in ref_terms}
         print(
@@ -188,7 +198,7 @@ def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = Fal
     clip.text.grad_checkpointing = grad_checkpointing  # as the engine sets it: both towers
     gen = torch.Generator().manual_seed(1)
     size = clip.image_size
-    images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)
+    images = torch.randn(args.batch, *views(method), 3, size, size, generator=gen).to(device)
     labels = torch.randint(args.memory_classes, (args.batch,), generator=gen).to(device)
     if device.type == "cuda":
         sync(device)

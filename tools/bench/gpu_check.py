@@ -38,6 +38,10 @@ random weights (offline). It checks, against the reference CoOp computation (`co
   twosfs     the same for one 2SFS stage-one step (the LayerNorms of both towers' blocks train),
              ViT-B/16 and ViT-L/14, 1,000 classes, batch 32 (its recipe): ours against
              `coop.reference.twosfs` (77 tokens per class through open_clip's encode_text).
+  coprompt   the same for one CoPrompt training step (ImageNet's recipe: n_ctx 4, depth 12, W 8; its
+             whole loss on batches of two views, the frozen tower on the second): ours with and
+             without grad checkpointing, and `coop.reference.coprompt.coprompt_loss` (77 tokens per
+             class); the descriptions (5 made-up sentences per class) encoded once, untimed, on both.
   timm_maple, timm_clip_lora
              the MaPLe and CLIP-LoRA steps above on the timm towers of EVA02-B-16 (RoPE),
              ViT-B-16-SigLIP2 (no class token, MAP pool, 64-token text without the causal mask)
@@ -91,11 +95,13 @@ from _gpu_coop import (  # noqa: E402
 from _gpu_steps import (  # noqa: E402
     TINY_MODEL,
     check_clip_lora,
+    check_coprompt,
     check_maple,
     check_mmrl,
     check_timm,
     check_twosfs,
     print_clip_lora,
+    print_coprompt,
     print_maple,
     print_mmrl,
     print_timm,
@@ -157,6 +163,7 @@ PRINTERS = {
     "clip_lora": print_clip_lora,
     "mmrl": print_mmrl,
     "twosfs": print_twosfs,
+    "coprompt": print_coprompt,
     "timm_maple": print_timm("maple"),
     "timm_clip_lora": print_timm("clip_lora"),
     "tpt": print_tpt,
@@ -208,6 +215,7 @@ def main(argv=None) -> int:
         "clip_lora": lambda: check_clip_lora(device, args.tiny),
         "mmrl": lambda: check_mmrl(device, args.tiny),
         "twosfs": lambda: check_twosfs(device, args.tiny),
+        "coprompt": lambda: check_coprompt(device, args.tiny),
         "timm_maple": lambda: check_timm("maple", device, args.tiny),
         "timm_clip_lora": lambda: check_timm("clip_lora", device, args.tiny),
         "tpt": lambda: check_tpt(oc, clip, sizes["tpt"], sizes["tpt_images"], sizes["tpt_views"], device),
