@@ -245,11 +245,20 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", refuse)
 
 
-LONG_FILES = (
+LONG_FILES = (  # started first, so that no long file is the last one a worker runs
     "test_federated_runs.py",
     "test_train.py",
     "test_protocols.py",
     "test_research.py",
+    "test_bench.py",
+    "test_tta.py",
+    "test_models_table.py",
+    "test_tta_online.py",
+    "test_shipped_recipes.py",
+    "test_tpt.py",
+    "test_twosfs.py",
+    "test_coprompt.py",
+    "test_hicropl.py",
 )
 
 

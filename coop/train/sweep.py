@@ -18,6 +18,7 @@ as submitit jobs (SLURM, or submitit's local executor: `coop.train.sweep_submiti
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -126,7 +127,9 @@ def load_grid(path: str | None, overrides: list[str]) -> Grid:
     return grid
 
 
+@functools.lru_cache(maxsize=4096)  # a grid formats the same few values for each of its points
 def _parse_dotlist_value(text: str):
+    """How OmegaConf reads `key=text` (for comparison only: callers never change the result)."""
     try:
         return OmegaConf.from_dotlist([f"k={text}"]).k
     except Exception:  # YAML errors of odd strings
