@@ -79,6 +79,23 @@ def layer_spec(cfg: DictConfig) -> str | list[int]:
     return OmegaConf.to_object(layers) if OmegaConf.is_list(layers) else layers
 
 
+def lora_adapters(clip: CLIP, towers: list[str], cfg: DictConfig) -> LoRAAdapters:
+    """The `lora.*` adapters (targets, layers, rank, alpha, dropout) on `towers` of `clip`, attached,
+    on CLIP's device (CLIP-LoRA's; 2SFS's stage one with `twosfs.peft=lora`)."""
+    lora = cfg.lora
+    adapters = LoRAAdapters(
+        clip,
+        towers,
+        list(lora.targets),
+        layer_spec(cfg),
+        rank=int(lora.rank),
+        alpha=float(lora.alpha),
+        dropout=float(lora.dropout),
+    ).to(clip.logit_scale.device)
+    adapters.attach()
+    return adapters
+
+
 class CLIPLoRA(Method):
     """CLIP with low-rank q|k|v adapters in both towers, trained on cross-entropy.
 
@@ -120,16 +137,7 @@ class CLIPLoRA(Method):
             "lora_targets": "".join(lora.targets),
             "lora_layers": layers_tag(lora.layers),
         }
-        self.adapters = LoRAAdapters(
-            clip,
-            towers,
-            list(lora.targets),
-            layer_spec(cfg),
-            rank=int(lora.rank),
-            alpha=float(lora.alpha),
-            dropout=float(lora.dropout),
-        ).to(self.device)
-        self.adapters.attach()
+        self.adapters = lora_adapters(clip, towers, cfg)
         self.grad_checkpointing = bool(OmegaConf.select(cfg, "train.grad_checkpointing", default=False))
         ids, eos, self.prefix = template_ids(clip, self.classnames)
         self.register_buffer("token_ids", ids, persistent=False)  # (n_cls, L)

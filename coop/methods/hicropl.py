@@ -53,7 +53,7 @@ from coop.config.checks import ConfigError
 from coop.data.descriptions import load_descriptions, read_description_file
 from coop.methods.base import TowerLayers, Towers
 from coop.methods.descriptions import description_features
-from coop.methods.ivlp import IVLP
+from coop.methods.ivlp import IVLP, check_shared_depth
 from coop.model.clip import CLIP
 from coop.model.errors import ModelError
 
@@ -144,12 +144,7 @@ class HiCroPL(IVLP):
     @classmethod
     def check_vision(cls, cfg: DictConfig, towers: TowerLayers) -> None:
         """Both towers take prompt.n_ctx tokens to prompt.depth; vision.* must not say otherwise."""
-        depth = int(cfg.prompt.depth)
-        if towers.image is not None and depth > towers.image:
-            raise ConfigError(
-                f"prompt.depth={depth} is above the image tower's {towers.image} layers "
-                "(hicropl prompts both towers to the same depth)"
-            )
+        check_shared_depth(cls.name, cfg, towers)
         for key in ("n_ctx", "depth"):
             value = OmegaConf.select(cfg, f"vision.{key}")
             if value is not None and value != cfg.prompt[key]:

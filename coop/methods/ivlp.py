@@ -21,12 +21,25 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from coop.config.checks import ConfigError
+from coop.methods.base import TowerLayers
 from coop.methods.coop import build_learner, require_transferable
 from coop.methods.vpt import VisionPromptMethod, VisionPrompts, vision_settings
 from coop.model.clip import CLIP
 from coop.model.prompt import PromptClassifier, PromptLearner
 
 PHRASE_MAX_CTX = 4  # the original uses ctx_init only when n_ctx <= 4
+
+
+def check_shared_depth(method: str, cfg: DictConfig, towers: TowerLayers) -> None:
+    """A one-line ConfigError when `prompt.depth`, the depth of both towers' prompts (MaPLe's and
+    HiCroPL's), is above the image tower's layers."""
+    depth = int(cfg.prompt.depth)
+    if towers.image is not None and depth > towers.image:
+        raise ConfigError(
+            f"prompt.depth={depth} is above the image tower's {towers.image} layers "
+            f"({method} prompts both towers to the same depth)"
+        )
 
 
 class IVLP(VisionPromptMethod):

@@ -29,9 +29,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from coop.config.checks import ConfigError
 from coop.methods.base import TowerLayers
-from coop.methods.ivlp import IVLP
+from coop.methods.ivlp import IVLP, check_shared_depth
 from coop.model.prompt import PromptError
 
 
@@ -48,12 +47,7 @@ class MaPLe(IVLP):
     @classmethod
     def check_vision(cls, cfg: DictConfig, towers: TowerLayers) -> None:
         """The vision prompts are as deep as the text prompts: `prompt.depth` within the image tower."""
-        depth = int(cfg.prompt.depth)
-        if towers.image is not None and depth > towers.image:
-            raise ConfigError(
-                f"prompt.depth={depth} is above the image tower's {towers.image} layers "
-                "(maple prompts both towers to the same depth)"
-            )
+        check_shared_depth(cls.name, cfg, towers)
 
     def build_vision(self, cfg: DictConfig) -> None:
         pl = self.prompt_learner

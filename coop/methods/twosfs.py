@@ -44,7 +44,7 @@ from torch import nn
 
 from coop.config.checks import ConfigError
 from coop.methods.base import Method, TowerLayers, TransferError
-from coop.methods.clip_lora import encode_template, layer_spec, layers_tag, template_ids
+from coop.methods.clip_lora import encode_template, layer_spec, layers_tag, lora_adapters, template_ids
 from coop.model.clip import CLIP, cosine_logits
 from coop.model.errors import ModelError
 from coop.model.lora import LoRAAdapters, LoRAError, resolve_layers
@@ -153,16 +153,7 @@ class TwoSFS(Method):
             self.stage_one = self.tuned_tensors(clip, t)
         else:
             lora = cfg.lora
-            self.adapters = LoRAAdapters(
-                clip,
-                self.tuned,
-                list(lora.targets),
-                layer_spec(cfg),
-                rank=int(lora.rank),
-                alpha=float(lora.alpha),
-                dropout=float(lora.dropout),
-            ).to(self.device)
-            self.adapters.attach()
+            self.adapters = lora_adapters(clip, self.tuned, cfg)
             self.stage_one = self.adapters.tensors()
             self.settings.update(lora_rank=int(lora.rank), lora_layers=layers_tag(lora.layers))
         self.head = nn.Parameter(torch.zeros(self.n_cls, clip.embed_dim, device=self.device))
