@@ -46,9 +46,9 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
-from _bench import max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
+from _bench import peak_fields, reset_peak, sync  # noqa: E402
 from _bench_vl import build, build_towers, check_bench, image_tokens  # noqa: E402
-from bench_vl import _status_kib, reference_fits, timed  # noqa: E402
+from bench_vl import _status_kib, compare_sides, reference_fits, timed  # noqa: E402
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
 
 from coop.reference.coop import reference_inputs  # noqa: E402
@@ -148,21 +148,9 @@ def compare(args, oc, clip, n_classes: int, device, folder: Path) -> dict:
             if i >= args.warmup:
                 best[side] = [min(best[side][0], wall), min(best[side][1], cpu)]
     row = {"classes": n_classes, "batch": args.batch, **tokens}
-    row["coop_ms"], row["coop_cpu_ms"] = best["coop"][0] * 1000, best["coop"][1] * 1000
-    print(f"coop:      {row['coop_ms']:10.1f} ms  (CPU time {row['coop_cpu_ms']:10.1f} ms)")
-    if not fits:
+    if not compare_sides(row, best, result, args, fits, TRAINED):
         return row
-    row["reference_ms"], row["reference_cpu_ms"] = best["reference"][0] * 1000, best["reference"][1] * 1000
-    print(f"reference: {row['reference_ms']:10.1f} ms  (CPU time {row['reference_cpu_ms']:10.1f} ms)")
-    row["speedup"] = row["reference_ms"] / row["coop_ms"]
-    row["speedup_cpu"] = row["reference_cpu_ms"] / row["coop_cpu_ms"]
-    (loss_ref, g_ref), (loss_ours, g_ours) = result["reference"], result["coop"]
-    row["loss_diff"] = abs(loss_ref - loss_ours)
-    row["grad_diff"] = {k: max_rel_diff(g_ours[k], g_ref[k]) for k in TRAINED}
-    print(
-        f"speed-up: {row['speedup']:.2f}x wall, {row['speedup_cpu']:.2f}x CPU time (bound {tokens['bound']:.2f}x; "
-        f"best of {args.repeats} after {args.warmup} warm-up step(s) each, the sides alternating)"
-    )
+    loss_ref, loss_ours = result["reference"][0], result["coop"][0]
     print(f"loss {loss_ref:.6f} vs {loss_ours:.6f} (|diff| {row['loss_diff']:.1e}); gradients, max |diff| / "
           f"max |reference|: {', '.join(f'{k} {d:.1e}' for k, d in row['grad_diff'].items())}")  # fmt: skip
     return row

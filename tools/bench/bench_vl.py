@@ -67,6 +67,29 @@ from _bench import max_rel_diff, peak_fields, reset_peak, sync  # noqa: E402
 from _bench_vl import METHODS, build, build_towers, check_bench, reference_loss, token_bound  # noqa: E402
 
 
+def compare_sides(row: dict, best: dict, result: dict, args, fits: bool, keys=None) -> bool:
+    """Fill `row` (which holds the token `bound`) with each side's best wall and CPU time in ms,
+    the speed-ups, and the loss and per-tensor gradient differences (ours against the reference,
+    over `keys`, default the reference's gradients), printing the times; False when the reference
+    did not run."""
+    row["coop_ms"], row["coop_cpu_ms"] = best["coop"][0] * 1000, best["coop"][1] * 1000
+    print(f"coop:      {row['coop_ms']:10.1f} ms  (CPU time {row['coop_cpu_ms']:10.1f} ms)")
+    if not fits:
+        return False
+    row["reference_ms"], row["reference_cpu_ms"] = best["reference"][0] * 1000, best["reference"][1] * 1000
+    print(f"reference: {row['reference_ms']:10.1f} ms  (CPU time {row['reference_cpu_ms']:10.1f} ms)")
+    row["speedup"] = row["reference_ms"] / row["coop_ms"]
+    row["speedup_cpu"] = row["reference_cpu_ms"] / row["coop_cpu_ms"]
+    (loss_ref, g_ref), (loss_ours, g_ours) = result["reference"], result["coop"]
+    row["loss_diff"] = abs(loss_ref - loss_ours)
+    row["grad_diff"] = {k: max_rel_diff(g_ours[k], g_ref[k]) for k in (keys or g_ref)}
+    print(
+        f"speed-up: {row['speedup']:.2f}x wall, {row['speedup_cpu']:.2f}x CPU time (bound {row['bound']:.2f}x; "
+        f"best of {args.repeats} after {args.warmup} warm-up step(s) each, the sides alternating)"
+    )
+    return True
+
+
 def timed(step, method, device) -> tuple[float, float, float, dict]:
     """(wall s, CPU s, loss, {name: gradient}) of one `step()` that returns the loss, backward included."""
     method.zero_grad(set_to_none=True)
@@ -143,21 +166,9 @@ def compare(args, name: str, oc, clip, n_classes: int, device) -> dict:
             if i >= args.warmup:
                 best[side] = [min(best[side][0], wall), min(best[side][1], cpu)]
     row = {"method": name, "classes": n_classes, "batch": args.batch, **tokens}
-    row["coop_ms"], row["coop_cpu_ms"] = best["coop"][0] * 1000, best["coop"][1] * 1000
-    print(f"coop:      {row['coop_ms']:10.1f} ms  (CPU time {row['coop_cpu_ms']:10.1f} ms)")
-    if not fits:
+    if not compare_sides(row, best, result, args, fits):
         return row
-    row["reference_ms"], row["reference_cpu_ms"] = best["reference"][0] * 1000, best["reference"][1] * 1000
-    print(f"reference: {row['reference_ms']:10.1f} ms  (CPU time {row['reference_cpu_ms']:10.1f} ms)")
-    row["speedup"] = row["reference_ms"] / row["coop_ms"]
-    row["speedup_cpu"] = row["reference_cpu_ms"] / row["coop_cpu_ms"]
-    (loss_ref, g_ref), (loss_ours, g_ours) = result["reference"], result["coop"]
-    row["loss_diff"] = abs(loss_ref - loss_ours)
-    row["grad_diff"] = {k: max_rel_diff(g_ours[k], g_ref[k]) for k in g_ref}
-    print(
-        f"speed-up: {row['speedup']:.2f}x wall, {row['speedup_cpu']:.2f}x CPU time (bound {tokens['bound']:.2f}x; "
-        f"best of {args.repeats} after {args.warmup} warm-up step(s) each, the sides alternating)"
-    )
+    (loss_ref, g_ref), loss_ours = result["reference"], result["coop"][0]
     print(f"loss {loss_ref:.6f} vs {loss_ours:.6f} (|diff| {row['loss_diff']:.1e})")
     worst = max(row["grad_diff"], key=row["grad_diff"].get)
     print(
