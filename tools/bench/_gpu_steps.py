@@ -20,7 +20,7 @@ TINY_MODEL = str(Path(__file__).resolve().parents[2] / "configs/models/coop-tiny
 
 MAPLE_SIZES = {
     "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 4, "repeats": 3, "set": ()},
-    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1, "warmup": 0,
+    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1,
              "set": ("prompt.depth=2",)},
 }  # fmt: skip
 
@@ -28,7 +28,7 @@ MAPLE_SIZES = {
 def per_model(table: dict, steps, device, tiny: bool) -> list[dict]:
     """`steps(model, sizes, device)` rows for each model of `table`'s full or tiny sizes, freeing
     the device between models."""
-    sizes = table["tiny" if tiny else "full"]
+    sizes = {"warmup": 0 if tiny else 1, **table["tiny" if tiny else "full"]}  # --tiny: one cold step
     rows = []
     for model in sizes["models"]:
         rows += steps(model, sizes, device)
@@ -87,7 +87,7 @@ def step_rows(model: str, method, clip, ours, reference, sizes: dict, device) ->
                                       ("reference", False, reference)):  # fmt: skip
         method.grad_checkpointing = clip.text.grad_checkpointing = checkpointing  # both towers, as the engine
         best = float("inf")
-        warmup = sizes.get("warmup", 1)  # --tiny (the suite's CPU run) times its one step cold
+        warmup = sizes.get("warmup", 1)  # `per_model`: none for --tiny (the suite's CPU run)
         for i in range(warmup + sizes["repeats"]):  # warm-up steps, then the timed ones
             method.zero_grad(set_to_none=True)
             sync(device)
@@ -129,7 +129,7 @@ def print_maple_rows(rows: list[dict]) -> None:
 
 CLIP_LORA_SIZES = {
     "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 32, "repeats": 3, "set": ()},
-    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1, "warmup": 0,
+    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1,
              "set": ()},
 }  # fmt: skip
 
@@ -203,7 +203,7 @@ def print_clip_lora(rows: list[dict]) -> None:
 
 MMRL_SIZES = {
     "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 4, "repeats": 3, "set": ()},
-    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1, "warmup": 0,
+    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1,
              "set": ()},
 }  # fmt: skip
 
@@ -278,12 +278,12 @@ TIMM_SIZES = {
     "maple": {
         "full": {"models": ("EVA02-B-16", "ViT-B-16-SigLIP2", "PE-Core-B-16"), "classes": 1000, "batch": 4,
                  "repeats": 3, "set": ()},
-        "tiny": {"models": TINY_TIMM, "classes": 20, "batch": 2, "repeats": 1, "warmup": 0, "set": ("prompt.depth=2",)},
+        "tiny": {"models": TINY_TIMM, "classes": 20, "batch": 2, "repeats": 1, "set": ("prompt.depth=2",)},
     },
     "clip_lora": {
         "full": {"models": ("EVA02-B-16", "ViT-B-16-SigLIP2", "PE-Core-B-16"), "classes": 1000, "batch": 32,
                  "repeats": 3, "set": ()},
-        "tiny": {"models": TINY_TIMM, "classes": 20, "batch": 2, "repeats": 1, "warmup": 0, "set": ()},
+        "tiny": {"models": TINY_TIMM, "classes": 20, "batch": 2, "repeats": 1, "set": ()},
     },
 }  # fmt: skip
 
