@@ -80,6 +80,9 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, monkeypatch, capsys):
     coprompt = report["coprompt"]
     assert [r["side"] for r in coprompt] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["ms"] > 0 and r["classes"] == 20 for r in coprompt)
+    hicropl = report["hicropl"]
+    assert [r["side"] for r in hicropl] == ["coop", "coop, grad checkpointing", "reference"]
+    assert all(r["ms"] > 0 and r["classes"] == 20 for r in hicropl)
     timm_models = ["eva02-tiny", "siglip-tiny", "pe-core-tiny"]
     timm_maple = report["timm_maple"]
     assert [(r["model"], r["side"]) for r in timm_maple] == [

@@ -98,7 +98,7 @@ def image_tokens(tower) -> int:
 def build(method: str, clip, n_classes: int, grad_checkpointing: bool = False, extra=()):
     """`method` with its recipe and `extra` key=value overrides on the first `n_classes` ImageNet names;
     CLIP-LoRA's adapters moved away from their initialisation (B = 0 gives A no gradient)."""
-    if method == "coprompt":  # the descriptions it distils toward, encoded once, untimed, on both sides
+    if method in ("coprompt", "hicropl"):  # their descriptions, encoded once, untimed, on both sides
         extra = [f"data.descriptions={bench_descriptions(list(IMAGENET_CLASSNAMES[:n_classes]))}", *extra]
     built = imagenet_method(
         clip, method, n_classes, [f"train.grad_checkpointing={grad_checkpointing}", *extra]

@@ -1,5 +1,5 @@
 """The vision-language sections of tools/bench/gpu_check.py: time and peak memory of one training step of
-MaPLe, CLIP-LoRA, MMRL, 2SFS and CoPrompt, ours (with and without grad checkpointing) against the reference.
+MaPLe, CLIP-LoRA, MMRL, 2SFS, CoPrompt and HiCroPL, ours (with and without grad checkpointing) against the reference.
 
 What each section measures is described in tools/bench/gpu_check.py.
 """
@@ -268,6 +268,37 @@ def coprompt_steps(model: str, sizes: dict, device) -> list[dict]:
 
 def print_coprompt(rows: list[dict]) -> None:
     print("one CoPrompt training step (ImageNet's recipe: n_ctx 4, depth 12, W 8; two views, bf16 autocast)")
+    print_maple_rows(rows)
+
+
+# --- HiCroPL: one training step with the prompts mapped between the towers -------------------------
+
+HICROPL_SIZES = {
+    "full": {"models": ("ViT-B-16", "ViT-L-14"), "classes": 1000, "batch": 4, "repeats": 3, "set": ()},
+    "tiny": {"models": (TINY_MODEL,), "classes": 20, "batch": 2, "repeats": 1,
+             "set": ("prompt.depth=2", "hicropl.cross_layer=1")},
+}  # fmt: skip
+
+
+def check_hicropl(device, tiny: bool) -> list[dict]:
+    """Time and peak memory of one HiCroPL step (the mapping, both towers, its whole loss), ours and
+    the reference."""
+    return per_model(HICROPL_SIZES, hicropl_steps, device, tiny)
+
+
+def hicropl_steps(model: str, sizes: dict, device) -> list[dict]:
+    from _bench_vl import build
+    from bench_hicropl import reference_step
+
+    oc, clip = build_models(model, device)
+    method = build("hicropl", clip, sizes["classes"], extra=sizes["set"])  # descriptions encoded here
+    images, labels = step_batch(clip, sizes, device)
+    step = reference_step(oc, method)
+    return timed_steps(model, method, clip, lambda: step(images, labels), images, labels, sizes, device)
+
+
+def print_hicropl(rows: list[dict]) -> None:
+    print("one HiCroPL training step (its recipe: n_ctx 16, depth 12, crossing at 6; bf16 autocast)")
     print_maple_rows(rows)
 
 

@@ -42,6 +42,11 @@ random weights (offline). It checks, against the reference CoOp computation (`co
              whole loss on batches of two views, the frozen tower on the second): ours with and
              without grad checkpointing, and `coop.reference.coprompt.coprompt_loss` (77 tokens per
              class); the descriptions (5 made-up sentences per class) encoded once, untimed, on both.
+  hicropl    the same for one HiCroPL training step (its recipe: n_ctx 16, depth 12, crossing at
+             layer 6, W 12; its whole loss with the frozen image tower on the same images), batch 4:
+             ours with and without grad checkpointing, and `coop.reference.hicropl.hicropl_forward`
+             (77 tokens per class, its mapping's attention spelled out); the descriptions (5 made-up
+             sentences per class) encoded once, untimed, on both.
   timm_maple, timm_clip_lora
              the MaPLe and CLIP-LoRA steps above on the timm towers of EVA02-B-16 (RoPE),
              ViT-B-16-SigLIP2 (no class token, MAP pool, 64-token text without the causal mask)
@@ -96,12 +101,14 @@ from _gpu_steps import (  # noqa: E402
     TINY_MODEL,
     check_clip_lora,
     check_coprompt,
+    check_hicropl,
     check_maple,
     check_mmrl,
     check_timm,
     check_twosfs,
     print_clip_lora,
     print_coprompt,
+    print_hicropl,
     print_maple,
     print_mmrl,
     print_timm,
@@ -164,6 +171,7 @@ PRINTERS = {
     "mmrl": print_mmrl,
     "twosfs": print_twosfs,
     "coprompt": print_coprompt,
+    "hicropl": print_hicropl,
     "timm_maple": print_timm("maple"),
     "timm_clip_lora": print_timm("clip_lora"),
     "tpt": print_tpt,
@@ -216,6 +224,7 @@ def main(argv=None) -> int:
         "mmrl": lambda: check_mmrl(device, args.tiny),
         "twosfs": lambda: check_twosfs(device, args.tiny),
         "coprompt": lambda: check_coprompt(device, args.tiny),
+        "hicropl": lambda: check_hicropl(device, args.tiny),
         "timm_maple": lambda: check_timm("maple", device, args.tiny),
         "timm_clip_lora": lambda: check_timm("clip_lora", device, args.tiny),
         "tpt": lambda: check_tpt(oc, clip, sizes["tpt"], sizes["tpt_images"], sizes["tpt_views"], device),
