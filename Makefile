@@ -34,8 +34,11 @@ demo: $(VENV)/.installed
 # Each federated simulation holds ~4 GB (one Ray actor; docs/federated.md), so two side by side ~8 GB.
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(2, os.cpu_count() or 1))")
 
+# Bytecode caching on (PYTHONDONTWRITEBYTECODE emptied; containers often set it): the suite starts
+# each worker and the tools the tests run in fresh interpreters, which would otherwise compile
+# the package's and the tests' sources again every time (__pycache__ is ignored by git).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check coop tools tests
