@@ -268,18 +268,32 @@ def pytest_collection_modifyitems(items):
 
 
 def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) -> None:
-    """Start `cmd` (a tool that trains into `out`) and SIGKILL it once out/checkpoint.pt exists:
-    a crash at an arbitrary point after the first epoch, which a resume must make good."""
+    """Run `cmd` (`[python, tool, *args]`, a tool that trains into `out`) in a process forked from
+    this one and SIGKILL it once out/checkpoint.pt exists: a crash at an arbitrary point after the
+    first epoch, which a resume must make good. Forked, the tool's process starts without the
+    seconds of importing torch again (a fresh interpreter is tested where the process is the point:
+    tools' exit codes and consoles, locks, torchrun)."""
     import signal
-    import subprocess
     import time
 
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+    pid = os.fork()
+    if pid == 0:  # the tool's `__main__` in the child, which never returns to pytest
+        try:
+            os.chdir(REPO)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            run_tool_in_process(Path(cmd[1]), cmd[2:])
+        finally:
+            os._exit(0)
+    deadline, ended = time.time() + timeout, False
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline:
+        if ended := os.waitpid(pid, os.WNOHANG)[0] == pid:
+            break
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    if not ended:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 @contextmanager
