@@ -34,9 +34,9 @@ def run(cmd, **kw):
 
 def run_here(cmd):
     """`run(cmd)` in this process, log lines included (`run_tool_in_process`): the tools' real
-    processes (exit code, console, a SIGKILL) are tested by the first run of
-    test_train_writes_run_folder, the kill of test_resume_after_sigkill_is_exact, the first eval of
-    test_eval_same_and_other_dataset and test_corrupt_image_is_named_or_skipped's loader workers."""
+    processes (exit code, console, a SIGKILL) are tested by the kill of
+    test_resume_after_sigkill_is_exact, the first eval of test_eval_same_and_other_dataset and
+    test_corrupt_image_is_named_or_skipped's loader workers."""
     return run_tool_in_process(Path(cmd[1]), cmd[2:], log=True)
 
 
@@ -46,7 +46,7 @@ def load_ckpt(path):
 
 def test_train_writes_run_folder(image_folder, tmp_path):
     out = tmp_path / "run"
-    res = run(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 2, "prompt.csc": "true"}))
+    res = run_here(TRAIN + tiny_args(image_folder, out, **{"prompt.depth": 2, "prompt.csc": "true"}))
     assert res.returncode == 0, res.stderr[-2000:]
     # exactly the files the README's run-folder list names
     listing = (REPO / "README.md").read_text().split("containing:\n\n", 1)[1].split("\n\n", 1)[0]
@@ -82,14 +82,14 @@ def test_train_writes_run_folder(image_folder, tmp_path):
 
 @pytest.mark.parametrize("aug_views", [0, 2])
 def test_resume_after_sigkill_is_exact(image_folder, tmp_path, aug_views):
-    extra = {"train.epochs": 30, "train.aug_views": aug_views}
+    extra = {"train.epochs": 8, "train.aug_views": aug_views}
     ref = tmp_path / "uninterrupted"
     assert run_here(TRAIN + tiny_args(image_folder, ref, **extra)).returncode == 0
 
     out = tmp_path / "killed"
     kill_at_first_checkpoint(TRAIN + tiny_args(image_folder, out, **extra), out)
     killed_at = load_ckpt(out / "checkpoint.pt")["epoch"] if (out / "checkpoint.pt").exists() else 0
-    assert killed_at < 30, "the kill came too late to test resuming"
+    assert killed_at < 8, "the kill came too late to test resuming"
 
     res = run_here(TRAIN + tiny_args(image_folder, out, **extra))
     assert res.returncode == 0, res.stderr[-2000:]
