@@ -268,12 +268,13 @@ def pytest_collection_modifyitems(items):
 
 
 def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) -> None:
-    """Run `cmd` (`[python, tool, *args]`, a tool that trains into `out`) in a process forked from
-    this one and SIGKILL it once out/checkpoint.pt exists: a crash at an arbitrary point after the
+    """Run `cmd` (`[python, tool, *args]` or `[python, "-c", code, *args]`, which trains into `out`)
+    in a process forked from this one and SIGKILL it once out/checkpoint.pt exists: a crash at an arbitrary point after the
     first epoch, which a resume must make good. Forked, the tool's process starts without the
     seconds of importing torch again (a fresh interpreter is tested where the process is the point:
     tools' exit codes and consoles, locks, torchrun)."""
     import signal
+    import sys
     import time
 
     pid = os.fork()
@@ -283,7 +284,11 @@ def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) ->
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
-            run_tool_in_process(Path(cmd[1]), cmd[2:])
+            if cmd[1] == "-c":
+                sys.argv = ["-c", *cmd[3:]]
+                exec(compile(cmd[2], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                run_tool_in_process(Path(cmd[1]), cmd[2:])
         finally:
             os._exit(0)
     deadline, ended = time.time() + timeout, False
