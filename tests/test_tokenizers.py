@@ -87,6 +87,21 @@ def test_clip_bpe_interface():
         assert torch.equal(pt.wrap(pt.encode(text)), SimpleTokenizer()([text])[0])
 
 
+def test_clip_bpe_is_built_once_per_model_config(tmp_path):
+    """CLIP's BPE tokenizer is read once per model config, not per model built; a config registered
+    again under the same name (another context length) gets a tokenizer of its own."""
+    path = tmp_path / "bpe-once-tiny.json"
+    path.write_text(TINY_CONFIG.read_text())
+    open_clip.add_model_config(path)
+    first = load_tokenizer(path.stem)
+    assert load_tokenizer(path.stem) is first and first.context_length == 77
+    config = json.loads(path.read_text())
+    config["text_cfg"]["context_length"] = 16
+    path.write_text(json.dumps(config))
+    open_clip.add_model_config(path)
+    assert load_tokenizer(path.stem).context_length == 16
+
+
 def test_siglip_tokenizer_cleaning(tmp_path):
     """open_clip's SigLipTokenizer (it canonicalises: lower case, no punctuation) around a tiny T5."""
     tok = SigLipTokenizer.__new__(SigLipTokenizer)  # its constructor reads a SentencePiece file

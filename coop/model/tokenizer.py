@@ -23,6 +23,7 @@ is a one-line `TokenizerError` that says so. Nothing here downloads when the hub
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -90,7 +91,7 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
                 f"model.tokenizer={directory}: model {model_name} uses CLIP's BPE tokenizer, which ships with "
                 "open_clip; model.tokenizer is for models with a Hugging Face tokenizer (leave it unset)"
             )
-        return open_clip.get_tokenizer(model_name)
+        return _clip_bpe(model_name, json.dumps(open_clip.get_model_config(model_name), sort_keys=True))
     try:
         import transformers  # noqa: F401  (open_clip's HFTokenizer imports it when built)
     except ImportError:
@@ -109,6 +110,14 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
         return open_clip.get_tokenizer(model_name, **kwargs)
     except OSError as e:
         raise TokenizerError(f"{_unavailable(model_name, hub_name)} ({_first_line(e)})") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _clip_bpe(model_name: str, config: str):
+    """`open_clip.get_tokenizer(model_name)` for a CLIP-BPE model, built once per model config
+    (`config`, its JSON: a config registered again under the name gets its own): reading the BPE
+    merges takes ~0.2 s, and every model a process builds loads its tokenizer."""
+    return open_clip.get_tokenizer(model_name)
 
 
 def _from_directory(model_name: str, hub_name: str, path: Path):
