@@ -267,18 +267,16 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order kept within a file
 
 
-def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) -> None:
-    """Run `cmd` (`[python, tool, *args]` or `[python, "-c", code, *args]`, which trains into `out`)
-    in a process forked from this one and SIGKILL it once out/checkpoint.pt exists: a crash at an arbitrary point after the
-    first epoch, which a resume must make good. Forked, the tool's process starts without the
-    seconds of importing torch again (a fresh interpreter is tested where the process is the point:
-    tools' exit codes and consoles, locks, torchrun)."""
-    import signal
+def fork_tool(cmd: list[str]) -> int:
+    """Start `cmd` (`[python, tool, *args]` or `[python, "-c", code, *args]`) in a process forked
+    from this one, in the repository, its output to /dev/null; its pid (reap it with os.waitpid). A
+    real process without the seconds of importing torch again, for the tests that kill or stop a
+    run; a fresh interpreter is tested where that is the point (tools' exit codes and consoles,
+    locks between sweeps, torchrun)."""
     import sys
-    import time
 
     pid = os.fork()
-    if pid == 0:  # the tool's `__main__` in the child, which never returns to pytest
+    if pid == 0:  # the child runs the tool's `__main__` and never returns to pytest
         try:
             os.chdir(REPO)
             devnull = os.open(os.devnull, os.O_WRONLY)
@@ -291,6 +289,17 @@ def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) ->
                 run_tool_in_process(Path(cmd[1]), cmd[2:])
         finally:
             os._exit(0)
+    return pid
+
+
+def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) -> None:
+    """Start `cmd` (`fork_tool`: a tool that trains into `out`) and SIGKILL it once
+    out/checkpoint.pt exists: a crash at an arbitrary point after the first epoch, which a resume
+    must make good."""
+    import signal
+    import time
+
+    pid = fork_tool(cmd)
     deadline, ended = time.time() + timeout, False
     while not (out / "checkpoint.pt").exists() and time.time() < deadline:
         if ended := os.waitpid(pid, os.WNOHANG)[0] == pid:
