@@ -88,8 +88,9 @@ def test_clip_bpe_interface():
 
 
 def test_clip_bpe_is_built_once_per_model_config(tmp_path):
-    """CLIP's BPE tokenizer is read once per model config, not per model built; a config registered
-    again under the same name (another context length) gets a tokenizer of its own."""
+    """CLIP's BPE tokenizer is read once per model config, not per model built, and its vocabulary
+    hashed once; a config registered again under the same name (another context length) gets a
+    tokenizer of its own."""
     path = tmp_path / "bpe-once-tiny.json"
     path.write_text(TINY_CONFIG.read_text())
     open_clip.add_model_config(path)
@@ -100,6 +101,12 @@ def test_clip_bpe_is_built_once_per_model_config(tmp_path):
     path.write_text(json.dumps(config))
     open_clip.add_model_config(path)
     assert load_tokenizer(path.stem).context_length == 16
+    # ... and its vocabulary, fixed, is hashed once per tokenizer (a run records it: `identity`)
+    recorded = PromptTokenizer(first).identity()
+    again = PromptTokenizer(first)
+    again._vocabulary = None  # not read again
+    assert again.identity() == recorded
+    assert recorded == PromptTokenizer(SimpleTokenizer()).identity()
 
 
 def test_siglip_tokenizer_cleaning(tmp_path):

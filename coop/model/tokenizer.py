@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import socket
+import weakref
 from pathlib import Path
 
 import open_clip
@@ -176,6 +177,9 @@ def _one_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
 
 
+_BPE_SHA256: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SimpleTokenizer -> its vocab_sha256
+
+
 class PromptTokenizer:
     """One interface over open_clip's tokenizers (CLIP's `SimpleTokenizer`, `HFTokenizer`,
     `SigLipTokenizer`), for assembling prompts from token ids.
@@ -235,16 +239,27 @@ class PromptTokenizer:
     def identity(self) -> dict:
         """What a run records of its tokenizer (`check_same_tokenizer`): the vocabulary's size, the
         start, end and padding ids, and a SHA-256 of the vocabulary (every token and its id)."""
-        vocabulary = json.dumps(
-            sorted(self._vocabulary().items(), key=lambda item: item[1]), ensure_ascii=False
-        )
         return {
             "vocab_size": self.vocab_size,
             "sos_id": self.sos_id,
             "eos_id": self.eos_id,
             "pad_id": self.pad_id,
-            "vocab_sha256": hashlib.sha256(vocabulary.encode()).hexdigest(),
+            "vocab_sha256": self._vocab_sha256(),
         }
+
+    def _vocab_sha256(self) -> str:
+        # CLIP's BPE vocabulary is fixed (and its tokenizer shared: `_clip_bpe`), so its 49,408 tokens
+        # are hashed once per tokenizer object; a Hugging Face tokenizer can gain tokens, so each time
+        fixed = isinstance(self.inner, SimpleTokenizer)
+        if fixed and (known := _BPE_SHA256.get(self.inner)) is not None:
+            return known
+        vocabulary = json.dumps(
+            sorted(self._vocabulary().items(), key=lambda item: item[1]), ensure_ascii=False
+        )
+        digest = hashlib.sha256(vocabulary.encode()).hexdigest()
+        if fixed:
+            _BPE_SHA256[self.inner] = digest
+        return digest
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text` without start/end tokens, after the tokenizer's own cleaning."""
