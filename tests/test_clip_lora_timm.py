@@ -12,6 +12,7 @@ with its bias, EVA's fused weight with separate q/v biases, or `q_proj`/`k_proj`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -162,7 +163,7 @@ FAMILIES = {"siglip": "siglip-tiny", "eva02": "eva02-tiny", "pe-core": "pe-core-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_both_towers_match_the_reference_and_train_on_the_family(family, tmp_path, monkeypatch):
     """lora.towers=[text,vision] on the family's tiny model (its own text tower and timm image
-    tower): logits and every gradient equal the reference's (eval, adapters randomised); two AdamW
+    tower; EVA02's and PE-Core's on 2 of their 12 blocks): logits and every gradient equal the reference's (eval, adapters randomised); two AdamW
     steps in training mode (dropout on): the loss is finite, every A and B moves, and no weight of
     CLIP receives a gradient."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -171,7 +172,8 @@ def test_both_towers_match_the_reference_and_train_on_the_family(family, tmp_pat
         from coop.model.tiny_tokenizers import unigram
 
         tok = unigram(tmp_path / "tok", pad="</s>")
-    clip, oc = build_family(FAMILIES[family], tok)
+    with shrunk_timm(depth=2) if family in ("eva02", "pe-core") else contextlib.nullcontext():
+        clip, oc = build_family(FAMILIES[family], tok)
     method = build_method(clip, CLASSES, load_config(None, ["method=clip_lora", "lora.towers=[text,vision]"]))
     tensors = method.learnable()
     assert len(tensors) == 6 * (len(clip.text.blocks) + clip.visual.layers)
