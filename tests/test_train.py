@@ -40,6 +40,27 @@ def run_here(cmd):
     return run_tool_in_process(Path(cmd[1]), cmd[2:], log=True)
 
 
+def run_forked(cmd):
+    """`run_here(cmd)` in a process forked from this one (`fork_tool`), which takes the loader
+    workers of a failed run with it; their shutdown would stall this process for seconds."""
+    import gc
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.json"
+        pid = os.fork()
+        if pid == 0:
+            try:
+                gc.disable()  # no collection in the child: a collected loader waits for its workers
+                res = run_here(cmd)
+                result.write_text(json.dumps([res.returncode, res.stdout, res.stderr]))
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        code, out, err = json.loads(result.read_text())
+    return subprocess.CompletedProcess(cmd, code, out, err)
+
+
 def load_ckpt(path):
     return torch.load(path, weights_only=True)
 
@@ -184,13 +205,13 @@ def test_corrupt_image_is_named_or_skipped(tmp_path, workers):
     bad = folder / "train" / "red_thing" / "1.png"
     bad.write_bytes(b"not a png at all")
     extra = {"data.num_workers": workers, "train.epochs": 1, "train.warmup_epochs": 0}
-    tool = run if workers else run_here  # the workers log the skipped image: a real process's stderr
-    res = tool(TRAIN + tiny_args(folder, tmp_path / "run", **extra))
+    res = (run_forked if workers else run_here)(TRAIN + tiny_args(folder, tmp_path / "run", **extra))
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"cannot read image {bad}" in errors[0]
     assert "Traceback" not in res.stderr
 
+    tool = run if workers else run_here  # the workers log the skipped image: a real process's stderr
     res = tool(TRAIN + tiny_args(folder, tmp_path / "run2", **extra, **{"data.skip_corrupt": "true"}))
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"skipping cannot read image {bad}" in res.stderr
