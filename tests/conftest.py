@@ -267,19 +267,47 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order kept within a file
 
 
+def fork_tool(cmd: list[str]) -> int:
+    """Start `cmd` (`[python, tool, *args]` or `[python, "-c", code, *args]`) in a process forked
+    from this one, in the repository, its output to /dev/null; its pid (reap it with os.waitpid). A
+    real process without the seconds of importing torch again, for the tests that kill or stop a
+    run; a fresh interpreter is tested where that is the point (tools' exit codes and consoles,
+    locks between sweeps, torchrun)."""
+    import sys
+
+    pid = os.fork()
+    if pid == 0:  # the child runs the tool's `__main__` and never returns to pytest
+        try:
+            os.chdir(REPO)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            if cmd[1] == "-c":
+                sys.argv = ["-c", *cmd[3:]]
+                exec(compile(cmd[2], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                run_tool_in_process(Path(cmd[1]), cmd[2:])
+        finally:
+            os._exit(0)
+    return pid
+
+
 def kill_at_first_checkpoint(cmd: list[str], out: Path, timeout: float = 300) -> None:
-    """Start `cmd` (a tool that trains into `out`) and SIGKILL it once out/checkpoint.pt exists:
-    a crash at an arbitrary point after the first epoch, which a resume must make good."""
+    """Start `cmd` (`fork_tool`: a tool that trains into `out`) and SIGKILL it once
+    out/checkpoint.pt exists: a crash at an arbitrary point after the first epoch, which a resume
+    must make good."""
     import signal
-    import subprocess
     import time
 
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+    pid = fork_tool(cmd)
+    deadline, ended = time.time() + timeout, False
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline:
+        if ended := os.waitpid(pid, os.WNOHANG)[0] == pid:
+            break
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    if not ended:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_tool_in_process, tiny_args
+from conftest import REPO, fork_tool, run_tool_in_process, tiny_args
 
 sys.path.insert(0, str(REPO / "tools"))
 import _cli  # noqa: E402
@@ -189,20 +189,18 @@ def test_a_rerun_right_after_sigkill_of_a_run_with_loader_workers_resumes(tmp_pa
 
     out = tmp_path / "run"
     args = tiny_args(image_folder, out, **{"data.num_workers": 2, "train.epochs": 2})
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tools" / "train.py"), *args],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    run = fork_tool([sys.executable, str(REPO / "tools" / "train.py"), *args])  # a process of its own
     lock = str((out / LOCK_FILE).resolve())
     deadline, workers = time.time() + 300, []
     try:
-        while not workers and time.time() < deadline and proc.poll() is None:
-            workers = forked_children(proc.pid)  # the loader workers that compute the image features
+        while not workers and time.time() < deadline:
+            if os.waitpid(run, os.WNOHANG)[0]:
+                run = None  # it ended (and is reaped) without our seeing a loader worker
+                break
+            workers = forked_children(run)  # the loader workers that compute the image features
             time.sleep(0.002)
         assert workers, "the run had no loader workers"
-        for pid in (proc.pid, *workers):
+        for pid in (run, *workers):
             os.kill(pid, signal.SIGSTOP)
         handlers_deadline = time.time() + 30
         while (holding := [w for w in workers if lock in open_files(w)]) and time.time() < handlers_deadline:
@@ -212,15 +210,17 @@ def test_a_rerun_right_after_sigkill_of_a_run_with_loader_workers_resumes(tmp_pa
             for w in holding:
                 os.kill(w, signal.SIGSTOP)
         assert not holding, "a loader worker kept the lock's descriptor"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        os.kill(run, signal.SIGKILL)
+        os.waitpid(run, 0)
+        run = None
         assert all(alive(w) for w in workers)
         res = run_tool_in_process(REPO / "tools" / "train.py", args)
         assert res.returncode == 0, res.stderr[-2000:]
         assert (out / "metrics.json").is_file()
     finally:
-        proc.kill()
-        proc.wait()
+        if run is not None:
+            os.kill(run, signal.SIGKILL)
+            os.waitpid(run, 0)
         for w in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w, signal.SIGKILL)

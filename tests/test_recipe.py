@@ -128,10 +128,15 @@ def test_augmented_training_ignores_the_number_of_workers(image_folder, tmp_path
     assert torch.equal(ref, ctx_of(tmp_path / "w2")) and torch.equal(ref, ctx_of(out))
 
 
-def test_image_dataset_seeds_each_image_by_index(image_folder):
+def test_image_dataset_seeds_each_image_by_index(image_folder, monkeypatch):
     items = build_dataset("imagefolder", str(image_folder)).train[:3]
     train_tf, _ = build_transforms(32)
     ds = ImageDataset(items, train_tf, seed=7)
+
+    def reseeded(seed):
+        raise AssertionError("an image's seed reached the GPU's generator")
+
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded)  # a GPU run's generator is left alone
     state = torch.get_rng_state()
     first = ds[2][0]
     assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left alone

@@ -22,6 +22,7 @@ import coop
 from coop.config.checks import ConfigError
 from coop.config.load import load_config
 from coop.model.prompt import PromptError, PromptLearner, prompt_ids
+from coop.model.text_support import text_config
 from coop.model.tokenizer import PromptTokenizer, TokenizerError, load_tokenizer
 from coop.model.weights import load_clip
 from coop.train.checkpoint import load_trained
@@ -85,6 +86,30 @@ def test_clip_bpe_interface():
     assert (pt.sos_id, pt.eos_id, pt.pad_id, pt.context_length) == (49406, 49407, 0, 77)
     for text in TEXTS:
         assert torch.equal(pt.wrap(pt.encode(text)), SimpleTokenizer()([text])[0])
+
+
+def test_clip_bpe_and_text_config_are_read_once_per_model_config(tmp_path):
+    """CLIP's BPE tokenizer and the text tower's config (`text_config`) are read once per model
+    config, not per model built, and the vocabulary hashed once; a config registered again under the
+    same name (another context length) gets a tokenizer and a text config of its own."""
+    path = tmp_path / "bpe-once-tiny.json"
+    path.write_text(TINY_CONFIG.read_text())
+    open_clip.add_model_config(path)
+    first = load_tokenizer(path.stem)
+    assert load_tokenizer(path.stem) is first and first.context_length == 77
+    tower = text_config(path.stem)
+    assert text_config(path.stem) is tower and tower.context_length == 77
+    config = json.loads(path.read_text())
+    config["text_cfg"]["context_length"] = 16
+    path.write_text(json.dumps(config))
+    open_clip.add_model_config(path)
+    assert load_tokenizer(path.stem).context_length == 16 and text_config(path.stem).context_length == 16
+    # ... and its vocabulary, fixed, is hashed once per tokenizer (a run records it: `identity`)
+    recorded = PromptTokenizer(first).identity()
+    again = PromptTokenizer(first)
+    again._vocabulary = None  # not read again
+    assert again.identity() == recorded
+    assert recorded == PromptTokenizer(SimpleTokenizer()).identity()
 
 
 def test_siglip_tokenizer_cleaning(tmp_path):

@@ -140,8 +140,10 @@ class ImageDataset(Dataset):
             return img, item.label, i
         if self.seed is None:
             return self.transform(img), item.label, i
+        # only the CPU generator, which the transforms draw from and fork_rng restores: torch.manual_seed
+        # would also reseed (and leave changed) every accelerator's, formatting a stack trace for each
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.seed, i))
+            torch.default_generator.manual_seed(derive_seed(self.seed, i))
             return self.transform(img), item.label, i
 
 

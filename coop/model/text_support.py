@@ -15,6 +15,8 @@ model name is judged by building its text tower on the meta device (no memory, n
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -130,11 +132,21 @@ def text_config(name: str, reachable=lambda: False) -> TextConfig | HFTextConfig
     cfg = open_clip.get_model_config(name)
     if cfg is None:
         raise ModelError(f"unknown open_clip model '{name}'")
-    text_cfg = dict(cfg.get("text_cfg", {}))
-    if text_cfg.get("hf_model_name"):
+    if cfg.get("text_cfg", {}).get("hf_model_name"):
         return hf_tower_config(name, reachable)
+    return _tower_config(name, json.dumps(cfg, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=32)
+def _tower_config(name: str, config: str) -> TextConfig:
+    """`text_config` of an open_clip text tower, read once per model config (`config`, its JSON: a
+    config registered again under the name is read again): building the tower, even on the meta
+    device, takes ~0.1 s, and every model a process builds asks."""
+    cfg = open_clip.get_model_config(name)
     with torch.device("meta"):
-        tower = _build_text_tower(cfg["embed_dim"], text_cfg, quick_gelu=cfg.get("quick_gelu", False))
+        tower = _build_text_tower(
+            cfg["embed_dim"], dict(cfg["text_cfg"]), quick_gelu=cfg.get("quick_gelu", False)
+        )
     custom = cfg.get("custom_text", False) or "multimodal_cfg" in cfg  # open_clip's choice of class
     return _config(_view(tower, inline=not custom), name)
 

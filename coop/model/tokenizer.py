@@ -23,11 +23,13 @@ is a one-line `TokenizerError` that says so. Nothing here downloads when the hub
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import socket
+import weakref
 from pathlib import Path
 
 import open_clip
@@ -90,7 +92,7 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
                 f"model.tokenizer={directory}: model {model_name} uses CLIP's BPE tokenizer, which ships with "
                 "open_clip; model.tokenizer is for models with a Hugging Face tokenizer (leave it unset)"
             )
-        return open_clip.get_tokenizer(model_name)
+        return _clip_bpe(model_name, json.dumps(open_clip.get_model_config(model_name), sort_keys=True))
     try:
         import transformers  # noqa: F401  (open_clip's HFTokenizer imports it when built)
     except ImportError:
@@ -109,6 +111,14 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
         return open_clip.get_tokenizer(model_name, **kwargs)
     except OSError as e:
         raise TokenizerError(f"{_unavailable(model_name, hub_name)} ({_first_line(e)})") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _clip_bpe(model_name: str, config: str):
+    """`open_clip.get_tokenizer(model_name)` for a CLIP-BPE model, built once per model config
+    (`config`, its JSON: a config registered again under the name gets its own): reading the BPE
+    merges takes ~0.2 s, and every model a process builds loads its tokenizer."""
+    return open_clip.get_tokenizer(model_name)
 
 
 def _from_directory(model_name: str, hub_name: str, path: Path):
@@ -165,6 +175,9 @@ def _first_line(error: BaseException) -> str:
 def _one_line(error: BaseException) -> str:
     """The whole message of `error` on one line (transformers' messages list their choices below)."""
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
+_BPE_SHA256: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SimpleTokenizer -> its vocab_sha256
 
 
 class PromptTokenizer:
@@ -226,16 +239,27 @@ class PromptTokenizer:
     def identity(self) -> dict:
         """What a run records of its tokenizer (`check_same_tokenizer`): the vocabulary's size, the
         start, end and padding ids, and a SHA-256 of the vocabulary (every token and its id)."""
-        vocabulary = json.dumps(
-            sorted(self._vocabulary().items(), key=lambda item: item[1]), ensure_ascii=False
-        )
         return {
             "vocab_size": self.vocab_size,
             "sos_id": self.sos_id,
             "eos_id": self.eos_id,
             "pad_id": self.pad_id,
-            "vocab_sha256": hashlib.sha256(vocabulary.encode()).hexdigest(),
+            "vocab_sha256": self._vocab_sha256(),
         }
+
+    def _vocab_sha256(self) -> str:
+        # CLIP's BPE vocabulary is fixed (and its tokenizer shared: `_clip_bpe`), so its 49,408 tokens
+        # are hashed once per tokenizer object; a Hugging Face tokenizer can gain tokens, so each time
+        fixed = isinstance(self.inner, SimpleTokenizer)
+        if fixed and (known := _BPE_SHA256.get(self.inner)) is not None:
+            return known
+        vocabulary = json.dumps(
+            sorted(self._vocabulary().items(), key=lambda item: item[1]), ensure_ascii=False
+        )
+        digest = hashlib.sha256(vocabulary.encode()).hexdigest()
+        if fixed:
+            _BPE_SHA256[self.inner] = digest
+        return digest
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text` without start/end tokens, after the tokenizer's own cleaning."""
