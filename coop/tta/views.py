@@ -144,8 +144,8 @@ class ViewMaker:
     def view(self, img: Image.Image, index: int, j: int) -> torch.Tensor:
         """Augmented view j >= 1 of test image `index`."""
         seed = derive_seed(self.seed, index, j)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only, as coop.data.images seeds a crop
+            torch.default_generator.manual_seed(seed)
             crop = self.crop_flip(img)
         x = self.preprocess(crop)
         if self.augment == "crop_flip":
