@@ -6,11 +6,13 @@ import open_clip
 import pytest
 import torch
 from conftest import TINY_CONFIG, build_openclip
+from open_clip.tokenizer import SimpleTokenizer
 
 import coop
 from coop.model import weights as coop_weights
 from coop.model.errors import ModelError
 from coop.model.text_support import TEXT_KEYS
+from coop.model.tokenizer import clip_bpe
 
 TEXTS = [
     "a photo of a dog.",
@@ -54,6 +56,15 @@ def test_state_dict_keys_equal_open_clip(tiny_openclip, tiny_clip):
     assert not torch.equal(tiny_clip.text.ln_final.weight, tiny_openclip.ln_final.weight)
     with torch.no_grad():
         tiny_clip.text.ln_final.weight.sub_(1.0)
+
+
+def test_clips_share_one_bpe_per_context_length(tiny_openclip):
+    """CLIP's BPE is read once per context length (~0.2 s each), not once per model built."""
+    first, second = coop.CLIP.from_openclip(tiny_openclip), coop.CLIP.from_openclip(tiny_openclip)
+    assert first.tokenizer is second.tokenizer is clip_bpe(77)
+    short = clip_bpe(16)
+    assert short is not first.tokenizer and short.context_length == 16
+    assert torch.equal(short(TEXTS), SimpleTokenizer(context_length=16)(TEXTS))
 
 
 def test_clip_is_frozen_and_image_path(tiny_openclip, tiny_clip):

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from open_clip.hf_model import HFTextEncoder
 from open_clip.modified_resnet import ModifiedResNet
 from open_clip.timm_model import TimmModel
-from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.blocks import load_checked
@@ -37,6 +36,7 @@ from coop.model.image_tower import ImageTower
 from coop.model.text_encoder import TextTransformer
 from coop.model.text_hf import HFTextTower
 from coop.model.text_support import text_config_from_openclip
+from coop.model.tokenizer import clip_bpe
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class CLIP(nn.Module):
             load_checked(text, src, "text")
             text.to(next(model.parameters()).device)
             if tokenizer is None:
-                tokenizer = SimpleTokenizer(context_length=cfg.context_length)
+                tokenizer = clip_bpe(cfg.context_length)
         visual, refusal = _image_tower(model.visual, name)
         return cls(visual, text, model.logit_scale, tokenizer, name=name, vision_refusal=refusal)
 
