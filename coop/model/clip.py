@@ -136,9 +136,10 @@ class CLIP(nn.Module):
             text = HFTextTower(model.text, name, getattr(tokenizer, "context_length", None))
         else:
             cfg, src = text_config_from_openclip(model, name)
-            text = TextTransformer(cfg, name)
+            with torch.device("meta"):  # not initialised: every tensor of it is in `src`, loaded next
+                text = TextTransformer(cfg, name)
+            text.to_empty(device=next(model.parameters()).device)
             load_checked(text, src, "text")
-            text.to(next(model.parameters()).device)
             if tokenizer is None:
                 tokenizer = clip_bpe(cfg.context_length)
         visual, refusal = _image_tower(model.visual, name)
