@@ -7,11 +7,10 @@ import importlib.util
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG
+from conftest import REPO, TINY_CONFIG, small_timm_config
 
 
 def load_tool(name):
@@ -45,16 +44,11 @@ def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
 
 def small_timm_sections(monkeypatch, folder) -> list[str]:
     """gpu_check's timm sections on copies of its tiny timm configs at 112x112 images (8x8 patches of
-    14, 7x7 of 16; the configs' 224 and 384 cost most of the script on a CPU), under names of their
-    own (open_clip's registry keeps the real ones), the trunks with 2 blocks. Their names."""
+    14, 7x7 of 16; the configs' 224 and 384 cost most of the script on a CPU), the trunks with 2
+    blocks. Their names."""
     steps = sys.modules["_gpu_steps"]  # imported by gpu_check
     two_blocks(monkeypatch, img_size=112)
-    models = []
-    for model in steps.TIMM_SIZES["maple"]["tiny"]["models"]:
-        cfg = json.loads(Path(model).read_text())
-        cfg["vision_cfg"]["image_size"] = 112
-        models.append(folder / f"{Path(model).stem}-112.json")
-        models[-1].write_text(json.dumps(cfg))
+    models = [small_timm_config(m, folder, 112) for m in steps.TIMM_SIZES["maple"]["tiny"]["models"]]
     for sizes in steps.TIMM_SIZES.values():
         monkeypatch.setitem(sizes["tiny"], "models", tuple(str(m) for m in models))
     return [m.stem for m in models]
