@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import socket
@@ -91,6 +92,17 @@ def shrunk_timm(**kwargs):
         yield
     finally:
         timm.create_model = original
+
+
+def small_timm_config(config: Path, folder: Path, size: int) -> Path:
+    """A copy of the timm-tower model config `config` at `size`-pixel images, in `folder` under a
+    name of its own (`<stem>-<size>`: open_clip's registry keeps the real one). Build it inside
+    `shrunk_timm(img_size=size, ...)`: open_clip passes timm no image size."""
+    cfg = json.loads(Path(config).read_text())
+    cfg["vision_cfg"]["image_size"] = size
+    path = Path(folder) / f"{Path(config).stem}-{size}.json"
+    path.write_text(json.dumps(cfg))
+    return path
 
 
 @pytest.fixture(scope="session")

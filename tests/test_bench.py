@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG
+from conftest import REPO, TINY_CONFIG, small_timm_config
 
 
 def load_tool(name):
@@ -42,9 +42,23 @@ def test_gpu_check_without_cuda_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
+def small_timm_sections(monkeypatch, folder) -> list[str]:
+    """gpu_check's timm sections on copies of its tiny timm configs at 112x112 images (8x8 patches of
+    14, 7x7 of 16; the configs' 224 and 384 cost most of the script on a CPU), the trunks with 2
+    blocks. Their names."""
+    steps = sys.modules["_gpu_steps"]  # imported by gpu_check
+    two_blocks(monkeypatch, img_size=112)
+    models = [small_timm_config(m, folder, 112) for m in steps.TIMM_SIZES["maple"]["tiny"]["models"]]
+    for sizes in steps.TIMM_SIZES.values():
+        monkeypatch.setitem(sizes["tiny"], "models", tuple(str(m) for m in models))
+    return [m.stem for m in models]
+
+
 def test_gpu_check_runs_every_section_on_cpu(tmp_path, monkeypatch, capsys):
-    two_blocks(monkeypatch)  # the tiny timm configs' trunks
-    assert load_tool("gpu_check").main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
+    gpu_check = load_tool("gpu_check")
+    timm_models = small_timm_sections(monkeypatch, tmp_path)
+    assert timm_models == ["eva02-tiny-112", "siglip-tiny-112", "pe-core-tiny-112"]
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] and report["model"] == "coop-tiny" and report["device"] == "cpu"
     parity = {(r["position"], r["precision"]): r for r in report["parity"]}
@@ -83,7 +97,6 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path, monkeypatch, capsys):
     hicropl = report["hicropl"]
     assert [r["side"] for r in hicropl] == ["coop", "coop, grad checkpointing", "reference"]
     assert all(r["ms"] > 0 and r["classes"] == 20 for r in hicropl)
-    timm_models = ["eva02-tiny", "siglip-tiny", "pe-core-tiny"]
     timm_maple = report["timm_maple"]
     assert [(r["model"], r["side"]) for r in timm_maple] == [
         (m, s) for m in timm_models for s in ("coop", "coop, grad checkpointing", "reference")
@@ -120,6 +133,9 @@ def test_gpu_check_keeps_going_after_a_failing_section(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gpu_check, "check_maple", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_clip_lora", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_mmrl", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_twosfs", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_coprompt", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "check_hicropl", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_timm", lambda *args: [])
     monkeypatch.setattr(gpu_check, "check_tpt", lambda *args: {"per_image": [], "memory": []})
     monkeypatch.setattr(gpu_check, "check_epoch", out_of_memory)

@@ -2,7 +2,7 @@
 
 configs/models/*-tiny.json shrink open_clip's own config of one model per family (2 text layers,
 width 64; the image tower of the same kind: timm's smallest variant of the family's timm tower,
-or a 1-block ViT; the Hugging Face text towers: RoBERTa, XLM-R, mT5 and NLLB encoders of 2 layers,
+here with 2 blocks at 4x4 patches, or a 1-block ViT; the Hugging Face text towers: RoBERTa, XLM-R, mT5 and NLLB encoders of 2 layers,
 width 32, their transformers config inline). Each method trains two steps on the family's own image features (open_clip's
 `encode_image` for timm, FastViT and CoCa towers); CoOp's prompts are checked against the tower's
 `encode_text` of the same token sequence; one `tools/train.py` run per family trains CoOp end to end.
@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, build_family, run_tool_in_process, tiny_args
+from conftest import REPO, build_family, run_tool_in_process, shrunk_timm, small_timm_config, tiny_args
 
 import coop
 from coop.config.load import load_config
@@ -42,6 +42,9 @@ FAMILIES = {
     "nllb": ("nllb-tiny", True),
 }
 CLASSES = ["dog", "golden_retriever", "crane (bird)"]
+# family: image size of its timm tower here, at 4x4 patches with 2 blocks (`shrunk_timm`): the
+# family's kind of tower (RoPE, a class token or none, its pooling) without 12 blocks at 224-384 pixels
+SMALL_TIMM = {"siglip": 64, "eva02": 56, "pe-core": 64}
 
 # method: config overrides (text methods; CoOp's positions, CSC, deep prompts, ctx_init)
 METHODS = {
@@ -69,11 +72,22 @@ def family(request, tmp_path_factory):
     the text tower's LayerNorms and biases randomised so that no term hides."""
     stem, tiny = FAMILIES[request.param]
     config = REPO / "configs" / "models" / f"{stem}.json"
+    if request.param in SMALL_TIMM:
+        config = small_timm_config(config, tmp_path_factory.mktemp("config"), SMALL_TIMM[request.param])
     tok = tmp_path_factory.mktemp("tok") / "tok" if tiny else None
     if tiny:
         make_tiny_tokenizer(config, tok)  # tools/make_tokenizer.py's
-    clip, oc = build_family(stem, tok)
+    with shrunk_timm(**trunk(config)):
+        clip, oc = build_family(config, tok)
     return config, tok, clip, oc
+
+
+def trunk(config) -> dict:
+    """`shrunk_timm`'s arguments for the family's model config `config` (none for the other towers)."""
+    for name, size in SMALL_TIMM.items():
+        if config.stem == f"{FAMILIES[name][0]}-{size}":
+            return {"depth": 2, "img_size": size}
+    return {}
 
 
 def images(clip, n: int = 6) -> torch.Tensor:
@@ -84,7 +98,7 @@ def images(clip, n: int = 6) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def family_features(family):
     """6 images and the family's image features of them, encoded once per family (the image towers
-    at 224-384 pixels cost most of a text method's test), with a copy of the model's state that the
+    cost most of a text method's test), with a copy of the model's state that the
     tests sharing the model check it against."""
     clip = family[2]
     x = images(clip)
@@ -196,7 +210,8 @@ def test_coop_run_end_to_end(family, image_folder, tmp_path):
         extra["model.tokenizer"] = tok
     out = tmp_path / "run"
     args = tiny_args(image_folder, out, **extra) + ["prompt.n_ctx=4", "prompt.depth=2"]
-    res = run_tool_in_process(REPO / "tools" / "train.py", args)
+    with shrunk_timm(**trunk(path)):
+        res = run_tool_in_process(REPO / "tools" / "train.py", args)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (out / "checkpoint.pt").exists()
 
@@ -225,11 +240,15 @@ def test_cocoop_on_towers_without_the_cut(family, position):
             torch.testing.assert_close(ours[b], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
+def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path, monkeypatch):
     """A CoOp run on the SigLIP-family model (a tower without the cut, its own tokenizer, a timm
-    image tower): tools/eval.py, export, load_classifier and tools/predict.py work on it and agree,
-    also once its tokenizer directory has moved (as on another machine), given its new place."""
+    image tower, here with 2 blocks at 4x4 patches): tools/eval.py, export, load_classifier and
+    tools/predict.py work on it and agree, also once its tokenizer directory has moved (as on another
+    machine), given its new place."""
+    import functools
     import json
+
+    import timm
 
     from coop.data.images import load_image
     from coop.interop import export_run
@@ -238,7 +257,9 @@ def test_eval_export_classifier_predict_on_a_siglip_run(image_folder, tmp_path):
 
     tok = unigram(tmp_path / "tok", pad="</s>")
     out = tmp_path / "run"
-    extra = {"model.name": REPO / "configs" / "models" / "siglip-tiny.json", "model.tokenizer": tok}
+    config = small_timm_config(REPO / "configs" / "models" / "siglip-tiny.json", tmp_path, 64)
+    monkeypatch.setattr(timm, "create_model", functools.partial(timm.create_model, **trunk(config)))
+    extra = {"model.name": config, "model.tokenizer": tok}
     extra.update({"train.epochs": 2, "train.warmup_epochs": 0, "train.batch_size": 6})
     res = run_tool_in_process(REPO / "tools" / "train.py", tiny_args(image_folder, out, **extra))
     assert res.returncode == 0, res.stderr[-2000:]

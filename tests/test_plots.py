@@ -33,14 +33,15 @@ def fake_runs(root, settings, accuracy=lambda cfg: SPREAD[cfg.data.seed], seeds=
     return load_runs(root)
 
 
-@pytest.fixture
-def ablation(tmp_path):
-    """Three datasets x end/middle x csc x shots 1 and 16, and depth 2 and 9 at 16 shots."""
+@pytest.fixture(scope="module")
+def ablation(tmp_path_factory):
+    """Three datasets x end/middle x csc x shots 1 and 16, and depth 2 and 9 at 16 shots (60 run
+    folders, read by two tests: built once)."""
     datasets = ("caltech101", "eurosat", "oxford_pets")
     settings = [[f"data.name={d}", f"prompt.position={p}", f"prompt.csc={c}", f"data.shots={k}"]
                 for d in datasets for p in ("end", "middle") for c in ("false", "true") for k in (1, 16)]  # fmt: skip
     settings += [[f"data.name={d}", "data.shots=16", f"prompt.depth={j}"] for d in datasets for j in (2, 9)]
-    return fake_runs(tmp_path, settings)
+    return fake_runs(tmp_path_factory.mktemp("ablation"), settings)
 
 
 def boxes(fig):
@@ -140,12 +141,13 @@ def test_rounds_figure_caps_bands_and_shares_colours(tmp_path):
                 "fl.method=latent_domains", "fl.partition=dirichlet"]  # fmt: skip
         accs = [70.0, 90.0, 99.0, 100.0] if seed == 1 else [60.0, 80.0, 90.0, 92.0]  # bands past 100
         write_fl_run(tmp_path / domain / f"depth{depth}" / f"seed{seed}", over, accs)
-    fig = rounds_figure(load_runs(tmp_path), root=tmp_path)
+    runs = load_runs(tmp_path)
+    fig = rounds_figure(runs, root=tmp_path)
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert len(visible) == 5 and all(ax.get_ylim()[1] <= 100 for ax in visible)
     colours = colours_by_label(fig)
     assert set(colours) == {"depth=1", "depth=9"} and all(len(c) == 1 for c in colours.values())
     assert visible[0].get_xlabel() == "communication round"
     assert_readable(fig)
-    loss = rounds_figure(load_runs(tmp_path), "train_loss", root=tmp_path)
+    loss = rounds_figure(runs, "train_loss", root=tmp_path)
     assert loss.axes[0].get_ylabel() == "train_loss" and loss.axes[0].get_ylim()[1] < 2

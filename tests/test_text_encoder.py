@@ -6,11 +6,14 @@ import open_clip
 import pytest
 import torch
 from conftest import TINY_CONFIG, build_openclip
+from open_clip.tokenizer import SimpleTokenizer
 
 import coop
 from coop.model import weights as coop_weights
 from coop.model.errors import ModelError
+from coop.model.text_encoder import TextTransformer
 from coop.model.text_support import TEXT_KEYS
+from coop.model.tokenizer import clip_bpe
 
 TEXTS = [
     "a photo of a dog.",
@@ -29,12 +32,23 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 SMALL_VISION = {"image_size": 32, "layers": 1, "width": 64, "patch_size": 16}
 
 
-@pytest.mark.parametrize("name", ["ViT-B-32", "ViT-B-16-quickgelu", "RN50", "ViT-L-14", "ViT-H-14"])
+# name: the text tower's blocks (None: the config's). ViT-B-32's runs at full size; the others keep
+# their own width, heads, embedding size and activation with 2 blocks, since every block computes the
+# same (ViT-H-14's 24 blocks of width 1024 took 10 s to build and run on a CPU)
+TOWERS = {"ViT-B-32": None, "ViT-B-16-quickgelu": 2, "RN50": 2, "ViT-L-14": 2, "ViT-H-14": 2}
+
+
+@pytest.mark.parametrize("name", list(TOWERS))
 def test_encode_text_matches_open_clip(name):
-    """The model's own text tower, full size, against open_clip's encode_text."""
-    oc = build_openclip(name, vision_cfg=SMALL_VISION)
+    """The model's own text tower (ViT-B-32's full size, the others' with 2 blocks) against
+    open_clip's encode_text."""
+    text_cfg = open_clip.get_model_config(name)["text_cfg"]
+    if TOWERS[name] is not None:
+        text_cfg["layers"] = TOWERS[name]
+    oc = build_openclip(name, vision_cfg=SMALL_VISION, text_cfg=text_cfg)
     clip = coop.CLIP.from_openclip(oc)
     assert clip.text.cfg.quick_gelu == name.endswith("quickgelu")
+    assert len(clip.text.blocks) == text_cfg["layers"] and clip.text.cfg.width == text_cfg["width"]
     ids = clip.tokenize(TEXTS)
     assert ids.shape == (len(TEXTS), 77) and ids.dtype == torch.long
     assert int(ids[3].argmax()) == 76  # the long text fills the context
@@ -54,6 +68,34 @@ def test_state_dict_keys_equal_open_clip(tiny_openclip, tiny_clip):
     assert not torch.equal(tiny_clip.text.ln_final.weight, tiny_openclip.ln_final.weight)
     with torch.no_grad():
         tiny_clip.text.ln_final.weight.sub_(1.0)
+
+
+def test_clips_share_one_bpe_per_context_length(tiny_openclip):
+    """CLIP's BPE is read once per context length (~0.2 s each), not once per model built."""
+    first, second = coop.CLIP.from_openclip(tiny_openclip), coop.CLIP.from_openclip(tiny_openclip)
+    assert first.tokenizer is second.tokenizer is clip_bpe(77)
+    short = clip_bpe(16)
+    assert short is not first.tokenizer and short.context_length == 16
+    assert torch.equal(short(TEXTS), SimpleTokenizer(context_length=16)(TEXTS))
+
+
+def test_our_text_tower_is_not_initialised_before_its_weights_load(tiny_openclip, monkeypatch):
+    """from_openclip builds our text tower on the meta device and fills empty memory with open_clip's
+    weights: a random initialisation would be overwritten (ViT-H-14's took a second)."""
+    from coop.model import clip as clip_module
+
+    built = []
+
+    def building(cfg, name=None):
+        tower = TextTransformer(cfg, name)
+        built.append({t.device.type for t in tower.state_dict().values()})
+        return tower
+
+    monkeypatch.setattr(clip_module, "TextTransformer", building)
+    clip = coop.CLIP.from_openclip(tiny_openclip)
+    assert built == [{"meta"}]
+    ours, ref = clip.text.state_dict(), tiny_openclip.state_dict()
+    assert all(v.device.type == "cpu" and torch.equal(v, ref[k]) for k, v in ours.items())
 
 
 def test_clip_is_frozen_and_image_path(tiny_openclip, tiny_clip):
@@ -115,8 +157,16 @@ def test_offline_tag_gives_one_clear_error(monkeypatch):
 
 
 def test_openai_tag_gets_quickgelu(monkeypatch, tmp_path):
-    """OpenAI weights were trained with QuickGELU; a plain 'RN50' name must still get it."""
+    """OpenAI weights were trained with QuickGELU; a plain 'RN50' name must still get it. RN50 and its
+    twin keep their configs here with a 1-block-per-stage ResNet and 2 text blocks (the names and
+    the tag are what is checked; the full RN50 took 4 s to build twice, save and load)."""
+    for name in ("RN50", "RN50-quickgelu"):
+        cfg = open_clip.get_model_config(name)  # a copy
+        cfg["vision_cfg"] = {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16, "patch_size": None}
+        cfg["text_cfg"]["layers"] = 2
+        monkeypatch.setitem(open_clip.factory._MODEL_CONFIGS, name, cfg)
     oc = build_openclip("RN50-quickgelu")
+    assert len(oc.transformer.resblocks) == 2 and oc.visual.image_size == 64
     ckpt = tmp_path / "rn50_openai.pt"
     torch.save(oc.state_dict(), ckpt)
     monkeypatch.setattr(coop_weights, "_cached_or_download", lambda *a: str(ckpt))

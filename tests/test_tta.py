@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_CONFIG, make_image_folder, run_tool_in_process, tiny_args
+from conftest import (
+    REPO,
+    TINY_CONFIG,
+    make_image_folder,
+    run_tool_in_process,
+    shrunk_timm,
+    small_timm_config,
+    tiny_args,
+)
 from omegaconf import OmegaConf
 from torchvision import transforms as T
 
@@ -218,34 +226,36 @@ def test_zero_votes_with_the_confident_views_of_the_pass(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "tower", ["siglip-tiny", "eva02-tiny", pytest.param("pe-core-tiny", marks=pytest.mark.slow)]
+    "tower, size",
+    [("siglip-tiny", 64), ("eva02-tiny", 56), pytest.param("pe-core-tiny", 64, marks=pytest.mark.slow)],
 )
-def test_zero_tpt_and_tda_on_other_towers(tmp_path, tower, monkeypatch):
-    """SigLIP (its own tokenizer, made offline), EVA02 and PE-Core (timm image towers at 224 and 384
-    pixels: 3 images, 4 views): ZERO is the same vote over their logits; TPT's and TDA's passes are
-    their methods applied to the runner's views in stream order (TDA: the image alone, its views
-    on an image folder; its caches carried along)."""
+def test_zero_tpt_and_tda_on_other_towers(tmp_path, tower, size, monkeypatch):
+    """SigLIP (its own tokenizer, made offline), EVA02 and PE-Core (timm image towers, here 2 blocks
+    at 4x4 patches: 3 images, 4 views): ZERO is the same vote over their logits; TPT's and TDA's
+    passes are their methods applied to the runner's views in stream order (TDA: the image alone,
+    its views on an image folder; its caches carried along)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     image_folder = make_image_folder(tmp_path / "images", n_train=1, n_test=1)
-    model, extra = REPO / "configs" / "models" / f"{tower}.json", {}
-    if tower == "siglip-tiny":
-        pytest.importorskip("transformers")
-        from coop.model.tiny_tokenizers import make_tiny_tokenizer
+    model, extra = small_timm_config(REPO / "configs" / "models" / f"{tower}.json", tmp_path, size), {}
+    with shrunk_timm(depth=2, img_size=size):  # open_clip names no depth or size for timm
+        if tower == "siglip-tiny":
+            pytest.importorskip("transformers")
+            from coop.model.tiny_tokenizers import make_tiny_tokenizer
 
-        make_tiny_tokenizer(model, tmp_path / "tok")
-        extra["model.tokenizer"] = tmp_path / "tok"
-    run(image_folder, tmp_path / "run", **{"model.name": model, "tta.views": 4, **extra})
-    clip = ZeroShotLogits(image_folder, model, extra.get("model.tokenizer"))
-    expected = written_out_zero(image_folder, 4, 0.3, 1, clip, clip.transform).argmax(-1)
-    assert torch.equal(outputs.read_outputs(tmp_path / "run")["logits"].argmax(-1), expected)
-    for path, views, replayed in ((TPT, 4, 2), (TDA, "null", 3)):
-        args = zero_args(
-            image_folder, tmp_path / path.stem, **{"model.name": model, "tta.views": views, **extra}
-        )
-        cfg = tta_config(str(path), args)
-        metrics = tta_run(cfg)
-        assert metrics["views"] == (4 if path == TPT else 1) and metrics["tta_method"] == path.stem
-        replay_pass(cfg, outputs.read_outputs(tmp_path / path.stem), replayed)
+            make_tiny_tokenizer(model, tmp_path / "tok")
+            extra["model.tokenizer"] = tmp_path / "tok"
+        run(image_folder, tmp_path / "run", **{"model.name": model, "tta.views": 4, **extra})
+        clip = ZeroShotLogits(image_folder, model, extra.get("model.tokenizer"))
+        expected = written_out_zero(image_folder, 4, 0.3, 1, clip, clip.transform).argmax(-1)
+        assert torch.equal(outputs.read_outputs(tmp_path / "run")["logits"].argmax(-1), expected)
+        for path, views, replayed in ((TPT, 4, 2), (TDA, "null", 3)):
+            args = zero_args(
+                image_folder, tmp_path / path.stem, **{"model.name": model, "tta.views": views, **extra}
+            )
+            cfg = tta_config(str(path), args)
+            metrics = tta_run(cfg)
+            assert metrics["views"] == (4 if path == TPT else 1) and metrics["tta_method"] == path.stem
+            replay_pass(cfg, outputs.read_outputs(tmp_path / path.stem), replayed)
 
 
 def replay_pass(cfg, out: dict, n: int) -> None:

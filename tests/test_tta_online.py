@@ -12,7 +12,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_family
+from conftest import build_family, shrunk_timm, small_timm_config
 
 from coop.config.load import load_config
 from coop.methods import build_method
@@ -446,8 +446,10 @@ def test_a_resumed_stream_is_bit_identical(tiny_clip, name, monkeypatch):
 # -- other towers -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stem", ["siglip-tiny", "eva02-tiny", "pe-core-tiny"])
-def test_online_methods_run_on_timm_towers(stem, tmp_path):
+@pytest.mark.parametrize("stem, size", [("siglip-tiny", 64), ("eva02-tiny", 56), ("pe-core-tiny", 64)])
+def test_online_methods_run_on_timm_towers(stem, size, tmp_path):
+    """Each online method on the timm towers (2 blocks at 4x4 patches, `shrunk_timm`): finite
+    logits per image and its caches filled."""
     from conftest import REPO
 
     tok = None
@@ -457,8 +459,11 @@ def test_online_methods_run_on_timm_towers(stem, tmp_path):
 
         tok = tmp_path / "tok"
         make_tiny_tokenizer(REPO / "configs" / "models" / f"{stem}.json", tok)
-    clip, _ = build_family(stem, tok)
-    size = clip.image_size
+    with shrunk_timm(depth=2, img_size=size):
+        clip, _ = build_family(
+            small_timm_config(REPO / "configs" / "models" / f"{stem}.json", tmp_path, size), tok
+        )
+    assert clip.image_size == size
     cfg = config("imagenet_a")
     host = build_method(clip, CLASSES, cfg)
     for cls in ONLINE:

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from open_clip.hf_model import HFTextEncoder
 from open_clip.modified_resnet import ModifiedResNet
 from open_clip.timm_model import TimmModel
-from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.blocks import load_checked
@@ -37,6 +36,7 @@ from coop.model.image_tower import ImageTower
 from coop.model.text_encoder import TextTransformer
 from coop.model.text_hf import HFTextTower
 from coop.model.text_support import text_config_from_openclip
+from coop.model.tokenizer import clip_bpe
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +136,12 @@ class CLIP(nn.Module):
             text = HFTextTower(model.text, name, getattr(tokenizer, "context_length", None))
         else:
             cfg, src = text_config_from_openclip(model, name)
-            text = TextTransformer(cfg, name)
+            with torch.device("meta"):  # not initialised: every tensor of it is in `src`, loaded next
+                text = TextTransformer(cfg, name)
+            text.to_empty(device=next(model.parameters()).device)
             load_checked(text, src, "text")
-            text.to(next(model.parameters()).device)
             if tokenizer is None:
-                tokenizer = SimpleTokenizer(context_length=cfg.context_length)
+                tokenizer = clip_bpe(cfg.context_length)
         visual, refusal = _image_tower(model.visual, name)
         return cls(visual, text, model.logit_scale, tokenizer, name=name, vision_refusal=refusal)
 

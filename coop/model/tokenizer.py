@@ -69,6 +69,13 @@ def hub_tokenizer_name(model_name: str) -> str | None:
     return text_cfg.get("hf_tokenizer_name") or None
 
 
+@functools.cache
+def clip_bpe(context_length: int = DEFAULT_CONTEXT_LENGTH) -> SimpleTokenizer:
+    """CLIP's BPE (open_clip's `SimpleTokenizer`) with `context_length`, built once per length and
+    shared: reading its 49k merges takes ~0.2 s, and it keeps no state but a cache of words' BPE."""
+    return SimpleTokenizer(context_length=context_length)
+
+
 def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
     """open_clip's tokenizer for a model: `open_clip.get_tokenizer`, or the same tokenizer read from
     `directory` (a saved Hugging Face tokenizer) with the model's context length and options.
@@ -92,7 +99,7 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
                 f"model.tokenizer={directory}: model {model_name} uses CLIP's BPE tokenizer, which ships with "
                 "open_clip; model.tokenizer is for models with a Hugging Face tokenizer (leave it unset)"
             )
-        return _clip_bpe(model_name, json.dumps(open_clip.get_model_config(model_name), sort_keys=True))
+        return _model_bpe(model_name, json.dumps(open_clip.get_model_config(model_name), sort_keys=True))
     try:
         import transformers  # noqa: F401  (open_clip's HFTokenizer imports it when built)
     except ImportError:
@@ -114,10 +121,11 @@ def load_tokenizer(model_name: str, directory: str | os.PathLike | None = None):
 
 
 @functools.lru_cache(maxsize=16)
-def _clip_bpe(model_name: str, config: str):
+def _model_bpe(model_name: str, config: str):
     """`open_clip.get_tokenizer(model_name)` for a CLIP-BPE model, built once per model config
     (`config`, its JSON: a config registered again under the name gets its own): reading the BPE
-    merges takes ~0.2 s, and every model a process builds loads its tokenizer."""
+    merges takes ~0.2 s, and every model a process builds loads its tokenizer. (`clip_bpe` is the
+    plain BPE by context length, for code that holds no model name.)"""
     return open_clip.get_tokenizer(model_name)
 
 
@@ -248,7 +256,7 @@ class PromptTokenizer:
         }
 
     def _vocab_sha256(self) -> str:
-        # CLIP's BPE vocabulary is fixed (and its tokenizer shared: `_clip_bpe`), so its 49,408 tokens
+        # CLIP's BPE vocabulary is fixed (and its tokenizer shared: `_model_bpe`), so its 49,408 tokens
         # are hashed once per tokenizer object; a Hugging Face tokenizer can gain tokens, so each time
         fixed = isinstance(self.inner, SimpleTokenizer)
         if fixed and (known := _BPE_SHA256.get(self.inner)) is not None:

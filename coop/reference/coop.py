@@ -10,10 +10,10 @@ text side with learned tokens at given slots, the text side of the vision-langua
 from __future__ import annotations
 
 import torch
-from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from coop.model.prompt import PromptLearner
+from coop.model.tokenizer import clip_bpe
 from coop.reference.text_parts import pool_index, pooled_features, text_parts
 
 
@@ -53,7 +53,7 @@ def reference_inputs(openclip_model: nn.Module, learner: PromptLearner) -> tuple
     """
     tokenizer_prefix = learner.ctx_init or " ".join(["X"] * learner.n_ctx)
     names = learner.classnames
-    tokenizer = SimpleTokenizer(context_length=openclip_model.context_length)
+    tokenizer = clip_bpe(openclip_model.context_length)
     device = learner.ctx.device
     ids = tokenizer([f"{tokenizer_prefix} {n}." for n in names]).to(device)  # (n_cls, 77)
     name_lens = [len(tokenizer.encode(n)) for n in names]

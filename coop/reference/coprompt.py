@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
+from coop.model.tokenizer import clip_bpe
 from coop.reference.coop import deep_text_features
 from coop.reference.vision import vision_features
 
@@ -20,7 +20,7 @@ from coop.reference.vision import vision_features
 def gpt_clip_classifier(openclip_model: nn.Module, sentences_per_class: list[list[str]]) -> torch.Tensor:
     """Every class's sentences through open_clip's `encode_text` (77 tokens), each normalised,
     stacked on dim 1: (S, n_cls, E), as the original's `clip_weights` (the same S for every class)."""
-    tokenizer = SimpleTokenizer(context_length=openclip_model.context_length)
+    tokenizer = clip_bpe(openclip_model.context_length)
     device = openclip_model.logit_scale.device
     with torch.no_grad():
         per_class = []

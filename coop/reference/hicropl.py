@@ -16,9 +16,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
+from coop.model.tokenizer import clip_bpe
 from coop.reference.coop import deep_text_features
 from coop.reference.vision import vision_features
 
@@ -26,7 +26,7 @@ from coop.reference.vision import vision_features
 def gpt_clip_classifier(openclip_model: nn.Module, sentences_per_class: list[list[str]]) -> torch.Tensor:
     """The original's description features: per class `encode_text` of its sentences (77 tokens),
     each normalised, averaged, normalised. (n_cls, E)."""
-    tokenizer = SimpleTokenizer(context_length=openclip_model.context_length)
+    tokenizer = clip_bpe(openclip_model.context_length)
     device = openclip_model.logit_scale.device
     with torch.no_grad():
         rows = []

@@ -7,9 +7,9 @@ the frozen image tower and the frozen template features of its `VLPromptLearner`
 from __future__ import annotations
 
 import torch
-from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
+from coop.model.tokenizer import clip_bpe
 from coop.reference.coop import deep_text_features
 from coop.reference.vision import vision_features
 
@@ -18,7 +18,7 @@ def promptsrc_fixed_embeddings(openclip_model: nn.Module, classnames: list[str],
     """PromptSRC's frozen text targets as its `VLPromptLearner` builds them: every template's
     prompts through open_clip's `encode_text` (full 77 tokens), stacked, averaged over templates,
     UNnormalised (the forward pass normalises them). (n_cls, E)."""
-    tokenizer = SimpleTokenizer(context_length=openclip_model.context_length)
+    tokenizer = clip_bpe(openclip_model.context_length)
     names = [c.replace("_", " ") for c in classnames]
     device = openclip_model.logit_scale.device
     with torch.no_grad():

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
+from coop.model.tokenizer import clip_bpe
 from coop.reference.text_parts import pool_index, pooled_features, text_parts
 
 
@@ -27,7 +27,7 @@ def tcp_teacher(
 ) -> torch.Tensor:
     """t_zs: OpenCLIP's `encode_text` of the teacher template per class, L2-normalised (n_cls, E).
     `tokenizer`: the model's open_clip tokenizer (default: CLIP's)."""
-    tokenizer = tokenizer or SimpleTokenizer(context_length=openclip_model.context_length)
+    tokenizer = tokenizer or clip_bpe(openclip_model.context_length)
     ids = tokenizer([template.format(c.replace("_", " ")) for c in classnames])
     with torch.no_grad():
         t = openclip_model.encode_text(ids.to(openclip_model.logit_scale.device))
@@ -58,7 +58,7 @@ def tcp_text_features(
         sos: whether the tokenizer writes a start token; the context follows it, else opens the prompt.
     """
     oc, t = openclip_model, text_parts(openclip_model)
-    tokenizer = tokenizer or SimpleTokenizer(context_length=oc.context_length)
+    tokenizer = tokenizer or clip_bpe(oc.context_length)
     ids = tokenizer([prompt_template.format(c.replace("_", " ")) for c in classnames]).to(ctx.device)
     n_cls, width, m = len(ids), ctx.shape[-1], ctx.shape[0]
     hidden = F.linear(teacher, meta_net["linear1.weight"], meta_net["linear1.bias"])

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
+
+from coop.model.tokenizer import clip_bpe
 
 
 @torch.no_grad()
 def clip_classifier(openclip_model: nn.Module, classnames: list[str], templates: list[str]) -> torch.Tensor:
     """W_zs as (E, C): per class, every template's text feature normalised, averaged, renormalised."""
-    tokenizer = SimpleTokenizer(context_length=openclip_model.context_length)
+    tokenizer = clip_bpe(openclip_model.context_length)
     weights = []
     for name in classnames:
         texts = [t.format(name.replace("_", " ")) for t in templates]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 
 from omegaconf import DictConfig
-from open_clip.tokenizer import SimpleTokenizer
 
 from coop.config.checks import ConfigError
 from coop.data import build_dataset, subsample_classes
@@ -41,6 +40,7 @@ from coop.model.tokenizer import (
     PromptTokenizer,
     check_fits,
     check_same_tokenizer,
+    clip_bpe,
     hub_reachable,
     hub_tokenizer_name,
     load_tokenizer,
@@ -70,7 +70,7 @@ def model_text(model: str) -> tuple[str, TextConfig]:
 def _clip_bpe() -> PromptTokenizer:
     """open_clip's CLIP BPE, which ships with it: one vocabulary for every model that uses it (only
     the context length differs, which `check_fits` does not read); read once, not per sweep point."""
-    return prompt_tokenizer(SimpleTokenizer())
+    return prompt_tokenizer(clip_bpe())
 
 
 def check_model_files(cfg: DictConfig) -> PromptTokenizer:
