@@ -72,8 +72,8 @@ def run_tool(name, *args, env=None):
 
 
 def sweep_here(*args):
-    """tools/sweep.py in this process, log lines included (its real process: `swept`, the submitit
-    test); the runs it starts are processes of their own either way."""
+    """tools/sweep.py in this process, log lines included (its real process: the submitit test); the
+    runs it starts are processes of their own either way."""
     return run_tool_in_process(TOOLS / "sweep.py", list(args), log=True)
 
 
@@ -98,14 +98,15 @@ def tiny_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, tiny_data, cache_env):
-    """Two positions x two seeds of the tiny model, two runs at a time."""
+    """Two positions x two seeds of the tiny model, two runs at a time (the sweep in this process, its
+    runs in their own, which share the features cache)."""
     root = tmp_path_factory.mktemp("sweep")
     grid = root / "grid.yaml"
     grid.write_text("\n".join(k.replace("=", ": ", 1) for k in tiny_keys(tiny_data)) + "\n")
     grid.write_text(grid.read_text() + "prompt.position: [end, middle]\n")
-    res = run_tool(
-        "sweep", "--grid", grid, "--out", root / "runs", "--jobs", 2, "data.seed=[1,2]", env=cache_env
-    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("COOP_CACHE_DIR", cache_env["COOP_CACHE_DIR"])
+        res = sweep_here("--grid", grid, "--out", root / "runs", "--jobs", 2, "data.seed=[1,2]")
     return root, grid, res
 
 
