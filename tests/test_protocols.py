@@ -21,8 +21,9 @@ from coop.data import ImageDataset, build_dataset
 from coop.model.weights import load_clip
 from coop.train.engine import clip_transforms
 from coop.train.evaluation import evaluate_checkpoint_targets
+from coop.train.grid import load_grid
 from coop.train.runner import train_run
-from coop.train.sweep import load_grid, plan
+from coop.train.sweep import plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")
 
