@@ -148,6 +148,21 @@ def test_each_config_is_its_own_copy_of_the_schema():
         second.data.shots = "many"  # the copy keeps the schema's types
 
 
+def test_a_failing_interpolation_is_selects_error():
+    """check_values reads the resolved config at once; where an interpolation fails it reads key by
+    key, so the error is OmegaConf.select's, naming the key (not the first node to_container meets)."""
+    from coop.config.load import SCHEMA
+
+    cfg = OmegaConf.merge(SCHEMA, {"model": {"name": "${nokey}"}})
+    with pytest.raises(Exception) as expected:
+        OmegaConf.select(cfg, "model.name")
+    with pytest.raises(type(expected.value)) as got:
+        check_values(cfg, SPECS)
+    assert str(got.value) == str(expected.value) and "full_key: model.name" in str(got.value)
+    with pytest.raises(type(expected.value), match="Interpolation key 'nokey' not found"):
+        load_config(None, ["model.name=${nokey}"])
+
+
 @pytest.mark.parametrize(
     "recipe",
     [*METHOD_DEFAULTS.items(), *((f"{m}/{d}", r) for m, t in DATASET_RECIPES.items() for d, r in t.items())],
