@@ -131,6 +131,38 @@ def test_the_schema_is_the_defaults_and_its_config_is_typed():
     assert refusal("prompt=3").startswith("cannot merge command line: ")
 
 
+def test_each_config_is_its_own_copy_of_the_schema():
+    """load_config merges its layers into its own copy of the schema in place (no copy per layer):
+    a config changed after loading leaves the schema and every other config as they were."""
+    from coop.config.load import SCHEMA
+
+    first = load_config(str(REPO / "configs" / "coop" / "vit_b16.yaml"), ["data.shots=4"])
+    second = load_config(None, ["data.shots=4"])
+    first.data.shots, first.prompt.ctx_init = 8, "a photo of a"
+    first.train.betas[0] = 0.5
+    assert second.data.shots == 4 and second.prompt.ctx_init == DEFAULTS["prompt"]["ctx_init"]
+    assert list(second.train.betas) == DEFAULTS["train"]["betas"] == list(SCHEMA.train.betas)
+    assert OmegaConf.to_container(SCHEMA) == DEFAULTS
+    assert OmegaConf.to_container(load_config()) == DEFAULTS
+    with pytest.raises(ValidationError):
+        second.data.shots = "many"  # the copy keeps the schema's types
+
+
+def test_a_failing_interpolation_is_selects_error():
+    """check_values reads the resolved config at once; where an interpolation fails it reads key by
+    key, so the error is OmegaConf.select's, naming the key (not the first node to_container meets)."""
+    from coop.config.load import SCHEMA
+
+    cfg = OmegaConf.merge(SCHEMA, {"model": {"name": "${nokey}"}})
+    with pytest.raises(Exception) as expected:
+        OmegaConf.select(cfg, "model.name")
+    with pytest.raises(type(expected.value)) as got:
+        check_values(cfg, SPECS)
+    assert str(got.value) == str(expected.value) and "full_key: model.name" in str(got.value)
+    with pytest.raises(type(expected.value), match="Interpolation key 'nokey' not found"):
+        load_config(None, ["model.name=${nokey}"])
+
+
 @pytest.mark.parametrize(
     "recipe",
     [*METHOD_DEFAULTS.items(), *((f"{m}/{d}", r) for m, t in DATASET_RECIPES.items() for d, r in t.items())],

@@ -19,7 +19,8 @@ from coop.reference.coop import coop_text_features, deep_text_features, referenc
 from coop.reference.dept import dept_loss, dept_test_logits
 from coop.reference.vision import vision_features
 from coop.reference.vision_prompts import _clip_logits
-from coop.train.sweep import load_grid, plan
+from coop.train.grid import load_grid
+from coop.train.sweep import plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]
 

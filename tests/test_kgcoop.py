@@ -21,8 +21,9 @@ from coop.methods import build_method
 from coop.reference.coop import coop_text_features
 from coop.results.tables import dataset_table, load_runs
 from coop.train.evaluation import evaluate_checkpoint, evaluate_checkpoint_targets
+from coop.train.grid import load_grid
 from coop.train.runner import train_run
-from coop.train.sweep import load_grid, plan
+from coop.train.sweep import plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]
 

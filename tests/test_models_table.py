@@ -19,12 +19,12 @@ from coop.model.clip import _image_tower
 from coop.model.support import (
     CLIP_BPE,
     FAMILY_NAMES,
-    _NoValues,
     family_of,
     openclip_models,
     support_table,
     vision_support,
 )
+from coop.model.text_support import NoValues
 from coop.results.model_table import coverage, method_verdicts, models_document
 from coop.versions import untested
 
@@ -157,7 +157,7 @@ def test_the_verdict_on_the_meta_tower_is_the_real_towers(name):
     args = (cfg["embed_dim"], cfg["vision_cfg"], cfg.get("quick_gelu", False))
     torch.manual_seed(0)
     real = _build_vision_tower(*args)
-    with torch.device("meta"), _NoValues():
+    with torch.device("meta"), NoValues():
         meta = _build_vision_tower(*args)
     assert {k: v.shape for k, v in meta.state_dict().items()} == {
         k: v.shape for k, v in real.state_dict().items()
@@ -193,3 +193,29 @@ def test_the_tool_prints_one_family_with_its_refusals():
     methods = "vpt, ivlp, maple, promptsrc, clip_lora, mmrl, hicropl, 2sfs, coprompt, fedotp"
     assert all(f"| no | {methods} |" in line for line in refused)
     assert sum("| MobileCLIP | yes | yes |  |" in line for line in body) == 3  # every method runs
+
+
+def test_a_meta_build_skips_torch_inits_own_initialisers():
+    """torch.nn.init's overridable initialisers (kaiming_uniform_, constant_, ...) reach a mode whole,
+    their tensor as a keyword, and the mode is off for the ops they call: NoValues answers them
+    itself on a meta tensor, so no mode below it (nor any op inside them) runs; on a real tensor
+    they still set values."""
+    seen = []
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name.endswith("_") and not name.startswith("__"):  # in-place ops, not `tensor.is_meta`
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    meta = torch.empty(4, 3, device="meta")
+    with Seen(), NoValues():
+        for init in (torch.nn.init.kaiming_uniform_, torch.nn.init.uniform_, torch.nn.init.normal_):
+            assert init(meta) is meta
+        assert torch.nn.init.constant_(meta, 1.0) is meta
+    assert seen == []
+    real = torch.zeros(4, 3)
+    with NoValues():
+        torch.nn.init.constant_(real, 2.0)
+    assert torch.equal(real, torch.full((4, 3), 2.0))

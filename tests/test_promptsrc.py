@@ -35,8 +35,9 @@ from coop.reference.coop import reference_inputs
 from coop.reference.promptsrc import promptsrc_fixed_embeddings
 from coop.results.tables import dataset_table, load_runs, summarize
 from coop.train.evaluation import evaluate_checkpoint
+from coop.train.grid import load_grid
 from coop.train.runner import train_run
-from coop.train.sweep import load_grid, plan
+from coop.train.sweep import plan
 
 CLASSNAMES = ["red_thing", "green thing", "blue whale", "a dog"]
 

@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from coop.config.load import load_config
 from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 from coop.methods import METHODS
-from coop.train.sweep import format_value, load_grid, plan, recipe_keys
+from coop.train.grid import format_value, load_grid, recipe_keys
+from coop.train.sweep import plan
 
 GRIDS = sorted((REPO / "configs" / "protocols").glob("*.yaml"))
 

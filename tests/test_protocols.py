@@ -4,7 +4,6 @@ eval.targets on CoOp-layout ImageNet variants, the protocol grids, and one proto
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY_CONFIG
+from conftest import REPO, TINY_CONFIG, run_tool_in_process
 from PIL import Image
 from test_methods import coop_search_by_hand
 
@@ -22,8 +21,9 @@ from coop.data import ImageDataset, build_dataset
 from coop.model.weights import load_clip
 from coop.train.engine import clip_transforms
 from coop.train.evaluation import evaluate_checkpoint_targets
+from coop.train.grid import load_grid
 from coop.train.runner import train_run
-from coop.train.sweep import load_grid, plan
+from coop.train.sweep import plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:'penalty' was deprecated:FutureWarning")
 
@@ -197,25 +197,26 @@ def test_protocol_grids_plan(protocol, tmp_path):
 
 
 @pytest.mark.slow
-def test_few_shot_protocol_on_bundled_data(tmp_path):
-    """The README's offline smoke test: the few-shot grid on the bundled textile images, three methods."""
+def test_few_shot_protocol_on_bundled_data(tmp_path, monkeypatch):
+    """The README's offline smoke test: the few-shot grid on the bundled textile images, three methods
+    (tools/sweep.py in this process, each run a tools/train.py process; tools/collect.py a process)."""
     runs = tmp_path / "runs"
     overrides = [
         "data.name=textile", "data.shots=2", "data.seed=1", f"model.name={TINY_CONFIG}",
         "model.pretrained=none", "train.epochs=2", "train.batch_size=4", "device=cpu",
         "data.num_workers=0", "method=[coop,zeroshot,linear_probe]",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    res = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "sweep.py"), "--grid", "configs/protocols/few_shot.yaml",
-         "--out", str(runs), "--jobs", "1", *overrides],
-        cwd=REPO, capture_output=True, text=True, env=env,
-    )  # fmt: skip
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    monkeypatch.chdir(REPO)  # the runs' working directory, as the README's command gives it
+    res = run_tool_in_process(
+        REPO / "tools" / "sweep.py",
+        ["--grid", "configs/protocols/few_shot.yaml", "--out", runs, "--jobs", "1", *overrides],
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(list(runs.rglob("metrics.json"))) == 3
-    res = subprocess.run(
+    res = subprocess.run(  # the real process of tools/collect.py's tests
         [sys.executable, str(REPO / "tools" / "collect.py"), str(runs), "--table", "datasets"],
-        cwd=REPO, capture_output=True, text=True, env=env,
+        cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     table = pd.read_csv(runs / "results_datasets.csv")

@@ -29,6 +29,7 @@ from coop.model.tokenizer import TokenizerError
 from coop.model.weights import resolve_model_name
 from coop.results import attention_maps, nearest_words
 from coop.results.tables import load_runs, summarize, varying_keys
+from coop.train import grid as grid_lib
 from coop.train import sweep as sweep_lib
 from coop.train.checkpoint import save_checkpoint
 
@@ -72,8 +73,8 @@ def run_tool(name, *args, env=None):
 
 
 def sweep_here(*args):
-    """tools/sweep.py in this process, log lines included (its real process: `swept`, the submitit
-    test); the runs it starts are processes of their own either way."""
+    """tools/sweep.py in this process, log lines included (its real process: the submitit test); the
+    runs it starts are processes of their own either way."""
     return run_tool_in_process(TOOLS / "sweep.py", list(args), log=True)
 
 
@@ -98,14 +99,15 @@ def tiny_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, tiny_data, cache_env):
-    """Two positions x two seeds of the tiny model, two runs at a time."""
+    """Two positions x two seeds of the tiny model, two runs at a time (the sweep in this process, its
+    runs in their own, which share the features cache)."""
     root = tmp_path_factory.mktemp("sweep")
     grid = root / "grid.yaml"
     grid.write_text("\n".join(k.replace("=", ": ", 1) for k in tiny_keys(tiny_data)) + "\n")
     grid.write_text(grid.read_text() + "prompt.position: [end, middle]\n")
-    res = run_tool(
-        "sweep", "--grid", grid, "--out", root / "runs", "--jobs", 2, "data.seed=[1,2]", env=cache_env
-    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("COOP_CACHE_DIR", cache_env["COOP_CACHE_DIR"])
+        res = sweep_here("--grid", grid, "--out", root / "runs", "--jobs", 2, "data.seed=[1,2]")
     return root, grid, res
 
 
@@ -211,18 +213,18 @@ def test_sweep_rejects_bad_points_before_running(tmp_path):
 def test_run_folders_and_shipped_grids(tmp_path):
     counts = {"position": 30, "depth": 18, "n_ctx": 15, "csc": 30}
     for name, n in counts.items():
-        grid = sweep_lib.load_grid(str(GRIDS / f"{name}.yaml"), ["data.name=textile"])
+        grid = grid_lib.load_grid(str(GRIDS / f"{name}.yaml"), ["data.name=textile"])
         runs = sweep_lib.plan(grid, tmp_path)
         assert len(runs) == n and len({r.folder for r in runs}) == n
         assert all(r.folder.parts[-5:-3] == ("textile", "ViT-B-16") for r in runs)
     # swept keys missing from the run name are appended; values survive the command line
-    grid = sweep_lib.load_grid(None, ["data.name=textile", "train.lr=[0.1,0.02]", "prompt.ctx_init='a: b'"])
+    grid = grid_lib.load_grid(None, ["data.name=textile", "train.lr=[0.1,0.02]", "prompt.ctx_init='a: b'"])
     names = [r.folder.parent.name for r in sweep_lib.plan(grid, tmp_path)]
     assert names == ["nctxinit_cscfalse_posend_depth1_lr0.1", "nctxinit_cscfalse_posend_depth1_lr0.02"]
     assert load_config(None, sweep_lib.plan(grid, tmp_path)[0].overrides).prompt.ctx_init == "a: b"
     with pytest.raises(ValueError, match="same run folder"):
         sweep_lib.plan(
-            sweep_lib.load_grid(None, ["data.name=textile", "prompt.position=[mid,middle]"]), tmp_path
+            grid_lib.load_grid(None, ["data.name=textile", "prompt.position=[mid,middle]"]), tmp_path
         )
 
 

@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from coop.config.load import load_config
 from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS
 from coop.results.recipe_table import RECIPE_METHODS, resolved, show
-from coop.train.sweep import format_value, load_grid, plan
+from coop.train.grid import format_value, load_grid
+from coop.train.sweep import plan
 
 CONFIGS = REPO / "configs"
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))

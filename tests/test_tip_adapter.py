@@ -24,10 +24,11 @@ from coop.methods.tip_adapter import search_alpha_beta, search_grid
 from coop.methods.zeroshot import IMAGENET_TEMPLATES_SELECT
 from coop.train.engine import clip_transforms
 from coop.train.evaluation import evaluate_checkpoint_targets
+from coop.train.grid import load_grid
 from coop.train.run_features import REQUEST_STREAM
 from coop.train.runner import train_run
 from coop.train.schedule import plan_schedule
-from coop.train.sweep import load_grid, plan
+from coop.train.sweep import plan
 
 CLASSES = ["banded", "golden_retriever", "crane (bird)", "a very long compound class name"]
 

@@ -28,8 +28,9 @@ from coop.reference.coop import reference_inputs
 from coop.reference.vision_prompts import ivlp_logits, maple_logits, vpt_logits
 from coop.results.tables import dataset_table, load_runs
 from coop.train.evaluation import evaluate_checkpoint
+from coop.train.grid import load_grid
 from coop.train.runner import train_run
-from coop.train.sweep import load_grid, plan
+from coop.train.sweep import plan
 
 CLASSES = ["red thing", "green_thing", "t-shirt"]
 TRAIN = [sys.executable, str(REPO / "tools" / "train.py")]

@@ -42,14 +42,8 @@ from _cli import run_cli, setup_logging  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from coop.config.checks import ConfigError  # noqa: E402
-from coop.train.sweep import (  # noqa: E402
-    format_value,
-    load_grid,
-    plan,
-    run_processes,
-    train_command,
-    visible_gpus,
-)
+from coop.train.grid import format_value, load_grid  # noqa: E402
+from coop.train.sweep import plan, run_processes, train_command, visible_gpus  # noqa: E402
 from coop.train.sweep_submitit import run_submitit  # noqa: E402
 
 log = logging.getLogger("coop.train.sweep")

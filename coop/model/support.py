@@ -26,12 +26,11 @@ from pathlib import Path
 import open_clip
 import torch
 from open_clip.model import _build_vision_tower
-from torch.overrides import TorchFunctionMode
 
 from coop.model.clip import CLIP, _image_tower
 from coop.model.errors import ModelError
 from coop.model.text_hf import HFTextTower, hf_inserted_refusal, hf_tower_config
-from coop.model.text_support import text_support
+from coop.model.text_support import NoValues, text_support
 from coop.model.tokenizer import hub_reachable, hub_tokenizer_name
 from coop.model.weights import resolve_model_name
 from coop.versions import untested
@@ -179,22 +178,6 @@ def family_of(name: str, cfg: dict) -> str:
     return next(f.name for f in FAMILIES if f.pattern is None and f.key is None)
 
 
-class _NoValues(TorchFunctionMode):
-    """In-place ops that only set values return their tensor unchanged when it is on the meta device.
-
-    Building a tower on the meta device still runs every initialiser, and timm's trunc_normal_ takes
-    a slow Python path for `clamp_` on meta tensors (milliseconds a call, thousands of calls): most of
-    the table's time. A meta tensor holds no values, so skipping these ops changes no shape or dtype.
-    """
-
-    OPS = frozenset("uniform_ normal_ erfinv_ mul_ add_ sub_ div_ clamp_ fill_ zero_ copy_".split())
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in self.OPS and args and getattr(args[0], "is_meta", False):
-            return args[0]
-        return func(*args, **(kwargs or {}))
-
-
 def vision_support(name: str) -> str | None:
     """Whether vision prompts enter model `name`'s image tower: None if so, else the reason in one line."""
     if open_clip.get_model_config(name) is None:
@@ -229,7 +212,7 @@ def meta_image_tower(name: str) -> tuple[torch.nn.Module, str | None]:
     cfg = open_clip.get_model_config(name)
     if cfg is None:
         raise ModelError(f"unknown open_clip model '{name}' (see open_clip.list_models())")
-    with torch.device("meta"), _NoValues():
+    with torch.device("meta"), NoValues():
         visual = _build_vision_tower(
             cfg["embed_dim"], cfg["vision_cfg"], quick_gelu=cfg.get("quick_gelu", False)
         )

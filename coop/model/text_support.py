@@ -26,6 +26,7 @@ from open_clip.hf_model import HFTextEncoder
 from open_clip.model import _build_text_tower
 from open_clip.transformer import QuickGELU, ResidualAttentionBlock, TextTransformer
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from coop.model.errors import ModelError
 from coop.model.text_hf import HFTextConfig, hf_config_refusal, hf_tower_config
@@ -107,6 +108,30 @@ def text_config_from_openclip(model: nn.Module, name: str | None = None) -> tupl
     return _config(view, name), state
 
 
+class NoValues(TorchFunctionMode):
+    """In-place ops that only set values return their tensor unchanged when it is on the meta device.
+
+    Building a tower on the meta device still runs every initialiser, and timm's trunc_normal_ takes
+    a slow Python path for `clamp_` on meta tensors (milliseconds a call, thousands of calls): most of
+    the time of judging a model. A meta tensor holds no values, so skipping these ops changes no shape
+    or dtype. torch.nn.init's overridable initialisers (kaiming_uniform_, ...) come here whole, with
+    their tensor as the keyword `tensor`: the ops they call inside would not (a mode is off while it
+    handles a call).
+    """
+
+    OPS = frozenset(
+        "uniform_ normal_ erfinv_ mul_ add_ sub_ div_ clamp_ fill_ zero_ copy_ kaiming_uniform_ constant_".split()
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in self.OPS:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if getattr(tensor, "is_meta", False):
+                return tensor
+        return func(*args, **kwargs)
+
+
 def text_support(name: str) -> str | None:
     """Whether prompts enter model `name`'s text tower: None if so, else the reason in one line.
 
@@ -143,7 +168,7 @@ def _tower_config(name: str, config: str) -> TextConfig:
     config registered again under the name is read again): building the tower, even on the meta
     device, takes ~0.1 s, and every model a process builds asks."""
     cfg = open_clip.get_model_config(name)
-    with torch.device("meta"):
+    with torch.device("meta"), NoValues():
         tower = _build_text_tower(
             cfg["embed_dim"], dict(cfg["text_cfg"]), quick_gelu=cfg.get("quick_gelu", False)
         )

@@ -2,23 +2,23 @@
 
 The library behind `tools/sweep.py`:
 
-    grid = load_grid("configs/ablations/position.yaml", ["data.root=/data"])
+    grid = load_grid("configs/ablations/position.yaml", ["data.root=/data"])   # coop.train.grid
     runs = plan(grid, Path("runs/position"))          # validated, with folders and status
     run_processes(runs, [train_command(r, TRAIN, None) for r in runs], jobs=2, gpus=[], echo=False)
 
-A grid maps dotted config keys to a value (fixed) or a list (swept). A value the grid FILE fixes
-is a protocol setting: for a method whose recipe (`coop.config.recipes.METHOD_DEFAULTS`) sets that key,
-or a key that would cancel one of its entries (`YIELDS_TO`), the recipe keeps its own value, so
-`configs/protocols/few_shot.yaml`'s `prompt.n_ctx: 16` gives CoOp its 16 vectors and leaves MaPLe
-its 2. Swept keys and every `key=value` of the command line apply to every method. Each point becomes
-`OUT/<coop.config.run_names.run_name(cfg)>`; swept keys that the name lacks (e.g. train.lr) are appended to
-its settings part. Runs execute as subprocesses of `tools/train.py` (local, one GPU per worker) or
-as submitit jobs (SLURM, or submitit's local executor: `coop.train.sweep_submitit`).
+A grid (`coop.train.grid`) maps dotted config keys to a value (fixed) or a list (swept). A value the
+grid FILE fixes is a protocol setting: for a method whose recipe
+(`coop.config.recipes.METHOD_DEFAULTS`) sets that key, or a key that would cancel one of its entries
+(`YIELDS_TO`), the recipe keeps its own value, so `configs/protocols/few_shot.yaml`'s
+`prompt.n_ctx: 16` gives CoOp its 16 vectors and leaves MaPLe its 2. Swept keys and every
+`key=value` of the command line apply to every method. Each point becomes
+`OUT/<coop.config.run_names.run_name(cfg)>`; swept keys that the name lacks (e.g. train.lr) are
+appended to its settings part. Runs execute as subprocesses of `tools/train.py` (local, one GPU per
+worker) or as submitit jobs (SLURM, or submitit's local executor: `coop.train.sweep_submitit`).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -31,19 +31,17 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from coop.config.checks import ConfigError
-from coop.config.load import LENGTH_YIELDS, flatten, load_config
-from coop.config.recipes import DATASET_RECIPES, METHOD_DEFAULTS, YIELDS_TO
+from coop.config.load import load_config
 from coop.config.run_names import run_name
 from coop.data import DATASETS
 from coop.model.errors import ModelError
 from coop.model.tokenizer import TokenizerError
 from coop.model.weights import WeightsUnavailableError
+from coop.train.grid import format_value, recipe_keys
 from coop.train.lock import LOCKED, wait_for_writer
 from coop.train.preflight import check_model_files, check_model_limits
 
@@ -64,98 +62,6 @@ class Run:
     status: str = "new"  # new | resume | done | refused (the model, its weights or tokenizer: `error`)
     returncode: int | None = None
     error: str = ""
-
-
-class Grid(dict):
-    """{dotted key: list of values}; `fixed`: the keys that the grid file sets to one value and the
-    command line does not set, the protocol settings that yield to a method's recipe."""
-
-    fixed: frozenset[str] = frozenset()
-
-
-def recipe_keys(method: str) -> set[str]:
-    """The keys of `method`'s recipe (its per-dataset entries included), and the keys whose value
-    would cancel one of its entries (`YIELDS_TO`, `LENGTH_YIELDS`: e.g. prompt.n_ctx cancels
-    CoCoOp's phrase)."""
-    recipe = {**METHOD_DEFAULTS.get(method, {})}
-    for per_dataset in DATASET_RECIPES.get(method, {}).values():
-        recipe.update(per_dataset)
-    yields = {**LENGTH_YIELDS, **YIELDS_TO.get(method, {})}
-    cancel = set()
-    for key in recipe:
-        other = yields.get(key, ())
-        cancel |= {other} if isinstance(other, str) else set(other)
-    return set(recipe) | cancel
-
-
-def load_grid(path: str | None, overrides: list[str]) -> Grid:
-    """Grid file <- `key=value` overrides, as {dotted key: list of values} (scalars -> [v]).
-
-    Args:
-        path: YAML grid file (nested mappings are read as dotted keys) or None.
-        overrides: `key=value` strings; values are YAML, so `[1,2]` is a list.
-    """
-    grid, from_file = {}, set()
-    if path:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"grid file not found: {path}")
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"cannot parse grid file {path}: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"grid file {path} must be a mapping of config keys to values or lists")
-        grid = flatten(data)
-        from_file = {k for k, v in grid.items() if not isinstance(v, list) or len(v) == 1}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"argument '{item}' is not of the form key=value")
-        try:
-            grid[key.strip()] = yaml.safe_load(text) if text.strip() else ""
-            from_file.discard(key.strip())
-        except yaml.YAMLError:
-            raise ConfigError(f"cannot parse the value of '{item}'") from None
-    values = {k: v if isinstance(v, list) else [v] for k, v in grid.items()}
-    for key, v in values.items():
-        if key == "output_dir":
-            raise ConfigError("output_dir is set by the sweep (--out); remove it from the grid")
-        if not v:
-            raise ConfigError(f"grid key {key} has an empty list of values")
-    grid = Grid(values)
-    grid.fixed = frozenset(from_file)
-    return grid
-
-
-@functools.lru_cache(maxsize=4096)  # a grid formats the same few values for each of its points
-def _parse_dotlist_value(text: str):
-    """How OmegaConf reads `key=text` (for comparison only: callers never change the result)."""
-    try:
-        return OmegaConf.from_dotlist([f"k={text}"]).k
-    except Exception:  # YAML errors of odd strings
-        return _UNPARSABLE
-
-
-_UNPARSABLE = object()
-
-
-def format_value(value) -> str:
-    """A value as a `key=value` string for train.py that OmegaConf parses back to the same value."""
-    if value is None:
-        text = "null"
-    elif isinstance(value, bool):
-        text = str(value).lower()
-    elif isinstance(value, int | float):
-        text = repr(value)
-    elif isinstance(value, list | tuple):  # a list-valued key, e.g. eval.targets: [[a, b]]
-        text = "[" + ",".join(format_value(v) for v in value) + "]"
-    else:
-        text = str(value)
-        if _parse_dotlist_value(text) != text:
-            text = "'" + text.replace("'", "''") + "'"  # YAML single-quoted scalar
-    if _parse_dotlist_value(text) != value:
-        raise ConfigError(f"grid value {value!r} cannot be passed on the command line")
-    return text
 
 
 def _suffix(swept: dict, extra: list[str]) -> str:
@@ -188,7 +94,7 @@ def plan(
 
     Args:
         grid: {dotted key: values} from `load_grid`; lists of more than one value are swept; a
-            `Grid`'s fixed keys yield to the recipe of each point's method.
+            `coop.train.grid.Grid`'s fixed keys yield to the recipe of each point's method.
         out: sweep root folder.
         config: optional base config file passed to train.py as `--config`.
         check_data: also require an existing data.root (all datasets but the bundled textile).
