@@ -102,9 +102,10 @@ def test_a_sweep_point_that_another_process_writes_takes_the_folders_outcome(tmp
     import time
 
     from coop.train import sweep as sweep_lib
+    from coop.train.grid import load_grid
 
     keys = [k for k in tiny_args(image_folder, tmp_path / "unused") if not k.startswith("output_dir=")]
-    (run,) = sweep_lib.plan(sweep_lib.load_grid(None, keys), tmp_path / "runs")
+    (run,) = sweep_lib.plan(load_grid(None, keys), tmp_path / "runs")
     proc = hold_lock(run.folder)
     log_file = run.folder / "sweep.log"
 
