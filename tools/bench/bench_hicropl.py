@@ -46,9 +46,8 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _cli  # noqa: E402 - first: OpenMP's settings (tools/_cli.py) before torch loads
 import torch  # noqa: E402
-from _bench import peak_fields, reset_peak, sync  # noqa: E402
 from _bench_vl import build, build_towers, check_bench, image_tokens  # noqa: E402
-from bench_vl import _status_kib, compare_sides, reference_fits, timed  # noqa: E402
+from bench_vl import compare_sides, reference_fits, step_peak_mib, timed  # noqa: E402
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # noqa: E402
 
 from coop.reference.coop import reference_inputs  # noqa: E402
@@ -167,20 +166,7 @@ def step_memory(args, grad_checkpointing: bool) -> float | None:
     size = clip.image_size
     images = torch.randn(args.batch, 3, size, size, generator=gen).to(device)
     labels = torch.randint(args.memory_classes, (args.batch,), generator=gen).to(device)
-    if device.type == "cuda":
-        sync(device)
-        before = reset_peak(device)
-    else:
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM)
-        except OSError:
-            return None
-        before = _status_kib("VmRSS")
-    method.loss(images, labels)[0].backward()
-    if device.type == "cuda":
-        sync(device)
-        return peak_fields(device, before)["step_mib"]
-    return (_status_kib("VmHWM") - before) / 2**10
+    return step_peak_mib(lambda: method.loss(images, labels)[0].backward(), device)
 
 
 def memory(args) -> dict:

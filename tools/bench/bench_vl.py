@@ -211,6 +211,14 @@ def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = Fal
     size = clip.image_size
     images = torch.randn(args.batch, *views(method), 3, size, size, generator=gen).to(device)
     labels = torch.randint(args.memory_classes, (args.batch,), generator=gen).to(device)
+    return step_peak_mib(
+        lambda: (official(images, labels) if reference else method.loss(images, labels)[0]).backward(), device
+    )
+
+
+def step_peak_mib(step, device) -> float | None:
+    """MiB that `step()` (a training step: forward and backward) adds at its peak in this process:
+    CUDA's max_memory_allocated, or on a CPU the peak RSS (None where it cannot be reset)."""
     if device.type == "cuda":
         sync(device)
         before = reset_peak(device)
@@ -220,7 +228,7 @@ def step_memory(args, name: str, grad_checkpointing: bool, reference: bool = Fal
         except OSError:
             return None
         before = _status_kib("VmRSS")
-    (official(images, labels) if reference else method.loss(images, labels)[0]).backward()
+    step()
     if device.type == "cuda":
         sync(device)
         return peak_fields(device, before)["step_mib"]
