@@ -290,6 +290,13 @@ def fork_tool(cmd: list[str]) -> int:
     pid = os.fork()
     if pid == 0:  # the child runs the tool's `__main__` and never returns to pytest
         try:
+            # tqdm's write lock holds a semaphore shared across fork: a child killed while it draws a
+            # bar would leave it taken, and this process's next bar would wait for it forever
+            import threading
+
+            import tqdm
+
+            tqdm.tqdm.set_lock(threading.RLock())
             os.chdir(REPO)
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)

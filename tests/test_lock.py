@@ -249,3 +249,30 @@ def test_a_forked_child_does_not_hold_the_lock(tmp_path):
         os.waitpid(pid, 0)
         for fd in (ready, started, wait, go):
             os.close(fd)
+
+
+def test_a_forked_tool_killed_while_drawing_a_bar_leaves_this_process_free_to_draw(tmp_path):
+    """`fork_tool`'s child takes tqdm's write lock (a bar being drawn) and is SIGKILLed holding it:
+    this process can still take the lock (tqdm's default one holds a semaphore shared across fork)."""
+    import threading
+    import time
+
+    import tqdm
+
+    lock, drawn = tqdm.tqdm.get_lock(), threading.Event()  # this process has drawn bars before
+    held = tmp_path / "held"
+    code = "import sys, time, tqdm\ntqdm.tqdm.get_lock().acquire()\nopen(sys.argv[1], 'w').close()\ntime.sleep(60)"
+    pid = fork_tool([sys.executable, "-c", code, str(held)])
+    deadline = time.monotonic() + 60
+    while not held.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert held.exists(), "the forked child never took the lock"
+
+    def draw() -> None:
+        with lock:
+            drawn.set()
+
+    threading.Thread(target=draw, daemon=True).start()  # a thread: a lock left taken blocks for good
+    assert drawn.wait(10), "a killed child left tqdm's write lock taken"
