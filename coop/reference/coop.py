@@ -208,3 +208,18 @@ def deep_text_features(
         slots.unsqueeze(-1).expand(-1, -1, width), ctx.reshape(-1, width).to(embeds.dtype)
     )
     return text_tower(oc, x, ids, slots, deep)
+
+
+def sentence_embeddings(
+    openclip_model: nn.Module, sentences_per_class: list[list[str]]
+) -> list[torch.Tensor]:
+    """Each class's sentences through open_clip's `encode_text` (77 tokens), each row normalised:
+    (S_c, E) per class, without gradients, as the description-using originals encode them at build."""
+    tokenizer = clip_bpe(openclip_model.context_length)
+    device = openclip_model.logit_scale.device
+    with torch.no_grad():
+        out = []
+        for sentences in sentences_per_class:
+            emb = openclip_model.encode_text(tokenizer(sentences).to(device))
+            out.append(emb / emb.norm(dim=-1, keepdim=True))
+    return out

@@ -12,22 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coop.model.tokenizer import clip_bpe
-from coop.reference.coop import deep_text_features
+from coop.reference.coop import deep_text_features, sentence_embeddings
 from coop.reference.vision import vision_features
 
 
 def gpt_clip_classifier(openclip_model: nn.Module, sentences_per_class: list[list[str]]) -> torch.Tensor:
     """Every class's sentences through open_clip's `encode_text` (77 tokens), each normalised,
     stacked on dim 1: (S, n_cls, E), as the original's `clip_weights` (the same S for every class)."""
-    tokenizer = clip_bpe(openclip_model.context_length)
-    device = openclip_model.logit_scale.device
-    with torch.no_grad():
-        per_class = []
-        for sentences in sentences_per_class:
-            emb = openclip_model.encode_text(tokenizer(sentences).to(device))
-            per_class.append(emb / emb.norm(dim=-1, keepdim=True))
-    return torch.stack(per_class, dim=1)
+    return torch.stack(sentence_embeddings(openclip_model, sentences_per_class), dim=1)
 
 
 def adapter(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -18,24 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coop.model.tokenizer import clip_bpe
-from coop.reference.coop import deep_text_features
+from coop.reference.coop import deep_text_features, sentence_embeddings
 from coop.reference.vision import vision_features
 
 
 def gpt_clip_classifier(openclip_model: nn.Module, sentences_per_class: list[list[str]]) -> torch.Tensor:
     """The original's description features: per class `encode_text` of its sentences (77 tokens),
     each normalised, averaged, normalised. (n_cls, E)."""
-    tokenizer = clip_bpe(openclip_model.context_length)
-    device = openclip_model.logit_scale.device
-    with torch.no_grad():
-        rows = []
-        for sentences in sentences_per_class:
-            f = openclip_model.encode_text(tokenizer(sentences).to(device))
-            f = f / f.norm(dim=-1, keepdim=True)
-            f = f.mean(dim=0)
-            rows.append(f / f.norm())
-        return torch.stack(rows)
+    means = [f.mean(dim=0) for f in sentence_embeddings(openclip_model, sentences_per_class)]
+    return torch.stack([f / f.norm() for f in means])
 
 
 def attention(attn: nn.MultiheadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
